@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny models, paths to the real data samples."""
