@@ -1,0 +1,48 @@
+"""Loads a Hugging Face tokenizer by local path or hub name and makes sure it has EOS and padding tokens."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEMO_TOKENIZER", "load_tokenizer"]
+
+# The small byte-level BPE tokenizer committed with the project (tools/train_tokenizer.py).
+DEMO_TOKENIZER = str(Path(__file__).resolve().parents[1] / "assets" / "tokenizer")
+
+
+def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
+    """Load a tokenizer with `AutoTokenizer.from_pretrained` (a local directory or a hub name).
+
+    A tokenizer without a padding token gets its EOS token as padding (Llama-style tokenizers
+    ship without one); nothing is added to the vocabulary.
+
+    Args:
+        name_or_path: A directory holding tokenizer files (e.g. `assets/tokenizer`) or a hub name.
+
+    Returns:
+        The tokenizer, with `eos_token_id` and `pad_token_id` set.
+
+    Raises:
+        ValueError: If the tokenizer cannot be loaded, or has no EOS token.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"`tokenizer` {str(name_or_path)!r} could not be loaded: give a directory with tokenizer files "
+            f"(e.g. {DEMO_TOKENIZER!r}) or a hub name that is cached or reachable ({exc})"
+        ) from exc
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"`tokenizer` {str(name_or_path)!r} has no EOS token; sequences are separated by EOS, so choose a "
+            "tokenizer that defines one"
+        )
+    if tokenizer.pad_token_id is None:
+        logger.info("tokenizer %s has no pad token; using its EOS token %r for padding", name_or_path, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
