@@ -1,0 +1,248 @@
+"""One truncated forward/backward that captures each target layer's inputs and per-example output-gradients.
+
+Shapes: n examples, T tokens, V vocabulary, I = d_in, O = d_out, D features of one layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
+from composer_algos.features.targets import (
+    TargetLayer,
+    choose_cut_module,
+    resolve_targets,
+    unwrap_model,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "per_example_losses",
+    "scoring_mode",
+    "truncated_graph",
+    "capture_layer_signals",
+    "per_example_grads",
+]
+
+IGNORE_INDEX = -100
+
+
+def per_example_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over each example's target tokens (HF convention, float32).
+
+    Labels are unshifted (position t predicts `labels[t + 1]`) and `-100` marks tokens without loss.
+    An example with no target token gets loss 0 (and so a zero gradient).
+
+    Args:
+        logits_nTV: (n, T, V) logits.
+        labels_nT: (n, T) labels.
+
+    Returns:
+        (n,) losses.
+    """
+    n, t, v = logits_nTV.shape
+    shift_logits = logits_nTV[:, :-1].reshape(-1, v).float()
+    shift_labels = labels_nT[:, 1:].reshape(-1)
+    token_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="none")
+    n_targets = (shift_labels != IGNORE_INDEX).view(n, t - 1).sum(dim=1).clamp_min(1)
+    return token_loss.view(n, t - 1).sum(dim=1) / n_targets
+
+
+@contextmanager
+def scoring_mode(model: nn.Module) -> Iterator[None]:
+    """Put `model` in eval mode (no dropout) and restore every submodule's own train/eval flag afterwards."""
+    flags = [(mod, mod.training) for mod in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for mod, was_training in flags:
+            mod.training = was_training
+
+
+@contextmanager
+def truncated_graph(cut_module: nn.Module) -> Iterator[dict[str, bool]]:
+    """Run the model's forward without autograd below `cut_module` and with it from there on.
+
+    The forward runs under `torch.no_grad()`; a forward pre-hook on `cut_module` switches grad mode on
+    and replaces its hidden-state input by a detached leaf that requires grad. The blocks below thus
+    record no graph and keep no activations, the blocks from `cut_module` up do, and every output
+    above the cut requires grad even when its weights are frozen. Leaving the context restores the
+    caller's grad mode. No parameter's `requires_grad` is touched.
+
+    Args:
+        cut_module: the lowest module gradients must flow through (a transformer block or lm_head).
+
+    Yields:
+        A dict whose "fired" entry tells whether the cut module ran.
+    """
+    status = {"fired": False}
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        torch.set_grad_enabled(True)
+        status["fired"] = True
+        if args and torch.is_tensor(args[0]):
+            args = (args[0].detach().requires_grad_(True), *args[1:])
+        elif torch.is_tensor(kwargs.get("hidden_states")):
+            kwargs = {**kwargs, "hidden_states": kwargs["hidden_states"].detach().requires_grad_(True)}
+        else:
+            raise ValueError(
+                f"cannot cut the graph at {type(module).__name__}: its first argument is not a tensor and "
+                f"no `hidden_states` keyword was passed"
+            )
+        return args, kwargs
+
+    handle = cut_module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            yield status
+    finally:
+        handle.remove()
+
+
+def capture_layer_signals(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    targets: list[TargetLayer],
+    cut_module: nn.Module,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """One truncated forward + backward: per target, its inputs `a` and per-example output-gradients `delta`.
+
+    `delta` is `d(sum_i l_i)/d(output)` taken with `torch.autograd.grad` w.r.t. the captured outputs, so
+    no parameter's `.grad` is written and no weight gradient is computed. In eval mode the examples do
+    not interact, so row i of `delta` is `dl_i/d(output_i)` and example i's weight gradient is
+    `sum_t delta_it a_it^T`. A module called several times in one forward gets its calls concatenated
+    along the token axis (the gradient sums over calls). The caller is responsible for eval mode.
+
+    Args:
+        model: the unwrapped model.
+        batch: `input_ids` (n, T), optional `attention_mask` (n, T), optional `labels` (n, T) with -100
+            masked (default: `input_ids` with padding masked).
+        targets: from `resolve_targets`.
+        cut_module: from `choose_cut_module`.
+
+    Returns:
+        ([(a_nTI, delta_nTO) per target, detached], losses_n detached).
+
+    Raises:
+        ValueError: when a target does not run in the forward, or its activations are not batch-major.
+    """
+    input_ids = batch["input_ids"]
+    attention_mask = batch.get("attention_mask")
+    labels = batch.get("labels")
+    if labels is None:
+        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    n = input_ids.shape[0]
+
+    records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {t.index: [] for t in targets}
+
+    def make_hook(index: int):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            records[index].append((args[0].detach(), output))
+
+        return hook
+
+    handles = [t.module.register_forward_hook(make_hook(t.index)) for t in targets]
+    try:
+        with truncated_graph(cut_module) as status:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            losses_n = per_example_losses(out.logits, labels)
+            if not status["fired"]:
+                raise ValueError(f"the cut module {type(cut_module).__name__} did not run in the forward")
+            missing = [t.name for t in targets if not records[t.index]]
+            if missing:
+                raise ValueError(
+                    f"target modules {missing} did not run in the forward (merged or inactive adapters?); "
+                    f"choose modules that are called"
+                )
+            outputs = [o for t in targets for _, o in records[t.index]]
+            deltas = torch.autograd.grad(losses_n.sum(), outputs, materialize_grads=True)
+    finally:
+        for h in handles:
+            h.remove()
+
+    signals = []
+    pos = 0
+    for t in targets:
+        calls = records[t.index]
+        a_parts, d_parts = [], []
+        for a, _ in calls:
+            if a.shape[0] != n:
+                raise ValueError(
+                    f"target module {t.name!r} sees inputs of shape {tuple(a.shape)}, not batch-major with "
+                    f"n={n} rows; per-example gradients need (n, ..., d_in) activations"
+                )
+            a_parts.append(a.reshape(n, -1, t.d_in))
+            d_parts.append(deltas[pos].detach().reshape(n, -1, t.d_out))
+            pos += 1
+        a_nTI = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
+        delta_nTO = d_parts[0] if len(d_parts) == 1 else torch.cat(d_parts, dim=1)
+        signals.append((a_nTI, delta_nTO))
+    return signals, losses_n.detach()
+
+
+def per_example_grads(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    targets: list[TargetLayer] | None = None,
+    *,
+    mode: str = "auto",
+    sketch_dim: int | tuple[int, int] = 32,
+    seed: int = 0,
+    chunk_size: int = 16,
+    **target_kwargs,
+) -> dict[str, torch.Tensor]:
+    """Per-layer per-example gradient features before normalisation and compression (for tests and benchmarks).
+
+    Args:
+        model: HF causal LM, peft model, or Composer `HuggingFaceModel`.
+        batch: as in `capture_layer_signals` (moved to the model's device).
+        targets: from `resolve_targets` on the unwrapped model; None resolves them with `target_kwargs`.
+        mode: "exact" (every layer exact), "sketch" (every layer sketched), or "auto" (each target's
+            `sketched` flag, from `exact_max_numel`).
+        sketch_dim: k, or (k_out, k_in).
+        seed: base seed of the sketch projections (the layer index is folded in).
+        chunk_size: examples per forward.
+        **target_kwargs: `target_modules`, `last_n_blocks`, `include_lm_head`, `exact_max_numel`.
+
+    Returns:
+        {layer name: (n, D_l)} in the compute dtype (float32, or float64 for a float64 model); exact
+        features are the row-major weight gradient followed by the bias gradient.
+
+    Raises:
+        ValueError: for an unknown `mode` or a bad target spec.
+    """
+    if mode not in ("auto", "exact", "sketch"):
+        raise ValueError(f"`mode` must be 'auto', 'exact' or 'sketch', got {mode!r}")
+    inner = unwrap_model(model)
+    if targets is None:
+        targets = resolve_targets(inner, **target_kwargs)
+    k_out, k_in = (sketch_dim, sketch_dim) if isinstance(sketch_dim, int) else sketch_dim
+    cut = choose_cut_module(inner, targets)
+    device = next(inner.parameters()).device
+    n = batch["input_ids"].shape[0]
+    parts: dict[str, list[torch.Tensor]] = {t.name: [] for t in targets}
+    with scoring_mode(inner):
+        for start in range(0, n, chunk_size):
+            chunk = {k: v[start : start + chunk_size].to(device) for k, v in batch.items() if torch.is_tensor(v)}
+            signals, _ = capture_layer_signals(inner, chunk, targets, cut)
+            for t, (a_nTI, delta_nTO) in zip(targets, signals):
+                dtype = torch.promote_types(a_nTI.dtype, torch.float32)
+                a_nTI, delta_nTO = a_nTI.to(dtype), delta_nTO.to(dtype)
+                sketched = t.sketched if mode == "auto" else mode == "sketch"
+                if sketched:
+                    P_out, P_in = sketch_matrices(
+                        seed, t.index, t.d_out, t.d_in + t.has_bias, k_out, k_in, device=device, dtype=dtype
+                    )
+                    parts[t.name].append(sketch_layer_grads(a_nTI, delta_nTO, P_out, P_in))
+                else:
+                    parts[t.name].append(exact_layer_grads(a_nTI, delta_nTO, t.has_bias))
+    return {name: torch.cat(p, dim=0) for name, p in parts.items()}

@@ -1,0 +1,356 @@
+"""`GradFeatureExtractor`: normalised, compressed per-example gradient features of a pool and a validation batch.
+
+Shapes: n examples, T tokens, O = d_out, I = d_in, K = k_out, J = k_in, D features of one layer, d output features.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from composer_algos.features.capture import capture_layer_signals, scoring_mode
+from composer_algos.features.normalize import (
+    NORMALIZATIONS,
+    SimulatedAdam,
+    exact_adam_scale,
+    factored_adam_scales,
+    optimizer_second_moments,
+    unit_rows,
+)
+from composer_algos.features.projection import FJLTPlan, apply_fjlt, make_fjlt_plan
+from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
+from composer_algos.features.targets import TargetLayer, choose_cut_module, resolve_targets, unwrap_model
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FeatureError", "GradFeatureExtractor"]
+
+
+class FeatureError(RuntimeError):
+    """The features of this call are unusable (non-finite, or all zero); the caller should fall back for the step."""
+
+
+class GradFeatureExtractor:
+    """Per-example gradient features `G` (n x d) of a pool and the mean feature `gbar` of a validation batch.
+
+    Implements the paper's "Memory Efficient Gradient Computation" appendix (PartitionSel): gradients
+    of the per-example loss (mean cross-entropy over the example's target tokens) w.r.t. a few linear
+    layers near the output, Adam-normalised, then compressed by a randomized FFT. Per call:
+
+    1. one forward per `chunk_size` examples in eval mode, with no autograd graph below the lowest
+       target block, and one `autograd.grad` to the target layers' outputs (no `.grad` is written);
+    2. per layer, the exact per-example gradient `sum_t delta_t a_t^T` when `d_out * d_in <=
+       exact_max_numel`, else the two-sided sketch `P_out G P_in^T` (k_out x k_in, seeded projections);
+    3. normalisation (see below), then 4. FJLT compression of each layer to `proj_dim`, summed over
+       layers (an unbiased JL map of the concatenation), and 5. for `unit`, unit rows.
+
+    Normalisations: `none`; `unit` (cosine Gram); `adam_optimizer` (divide by `sqrt(v_hat) + eps` of
+    the optimizer's own second moment: elementwise for exact layers, a rank-one row/column fit for
+    sketched ones; falls back to `none` while the optimizer has no state, see `normalization_in_use`);
+    `adam_simulated` (the paper's per-example low-pass filter, `SimulatedAdam`, checkpointable).
+
+    The model's parameters, their `.grad`, the optimizer state and every module's train/eval flag are
+    left exactly as found.
+
+    Args:
+        model: a transformers causal LM, a peft `PeftModel`, or Composer's `HuggingFaceModel`.
+        target_modules: regex patterns over module names; None picks the LoRA A/B factors of the
+            active adapters (peft) or every linear layer (attention and MLP) of the chosen blocks.
+        last_n_blocks: take targets from the last this many blocks (default 1).
+        include_lm_head: also use the output embedding (sketched unless tiny).
+        exact_max_numel: a layer with `d_out * d_in` above this is sketched (default 65536).
+        sketch_dim: k_out = k_in, or a (k_out, k_in) tuple (default 32).
+        normalization: "none" | "unit" | "adam_optimizer" (default) | "adam_simulated".
+        adam_betas: betas of the simulated filter (the optimizer's own betas are read from it).
+        adam_eps: epsilon of both Adam normalisations.
+        proj_dim: compressed width; None uses the model's hidden size, 0 keeps the raw features. A
+            value at least the raw width also keeps them raw.
+        chunk_size: examples per forward, bounding activation and logits memory.
+        seed: base seed of all projections (each layer's index is folded in).
+        resample_projections: fold `step` into the seeds so projections change every step (default
+            False: fixed projections, required for `adam_simulated` in sketch mode to be meaningful).
+
+    Raises:
+        ValueError: for bad options or targets (the message lists the candidate modules).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        target_modules: list[str] | None = None,
+        last_n_blocks: int = 1,
+        include_lm_head: bool = False,
+        exact_max_numel: int = 65536,
+        sketch_dim: int | tuple[int, int] = 32,
+        normalization: str = "adam_optimizer",
+        adam_betas: tuple[float, float] = (0.9, 0.999),
+        adam_eps: float = 1e-8,
+        proj_dim: int | None = None,
+        chunk_size: int = 16,
+        seed: int = 0,
+        resample_projections: bool = False,
+    ) -> None:
+        problems = []
+        if normalization not in NORMALIZATIONS:
+            problems.append(f"`normalization` must be one of {list(NORMALIZATIONS)}, got {normalization!r}")
+        k_out, k_in = (sketch_dim, sketch_dim) if isinstance(sketch_dim, int) else tuple(sketch_dim)
+        if k_out < 1 or k_in < 1:
+            problems.append(f"`sketch_dim` must be >= 1 (or a pair of such), got {sketch_dim!r}")
+        if chunk_size < 1:
+            problems.append(f"`chunk_size` must be >= 1, got {chunk_size}")
+        if proj_dim is not None and proj_dim < 0:
+            problems.append(f"`proj_dim` must be None (hidden size), 0 (no compression) or positive, got {proj_dim}")
+        if not (0 <= adam_betas[0] < 1 and 0 <= adam_betas[1] < 1):
+            problems.append(f"`adam_betas` must lie in [0, 1), got {adam_betas}")
+        if adam_eps <= 0:
+            problems.append(f"`adam_eps` must be > 0, got {adam_eps}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+        self.model = unwrap_model(model)
+        self.targets: list[TargetLayer] = resolve_targets(
+            self.model,
+            target_modules=target_modules,
+            last_n_blocks=last_n_blocks,
+            include_lm_head=include_lm_head,
+            exact_max_numel=exact_max_numel,
+        )
+        self._cut = choose_cut_module(self.model, self.targets)
+        self.k_out, self.k_in = k_out, k_in
+        self.normalization = normalization
+        self.adam_eps = adam_eps
+        self.chunk_size = chunk_size
+        self.seed = seed
+        self.resample_projections = resample_projections
+        self.simulated = SimulatedAdam(adam_betas, adam_eps)
+
+        self._raw_dims = [t.raw_dim(k_out, k_in) for t in self.targets]
+        raw_total = sum(self._raw_dims)
+        if proj_dim is None:
+            proj_dim = getattr(getattr(self.model, "config", None), "hidden_size", None)
+            if not isinstance(proj_dim, int):
+                raise ValueError("`proj_dim=None` needs `model.config.hidden_size`; pass `proj_dim` explicitly")
+        self.proj_dim = 0 if proj_dim >= raw_total else proj_dim
+        if proj_dim and not self.proj_dim:
+            log.info("proj_dim=%d >= raw feature width %d: features are kept uncompressed", proj_dim, raw_total)
+        self.normalization_in_use = normalization
+        self.last_step: int | None = None
+        self._sketch_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._fjlt_cache: dict[tuple, FJLTPlan] = {}
+
+    @property
+    def feature_dim(self) -> int:
+        """Width d of the returned features."""
+        return self.proj_dim or sum(self._raw_dims)
+
+    @property
+    def target_names(self) -> list[str]:
+        """Names of the target modules, in feature order."""
+        return [t.name for t in self.targets]
+
+    def compute(
+        self,
+        pool_batch: Mapping[str, torch.Tensor],
+        val_batch: Mapping[str, torch.Tensor] | None = None,
+        *,
+        step: int = 0,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Features of the pool and the mean feature of the validation batch.
+
+        Args:
+            pool_batch: `input_ids` (n, T) long, `attention_mask` (n, T), `labels` (n, T) long with -100
+                masked; other keys are ignored.
+            val_batch: same layout, or None.
+            step: the training step (folded into the seeds only with `resample_projections`).
+            optimizer: the training optimizer, read (never written) by `adam_optimizer`.
+
+        Returns:
+            G (n, d) float32 and gbar (d,) float32 (None without `val_batch`), on the model's device;
+            both with the same projections and normalisation.
+
+        Raises:
+            FeatureError: when some feature is non-finite, or G (or gbar) is all zero.
+        """
+        self.last_step = step
+        device = next(self.model.parameters()).device
+        preconditioners = self._adam_preconditioners(optimizer)
+        use_sim = self.normalization == "adam_simulated"
+        bad_rows = []  # per-call tensors; one host sync at the end
+        try:
+            with scoring_mode(self.model):
+                G_nd = self._features(pool_batch, device, step, preconditioners, bad_rows, accumulate=use_sim)
+                gbar_d = None
+                if val_batch is not None:
+                    V_nd = self._features(val_batch, device, step, preconditioners, bad_rows, accumulate=False)
+                    gbar_d = V_nd.mean(dim=0)
+            self._check(G_nd, gbar_d, bad_rows)
+        except BaseException:
+            self.simulated.discard()
+            raise
+        if use_sim:
+            self.simulated.commit()
+        G_nd = G_nd.float()
+        return G_nd, (gbar_d.float() if gbar_d is not None else None)
+
+    def state_dict(self) -> dict:
+        """Checkpointable state (the simulated-Adam moments and the settings that shape the features)."""
+        return {
+            "simulated_adam": self.simulated.state_dict(),
+            "target_names": self.target_names,
+            "sketch_dim": (self.k_out, self.k_in),
+            "seed": self.seed,
+            "last_step": self.last_step,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore from `state_dict()`.
+
+        Raises:
+            ValueError: when the saved targets, sketch size or seed differ from this extractor's.
+        """
+        now = {"target_names": self.target_names, "sketch_dim": [self.k_out, self.k_in], "seed": self.seed}
+        saved = {k: (list(state[k]) if isinstance(state[k], (list, tuple)) else state[k]) for k in now if k in state}
+        mismatches = [f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in saved if saved[k] != now[k]]
+        if mismatches:
+            raise ValueError(f"feature-extractor state does not fit this extractor ({'; '.join(mismatches)})")
+        self.simulated.load_state_dict(state["simulated_adam"])
+        self.last_step = state.get("last_step")
+
+    def _features(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        device: torch.device,
+        step: int,
+        preconditioners: list[list[torch.Tensor]] | None,
+        bad_rows: list[torch.Tensor],
+        *,
+        accumulate: bool,
+    ) -> torch.Tensor:
+        """Normalised, compressed features of one batch, chunk by chunk."""
+        n = batch["input_ids"].shape[0]
+        if n == 0:
+            raise ValueError("a batch passed to GradFeatureExtractor.compute has no rows")
+        rows = []
+        for start in range(0, n, self.chunk_size):
+            chunk = {k: v[start : start + self.chunk_size].to(device) for k, v in batch.items() if torch.is_tensor(v)}
+            signals, _ = capture_layer_signals(self.model, chunk, self.targets, self._cut)
+            out_nd = None
+            raw_parts = []
+            for t, (a_nTI, delta_nTO) in zip(self.targets, signals):
+                dtype = torch.promote_types(a_nTI.dtype, torch.float32)
+                a_nTI, delta_nTO = a_nTI.to(dtype), delta_nTO.to(dtype)
+                pre = preconditioners[t.index] if preconditioners is not None else None
+                x_nD = self._layer_features(t, a_nTI, delta_nTO, pre, step)
+                if self.normalization == "adam_simulated":
+                    if accumulate:
+                        self.simulated.accumulate(t.name, x_nD)
+                    x_nD = self.simulated.filter(t.name, x_nD)
+                bad_rows.append((~torch.isfinite(x_nD)).any(dim=1).sum())
+                if self.proj_dim:
+                    if out_nd is None:
+                        out_nd = x_nD.new_zeros(x_nD.shape[0], self.proj_dim)
+                    apply_fjlt(x_nD, self._fjlt_plan(t, x_nD, step), out_nd)
+                else:
+                    raw_parts.append(x_nD)
+            rows.append(out_nd if self.proj_dim else torch.cat(raw_parts, dim=1))
+        X_nd = torch.cat(rows, dim=0)
+        return unit_rows(X_nd) if self.normalization == "unit" else X_nd
+
+    def _layer_features(
+        self,
+        t: TargetLayer,
+        a_nTI: torch.Tensor,
+        delta_nTO: torch.Tensor,
+        v_hats: list[torch.Tensor] | None,
+        step: int,
+    ) -> torch.Tensor:
+        """One layer's raw (optionally optimizer-preconditioned) features (n, D)."""
+        if not t.sketched:
+            x_nD = exact_layer_grads(a_nTI, delta_nTO, t.has_bias)
+            if v_hats is not None:
+                x_nD = x_nD * exact_adam_scale(v_hats, self.adam_eps).to(x_nD.dtype)
+            return x_nD
+        P_out_KO, P_in_JI = self._sketch(t, a_nTI.device, a_nTI.dtype, step)
+        if v_hats is not None:
+            s_out_O, s_in_I = factored_adam_scales(v_hats, self.adam_eps)
+            P_out_KO = P_out_KO * s_out_O.to(P_out_KO.dtype)
+            P_in_JI = P_in_JI * s_in_I.to(P_in_JI.dtype)
+        return sketch_layer_grads(a_nTI, delta_nTO, P_out_KO, P_in_JI)
+
+    def _adam_preconditioners(self, optimizer: torch.optim.Optimizer | None) -> list[list[torch.Tensor]] | None:
+        """Per target, the optimizer's v_hat tensors; None (and `normalization_in_use='none'`) when unavailable."""
+        if self.normalization != "adam_optimizer":
+            self.normalization_in_use = self.normalization
+            return None
+        v_hats = [optimizer_second_moments(optimizer, t.params) for t in self.targets]
+        if any(v is None for v in v_hats):
+            if self.normalization_in_use != "none":
+                log.warning(
+                    "adam_optimizer normalisation: the optimizer has no second moment for the target "
+                    "parameters yet (no optimizer, step 0, or frozen targets); using no normalisation"
+                )
+            self.normalization_in_use = "none"
+            return None
+        self.normalization_in_use = "adam_optimizer"
+        return v_hats  # type: ignore[return-value]
+
+    def _sketch(self, t: TargetLayer, device: torch.device, dtype: torch.dtype, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (cached) sketch projections."""
+        step_key = step if self.resample_projections else None
+        key = (t.index, device, dtype, step_key)
+        if key not in self._sketch_cache:
+            if self.resample_projections:
+                self._sketch_cache.clear()
+            self._sketch_cache[key] = sketch_matrices(
+                self.seed, t.index, t.d_out, t.d_in + t.has_bias, self.k_out, self.k_in,
+                device=device, dtype=dtype, step=step_key,
+            )
+        return self._sketch_cache[key]
+
+    def _fjlt_plan(self, t: TargetLayer, x_nD: torch.Tensor, step: int) -> FJLTPlan:
+        """The layer's (cached) FJLT plan; a function of (seed, layer, D, d[, step]) only."""
+        step_key = step if self.resample_projections else None
+        key = (t.index, x_nD.shape[1], x_nD.device, x_nD.dtype, step_key)
+        if key not in self._fjlt_cache:
+            if self.resample_projections:
+                self._fjlt_cache = {k: v for k, v in self._fjlt_cache.items() if k[-1] == step_key}
+            self._fjlt_cache[key] = make_fjlt_plan(
+                self.seed, t.index, x_nD.shape[1], self.proj_dim, device=x_nD.device, dtype=x_nD.dtype, step=step_key
+            )
+        return self._fjlt_cache[key]
+
+    def _check(self, G_nd: torch.Tensor, gbar_d: torch.Tensor | None, bad_rows: list[torch.Tensor]) -> None:
+        """Raise FeatureError for non-finite or all-zero features (one host sync for all checks)."""
+        n_layers = len(self.targets)
+        flags = torch.stack(
+            [r.to(G_nd.device) for r in bad_rows]
+            + [(~torch.isfinite(G_nd)).any(dim=1).sum(), (G_nd != 0).any().long()]
+            + ([torch.isfinite(gbar_d).all().long(), (gbar_d != 0).any().long()] if gbar_d is not None else [])
+        ).tolist()
+        per_chunk_layer = flags[: len(bad_rows)]
+        bad_by_layer = [0] * n_layers
+        for i, count in enumerate(per_chunk_layer):
+            bad_by_layer[i % n_layers] += count
+        bad_layers = {self.targets[i].name: c for i, c in enumerate(bad_by_layer) if c}
+        G_bad_rows, G_nonzero = flags[len(bad_rows)], flags[len(bad_rows) + 1]
+        if bad_layers or G_bad_rows:
+            raise FeatureError(
+                f"non-finite gradient features: rows with NaN/inf per layer {bad_layers}, "
+                f"{G_bad_rows} of {G_nd.shape[0]} pool rows non-finite after normalisation/projection"
+            )
+        if not G_nonzero:
+            raise FeatureError(
+                f"all {G_nd.shape[0]} pool feature rows are zero (layers {self.target_names}); "
+                f"do the examples have target tokens (labels != -100)?"
+            )
+        if gbar_d is not None:
+            gbar_finite, gbar_nonzero = flags[len(bad_rows) + 2], flags[len(bad_rows) + 3]
+            if not gbar_finite:
+                raise FeatureError("the validation mean feature gbar is non-finite")
+            if not gbar_nonzero:
+                raise FeatureError("the validation mean feature gbar is all zero (no validation target tokens?)")

@@ -1,0 +1,219 @@
+"""Normalisations of per-example gradient features: the optimizer's Adam preconditioner, the paper's simulated Adam filter, unit rows.
+
+Shapes: n rows, D features of one layer, O = d_out, I = d_in (I+1 with a bias column).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "NORMALIZATIONS",
+    "optimizer_second_moments",
+    "exact_adam_scale",
+    "factored_adam_scales",
+    "SimulatedAdam",
+    "unit_rows",
+]
+
+NORMALIZATIONS = ("none", "unit", "adam_optimizer", "adam_simulated")
+
+
+def optimizer_second_moments(
+    optimizer: torch.optim.Optimizer | None, params: Sequence[torch.nn.Parameter]
+) -> list[torch.Tensor] | None:
+    """The optimizer's bias-corrected second moments `v_hat = exp_avg_sq / (1 - beta2**step)` for `params`.
+
+    Works with any optimizer that keeps Adam's `exp_avg_sq` and `step` per parameter and `betas` per
+    group: `torch.optim.Adam`, `AdamW` and Composer's `DecoupledAdamW`. The correction is the one Adam
+    applies to its own denominator, so the features are preconditioned exactly like the next update.
+
+    Args:
+        optimizer: the training optimizer, or None.
+        params: parameters in feature order.
+
+    Returns:
+        One tensor per parameter (same shape), or None when the optimizer is missing or holds no
+        second moment for some parameter yet (step 0, or a frozen parameter): the caller then falls
+        back to no normalisation for this call.
+    """
+    if optimizer is None:
+        return None
+    beta2_of = {id(p): group.get("betas", (0.9, 0.999))[1] for group in optimizer.param_groups for p in group["params"]}
+    out = []
+    for p in params:
+        state = optimizer.state.get(p)
+        if not state or "exp_avg_sq" not in state or id(p) not in beta2_of:
+            return None
+        step = state.get("step", 1)
+        correction = 1.0 - beta2_of[id(p)] ** step
+        out.append(state["exp_avg_sq"] / correction)
+    return out
+
+
+def exact_adam_scale(v_hats: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
+    """Elementwise Adam preconditioner `1 / (sqrt(v_hat) + eps)` flattened in feature order (weight, then bias).
+
+    Args:
+        v_hats: from `optimizer_second_moments`, for one layer's weight (O, I) and optional bias (O,).
+        eps: Adam's epsilon.
+
+    Returns:
+        (D,) scale to multiply the layer's exact features by.
+    """
+    return torch.cat([(v.sqrt() + eps).reciprocal().reshape(-1) for v in v_hats])
+
+
+def factored_adam_scales(v_hats: Sequence[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column scales approximating the Adam preconditioner of a sketched layer.
+
+    A sketch never forms the per-example gradient, so an elementwise preconditioner cannot be applied.
+    We approximate `v` (O x (I[+1]), the bias as an extra column) by the rank-one fit Adafactor uses,
+    `v_ij ~ r_i c_j / mean(v)` with row means `r` and column means `c` (exact when `v` is rank one),
+    so `1/sqrt(v_ij) ~ s_out_i * s_in_j` with `s_out = 1 / (sqrt(r / sqrt(mean v)) + sqrt(eps))` and
+    `s_in` alike. The preconditioned gradient `diag(s_out) G diag(s_in)` is then sketched by scaling
+    the projections' columns: `P_out diag(s_out)` and `P_in diag(s_in)`. Splitting eps as sqrt(eps) on
+    each side keeps the product at least eps-regularised like Adam's `sqrt(v) + eps`.
+
+    Args:
+        v_hats: the weight's (O, I) and optional bias's (O,) second moments.
+        eps: Adam's epsilon.
+
+    Returns:
+        s_out_O (O,) and s_in_I (I,) or (I+1,) with the bias.
+    """
+    v_OI = v_hats[0]
+    if len(v_hats) > 1:
+        v_OI = torch.cat([v_OI, v_hats[1].reshape(-1, 1)], dim=1)
+    v_OI = v_OI.float() if v_OI.dtype in (torch.float16, torch.bfloat16) else v_OI
+    root_mean = v_OI.mean().clamp_min(torch.finfo(v_OI.dtype).tiny).sqrt()
+    s_out_O = ((v_OI.mean(dim=1) / root_mean).sqrt() + eps**0.5).reciprocal()
+    s_in_I = ((v_OI.mean(dim=0) / root_mean).sqrt() + eps**0.5).reciprocal()
+    return s_out_O, s_in_I
+
+
+class SimulatedAdam:
+    """The paper's per-example Adam-like low-pass filter (App. "Memory Efficient Gradient Computation").
+
+    For each layer it keeps running moments `m, v` (one per feature coordinate). A call filters every
+    example `i` of the pool and of the validation batch against the same pre-call state:
+    `m_i = b1 m + (1-b1) g_i`, `v_i = b2 v + (1-b2) g_i^2`, feature `m_i_hat / (sqrt(v_i_hat) + eps)` with
+    Adam's bias corrections `1 - b^t` (t = calls so far + 1; the paper omits them "for brevity"). With
+    empty state the first call gives `g / (|g| + eps)`, i.e. sign(g). After the call (`commit`), the
+    state advances with the pool mean: `m <- b1 m + (1-b1) mean_i g_i`, `v <- b2 v + (1-b2) mean_i g_i^2`
+    (the average of the per-example filtered states); validation rows do not update it. In sketch
+    mode the filter acts on the sketch coordinates, which stay comparable across steps because the
+    projections are fixed.
+
+    Args:
+        betas: (b1, b2).
+        eps: added to `sqrt(v_hat)`.
+    """
+
+    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.betas = betas
+        self.eps = eps
+        self.count = 0
+        self._m: dict[str, torch.Tensor] = {}
+        self._v: dict[str, torch.Tensor] = {}
+        self._sum: dict[str, torch.Tensor] = {}
+        self._sum_sq: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, int] = {}
+
+    def filter(self, name: str, g_nD: torch.Tensor) -> torch.Tensor:
+        """Filter one layer's features against the pre-call state (does not change the state).
+
+        Args:
+            name: the layer's name (state key).
+            g_nD: raw features (n, D).
+
+        Returns:
+            (n, D) filtered features.
+
+        Raises:
+            ValueError: when a loaded state has a different width for this layer.
+        """
+        b1, b2 = self.betas
+        t = self.count + 1
+        m_D, v_D = self._state(name, g_nD)
+        m_nD = b1 * m_D + (1 - b1) * g_nD
+        v_nD = b2 * v_D + (1 - b2) * g_nD.square()
+        return (m_nD / (1 - b1**t)) / ((v_nD / (1 - b2**t)).sqrt() + self.eps)
+
+    def accumulate(self, name: str, g_nD: torch.Tensor) -> None:
+        """Add pool rows to the means the next `commit` advances the state with."""
+        if name in self._sum:
+            self._sum[name] += g_nD.sum(dim=0)
+            self._sum_sq[name] += g_nD.square().sum(dim=0)
+            self._rows[name] += g_nD.shape[0]
+        else:
+            self._sum[name] = g_nD.sum(dim=0)
+            self._sum_sq[name] = g_nD.square().sum(dim=0)
+            self._rows[name] = g_nD.shape[0]
+
+    def commit(self) -> None:
+        """Advance every layer's state with the pool means accumulated since the last commit."""
+        b1, b2 = self.betas
+        for name, total in self._sum.items():
+            rows = self._rows[name]
+            m_D, v_D = self._state(name, total.unsqueeze(0))
+            self._m[name] = b1 * m_D + (1 - b1) * total / rows
+            self._v[name] = b2 * v_D + (1 - b2) * self._sum_sq[name] / rows
+        if self._sum:
+            self.count += 1
+        self._sum, self._sum_sq, self._rows = {}, {}, {}
+
+    def discard(self) -> None:
+        """Drop accumulated rows without updating (the call failed)."""
+        self._sum, self._sum_sq, self._rows = {}, {}, {}
+
+    def state_dict(self) -> dict:
+        """Checkpointable state: the call count and per-layer moments (on CPU)."""
+        return {
+            "count": self.count,
+            "betas": tuple(self.betas),
+            "eps": self.eps,
+            "m": {k: t.detach().cpu() for k, t in self._m.items()},
+            "v": {k: t.detach().cpu() for k, t in self._v.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from `state_dict()`; tensors move to the features' device on first use.
+
+        Raises:
+            ValueError: when `state` lacks the keys `state_dict()` writes.
+        """
+        missing = {"count", "m", "v"} - set(state)
+        if missing:
+            raise ValueError(f"simulated-Adam state is missing keys {sorted(missing)}; pass a SimulatedAdam.state_dict()")
+        self.count = int(state["count"])
+        self._m = dict(state["m"])
+        self._v = dict(state["v"])
+        self.discard()
+
+    def _state(self, name: str, g_nD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (m, v) on `g_nD`'s device and dtype, zeros when new."""
+        width = g_nD.shape[1]
+        if name not in self._m:
+            zeros = g_nD.new_zeros(width)
+            self._m[name], self._v[name] = zeros, zeros.clone()
+        m_D, v_D = self._m[name], self._v[name]
+        if m_D.shape[0] != width:
+            raise ValueError(
+                f"simulated-Adam state for layer {name!r} has {m_D.shape[0]} features but the layer now "
+                f"yields {width}; the targets or sketch size changed since the state was saved"
+            )
+        if m_D.device != g_nD.device or m_D.dtype != g_nD.dtype:
+            m_D, v_D = m_D.to(g_nD.device, g_nD.dtype), v_D.to(g_nD.device, g_nD.dtype)
+            self._m[name], self._v[name] = m_D, v_D
+        return m_D, v_D
+
+
+def unit_rows(x_nd: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to unit L2 norm (so `G G^T` is the cosine Gram); all-zero rows stay zero."""
+    return x_nd / x_nd.norm(dim=1, keepdim=True).clamp_min(torch.finfo(x_nd.dtype).tiny)

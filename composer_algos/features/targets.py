@@ -1,0 +1,253 @@
+"""Which linear layers of a causal LM the gradient features are taken from, and where to cut the graph."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "TargetLayer",
+    "unwrap_model",
+    "find_blocks",
+    "resolve_targets",
+    "choose_cut_module",
+    "is_peft_model",
+]
+
+
+@dataclass(frozen=True)
+class TargetLayer:
+    """One linear layer whose per-example gradient becomes part of the feature.
+
+    Attributes:
+        name: the module's name in `model.named_modules()` (of the unwrapped model).
+        module: the `nn.Linear` itself.
+        index: position in the target list; folded into every random seed of this layer.
+        block: index of the transformer block holding it, or None (e.g. `lm_head`).
+        d_out: output features.
+        d_in: input features.
+        has_bias: whether the layer's bias is part of the feature.
+        sketched: True when `d_out * d_in` exceeds the exact threshold, so the gradient is sketched.
+    """
+
+    name: str
+    module: nn.Linear
+    index: int
+    block: int | None
+    d_out: int
+    d_in: int
+    has_bias: bool
+    sketched: bool
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters this layer's feature is the gradient of: weight, then bias if present."""
+        return [self.module.weight] + ([self.module.bias] if self.has_bias else [])  # type: ignore[list-item]
+
+    def raw_dim(self, k_out: int, k_in: int) -> int:
+        """Length of this layer's feature before compression (exact numel or the k_out x k_in sketch)."""
+        if self.sketched:
+            return k_out * k_in
+        return self.d_out * self.d_in + (self.d_out if self.has_bias else 0)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether `model` is a peft `PeftModel` (duck-typed, so peft stays optional)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is optional for plain models
+        return False
+    return isinstance(model, PeftModel)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Return the transformers / peft model inside Composer's `HuggingFaceModel` (or `model` itself).
+
+    Args:
+        model: a `PreTrainedModel`, a peft `PeftModel`, or a wrapper exposing one as `.model`
+            (Composer's `HuggingFaceModel`).
+
+    Returns:
+        The model whose `forward(input_ids=..., attention_mask=...)` returns `.logits`.
+
+    Raises:
+        TypeError: when no transformers or peft model can be found.
+    """
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel) or is_peft_model(model):
+        return model
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module) and (isinstance(inner, PreTrainedModel) or is_peft_model(inner)):
+        return inner
+    raise TypeError(
+        f"`model` must be a transformers PreTrainedModel, a peft PeftModel, or a wrapper with one as "
+        f"`.model` (Composer's HuggingFaceModel), got {type(model).__name__}"
+    )
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Find the list of transformer blocks: the `nn.ModuleList` of same-class modules holding the most parameters.
+
+    Args:
+        model: the unwrapped model.
+
+    Returns:
+        (the ModuleList's name in `model.named_modules()`, the ModuleList).
+
+    Raises:
+        ValueError: when the model holds no such list.
+    """
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        if len({type(child) for child in mod}) != 1:
+            continue
+        numel = sum(p.numel() for p in mod.parameters())
+        if best is None or numel > best[0]:
+            best = (numel, name, mod)
+    if best is None:
+        raise ValueError(
+            f"could not find the transformer blocks of {type(model).__name__}: no nn.ModuleList of "
+            f"same-class modules; pass a standard transformers causal LM"
+        )
+    return best[1], best[2]
+
+
+def resolve_targets(
+    model: nn.Module,
+    *,
+    target_modules: list[str] | None = None,
+    last_n_blocks: int = 1,
+    include_lm_head: bool = False,
+    exact_max_numel: int = 65536,
+) -> list[TargetLayer]:
+    """Choose the target linear layers.
+
+    Candidates are the `nn.Linear` modules inside the last `last_n_blocks` blocks, plus the output
+    embedding (`lm_head`) when `include_lm_head`. Among them, `target_modules` (regexes, `re.search` on
+    the module name) keeps the matches; by default a peft model keeps the LoRA A/B factors of its
+    active adapters and any other model keeps every candidate (attention and MLP projections).
+
+    Args:
+        model: the unwrapped model (see `unwrap_model`).
+        target_modules: regex patterns over module names, or None for the defaults above.
+        last_n_blocks: how many of the last blocks to take layers from (0 to the number of blocks).
+        include_lm_head: add the output embedding (always sketched unless tiny).
+        exact_max_numel: a layer with `d_out * d_in` above this is sketched, otherwise exact.
+
+    Returns:
+        The targets in module order, each with its `index`.
+
+    Raises:
+        ValueError: for an out-of-range `last_n_blocks`, a bad pattern, or when nothing matches (the
+            message lists the candidates).
+    """
+    block_prefix, blocks = find_blocks(model)
+    n_blocks = len(blocks)
+    if not isinstance(last_n_blocks, int) or not 0 <= last_n_blocks <= n_blocks:
+        raise ValueError(
+            f"`last_n_blocks` must be an int in [0, {n_blocks}] (the model has {n_blocks} blocks), "
+            f"got {last_n_blocks!r}"
+        )
+    if exact_max_numel < 0:
+        raise ValueError(f"`exact_max_numel` must be >= 0, got {exact_max_numel}")
+    first_block = n_blocks - last_n_blocks
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if include_lm_head and not isinstance(lm_head, nn.Linear):
+        raise ValueError(
+            f"`include_lm_head=True` but {type(model).__name__} has no nn.Linear output embedding "
+            f"(got {type(lm_head).__name__}); set include_lm_head=False"
+        )
+
+    candidates: list[tuple[str, nn.Linear, int | None]] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        block = _block_index(name, block_prefix)
+        if block is not None and block >= first_block:
+            candidates.append((name, mod, block))
+        elif include_lm_head and mod is lm_head:
+            candidates.append((name, mod, None))
+
+    if target_modules is not None:
+        if isinstance(target_modules, str):
+            target_modules = [target_modules]
+        try:
+            patterns = [re.compile(p) for p in target_modules]
+        except re.error as err:
+            raise ValueError(f"`target_modules` holds an invalid regex ({err}): {target_modules!r}") from err
+        chosen = [c for c in candidates if any(p.search(c[0]) for p in patterns)]
+        what = f"`target_modules`={target_modules!r}"
+    elif is_peft_model(model):
+        adapters = set(getattr(model, "active_adapters", None) or [])
+        chosen = [c for c in candidates if _is_lora_factor(c[0], adapters) or c[2] is None]
+        what = f"the LoRA factors of the active adapters {sorted(adapters)}"
+    else:
+        chosen = candidates
+        what = "the default (every linear layer)"
+    if not chosen:
+        names = [c[0] for c in candidates] or ["(none)"]
+        raise ValueError(
+            f"no target module matches {what} in the last {last_n_blocks} block(s) "
+            f"(include_lm_head={include_lm_head}); candidate nn.Linear modules are: {names}"
+        )
+
+    targets = []
+    for i, (name, mod, block) in enumerate(chosen):
+        d_out, d_in = mod.weight.shape
+        has_bias = mod.bias is not None
+        targets.append(
+            TargetLayer(
+                name=name,
+                module=mod,
+                index=i,
+                block=block,
+                d_out=d_out,
+                d_in=d_in,
+                has_bias=has_bias,
+                sketched=d_out * d_in > exact_max_numel,
+            )
+        )
+    log.debug("gradient-feature targets: %s", [(t.name, "sketch" if t.sketched else "exact") for t in targets])
+    return targets
+
+
+def choose_cut_module(model: nn.Module, targets: list[TargetLayer]) -> nn.Module:
+    """The module whose input is detached: the lowest block holding a target, else the lowest target itself.
+
+    Args:
+        model: the unwrapped model.
+        targets: from `resolve_targets`.
+
+    Returns:
+        The module to put the graph-cutting pre-hook on.
+    """
+    _, blocks = find_blocks(model)
+    in_blocks = [t.block for t in targets if t.block is not None]
+    if in_blocks:
+        return blocks[min(in_blocks)]
+    # Only modules above the blocks (lm_head): cut right at the first of them.
+    return targets[0].module
+
+
+def _block_index(name: str, block_prefix: str) -> int | None:
+    """The block number in `name` when it lies inside `block_prefix.<i>.`, else None."""
+    head = f"{block_prefix}." if block_prefix else ""
+    if not name.startswith(head):
+        return None
+    first = name[len(head) :].split(".", 1)[0]
+    return int(first) if first.isdigit() else None
+
+
+def _is_lora_factor(name: str, adapters: set[str]) -> bool:
+    """Whether `name` is `....lora_A.<adapter>` or `....lora_B.<adapter>` for an active adapter."""
+    parts = name.rsplit(".", 2)
+    return len(parts) == 3 and parts[1] in ("lora_A", "lora_B") and parts[2] in adapters
+
