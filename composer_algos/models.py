@@ -1,0 +1,147 @@
+"""Build the Composer-wrapped causal LM (hub name, local path or inline config; optional LoRA).
+
+Legend: B = batch, T = sequence, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
+from composer.models import HuggingFaceModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DomainCausalLM", "build_causal_lm", "per_example_loss"]
+
+IGNORE_INDEX = -100
+
+
+class DomainCausalLM(HuggingFaceModel):
+    """A Composer `HuggingFaceModel` for causal LMs whose loss can weight examples.
+
+    When the batch carries `loss_weight` (B,), the loss is the weighted mean of per-example
+    losses (each the mean cross-entropy over the example's target tokens), as used by the
+    `weighted_loss` option of the selection algorithm. Otherwise it is the model's usual
+    token-mean loss. Other batch keys (such as `domain_id`) are not passed to the model.
+    """
+
+    def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        if isinstance(batch, dict) and "loss_weight" in batch:
+            losses_B = per_example_loss(outputs["logits"], batch["labels"])
+            w_B = batch["loss_weight"].to(losses_B.dtype)
+            return (w_B * losses_B).sum() / w_B.sum().clamp_min(1e-12)
+        return super().loss(outputs, batch)
+
+
+def per_example_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over each example's target tokens (labels != -100).
+
+    Args:
+        logits_BTV: Model logits.
+        labels_BT: Unshifted labels (position t is predicted from position t - 1).
+
+    Returns:
+        (B,) losses; 0 for an example without target tokens.
+    """
+    shift_logits = logits_BTV[:, :-1].float()
+    shift_labels = labels_BT[:, 1:]
+    tok_BT = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view(shift_labels.shape)
+    n_B = (shift_labels != IGNORE_INDEX).sum(dim=1)
+    return tok_BT.sum(dim=1) / n_B.clamp_min(1)
+
+
+def build_causal_lm(
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    pretrained_model_name_or_path: str | None = None,
+    pretrained: bool = False,
+    config: dict[str, Any] | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    lora: dict[str, Any] | None = None,
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> DomainCausalLM:
+    """Build the model described by a `ModelConfig` (fields passed as plain keyword arguments).
+
+    A hub name and a local directory take the same path (`from_pretrained`); an inline `config`
+    builds a randomly initialised model offline.
+
+    Args:
+        tokenizer: The run's tokenizer; the model's vocabulary must cover it.
+        pretrained_model_name_or_path: Hub name or local directory.
+        pretrained: Load the weights (else only the architecture, randomly initialised).
+        config: Inline transformers config with `model_type`.
+        config_overrides: Fields patched into the config.
+        lora: `{r, alpha, dropout, target_modules}` to wrap the model with peft LoRA adapters.
+        attn_implementation: eager, sdpa or flash_attention_2.
+        gradient_checkpointing: Trade compute for activation memory.
+        trust_remote_code: Passed to transformers.
+
+    Returns:
+        The Composer model, with per-token cross-entropy and perplexity as eval metrics.
+
+    Raises:
+        ValueError: the vocabulary is smaller than the tokenizer's.
+    """
+    overrides = dict(config_overrides or {})
+    if config is not None:
+        cfg_dict = dict(config)
+        model_type = cfg_dict.pop("model_type")
+        hf_config = AutoConfig.for_model(model_type, **cfg_dict, **overrides)
+    else:
+        assert pretrained_model_name_or_path is not None
+        hf_config = AutoConfig.from_pretrained(
+            pretrained_model_name_or_path, trust_remote_code=trust_remote_code, **overrides
+        )
+    hf_config._attn_implementation = attn_implementation  # honoured by from_config / from_pretrained
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ValueError(
+            f"model vocab_size {hf_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens; "
+            "set model.config.vocab_size (or model.config_overrides.vocab_size) to at least that"
+        )
+    if pretrained:
+        model = AutoModelForCausalLM.from_pretrained(
+            pretrained_model_name_or_path,
+            config=hf_config,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
+    else:
+        model = AutoModelForCausalLM.from_config(
+            hf_config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    peft_config = None
+    if lora is not None:
+        from peft import LoraConfig as PeftLoraConfig
+
+        peft_config = PeftLoraConfig(
+            r=int(lora["r"]),
+            lora_alpha=int(lora["alpha"]),
+            lora_dropout=float(lora["dropout"]),
+            target_modules=list(lora["target_modules"]),
+            task_type="CAUSAL_LM",
+        )
+    metrics = [LanguageCrossEntropy(ignore_index=IGNORE_INDEX), LanguagePerplexity(ignore_index=IGNORE_INDEX)]
+    return DomainCausalLM(
+        model,
+        tokenizer=tokenizer,
+        use_logits=True,
+        metrics=metrics,
+        eval_metrics=[LanguageCrossEntropy(ignore_index=IGNORE_INDEX), LanguagePerplexity(ignore_index=IGNORE_INDEX)],
+        shift_labels=True,
+        peft_config=peft_config,
+        should_save_peft_only=False,
+    )

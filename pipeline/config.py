@@ -1,0 +1,364 @@
+"""Typed run configuration: yaml + `key=value` overrides -> validated, kw_only dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "ConfigError",
+    "DatasetConfig",
+    "EvalConfig",
+    "LoaderConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TrainConfig",
+    "load_config",
+    "parse_config",
+]
+
+_DURATION = re.compile(r"^\d+(\.\d+)?(ba|ep|sp|tok|dur)$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message lists every problem found, one per line."""
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA adapters through peft (the paper: r 16, alpha 96 or 32, dropout 0.05)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj"])
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.r <= 0:
+            errs.append(f"model.lora.r must be > 0, got {self.r}")
+        if not 0 <= self.dropout < 1:
+            errs.append(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            errs.append("model.lora.target_modules must name at least one module")
+        return errs
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The causal LM: a hub name or local path, or an inline transformers config (random init).
+
+    `pretrained_model_name_or_path` with `pretrained: true` loads weights; with `pretrained:
+    false` it loads only the architecture's config. `config` (a dict with `model_type`) builds
+    the architecture offline; `config_overrides` patch either.
+    """
+
+    pretrained_model_name_or_path: str | None = None
+    pretrained: bool = False
+    config: dict[str, Any] | None = None
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    lora: LoraConfig | None = None
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+    def validate(self) -> list[str]:
+        errs = []
+        if (self.pretrained_model_name_or_path is None) == (self.config is None):
+            errs.append("model: give exactly one of `pretrained_model_name_or_path` or `config`")
+        if self.config is not None and "model_type" not in self.config:
+            errs.append("model.config needs a `model_type` (e.g. llama, qwen2, gpt2)")
+        if self.pretrained and self.pretrained_model_name_or_path is None:
+            errs.append("model.pretrained: true needs `pretrained_model_name_or_path`")
+        if self.attn_implementation not in ("eager", "sdpa", "flash_attention_2"):
+            errs.append(
+                f"model.attn_implementation must be eager, sdpa or flash_attention_2, got {self.attn_implementation!r}"
+            )
+        if self.lora is not None:
+            errs += self.lora.validate()
+        return errs
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    """Which shards to stream, and how (see `pipeline.dataset.DomainStreamingDataset`)."""
+
+    shard_dir: str
+    remote: str | None = None
+    split: str = "train"
+    domains: list[str] | None = None
+    domain_weights: dict[str, float] | None = None
+    domain_weights_file: str | None = None
+    shuffle: bool = True
+    shuffle_seed: int = 9176
+    shuffle_algo: str = "py1e"
+    num_canonical_nodes: int | None = None
+    predownload: int | None = None
+    epoch_size: int | None = None
+
+    def validate(self, where: str) -> list[str]:
+        errs = []
+        if self.domain_weights is not None and self.domain_weights_file is not None:
+            errs.append(f"{where}.dataset: give `domain_weights` or `domain_weights_file`, not both")
+        if self.domain_weights_file is not None and not Path(self.domain_weights_file).is_file():
+            errs.append(f"{where}.dataset.domain_weights_file: no such file {self.domain_weights_file!r}")
+        if self.split not in ("train", "val"):
+            errs.append(f"{where}.dataset.split must be train or val, got {self.split!r}")
+        return errs
+
+
+@dataclass(kw_only=True)
+class LoaderConfig:
+    """A DataLoader over a `DatasetConfig`."""
+
+    dataset: DatasetConfig
+    num_workers: int = 0
+    drop_last: bool = True
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+    pin_memory: bool = False
+
+    def validate(self, where: str) -> list[str]:
+        errs = self.dataset.validate(where)
+        if self.num_workers < 0:
+            errs.append(f"{where}.num_workers must be >= 0, got {self.num_workers}")
+        return errs
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Per-domain validation: one evaluator per domain, labelled `val/<domain>`."""
+
+    shard_dir: str | None = None  # default: train_loader.dataset.shard_dir
+    split: str = "val"
+    device_eval_batch_size: int = 8
+    per_domain: bool = True
+    subset_num_batches: int = -1
+    remote: str | None = None
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: str = "decoupled_adamw"
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.name not in ("decoupled_adamw", "adamw", "adam"):
+            errs.append(f"optimizer.name must be decoupled_adamw, adamw or adam, got {self.name!r}")
+        if not self.lr > 0:
+            errs.append(f"optimizer.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2:
+            errs.append(f"optimizer.betas must have 2 values, got {self.betas}")
+        return errs
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    name: str = "linear_decay_with_warmup"
+    t_warmup: str = "0ba"
+    alpha_f: float = 0.0
+
+    def validate(self) -> list[str]:
+        errs = []
+        allowed = ("linear_decay_with_warmup", "cosine_with_warmup", "constant_with_warmup")
+        if self.name not in allowed:
+            errs.append(f"scheduler.name must be one of {allowed}, got {self.name!r}")
+        if not _DURATION.match(str(self.t_warmup)):
+            errs.append(f"scheduler.t_warmup must be a duration like 1000ba or 0.03dur, got {self.t_warmup!r}")
+        return errs
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A whole training run. Every field is spelled as in the yaml.
+
+    `global_train_batch_size` is the number of examples the model trains on per step (kappa
+    summed over ranks). With a selection algorithm that oversamples by `r`, the loader
+    delivers `r` times as many per step (the pool); see the selection method card.
+    """
+
+    run_name: str | None = None
+    seed: int = 17
+    max_seq_len: int
+    tokenizer_name: str
+    model: ModelConfig
+    train_loader: LoaderConfig
+    eval_loader: EvalConfig | None = None
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    global_train_batch_size: int
+    device_train_microbatch_size: int | str | None = None
+    max_duration: str
+    eval_interval: str = "1ep"
+    eval_first: bool = False
+    precision: str | None = None
+    device: str | None = None
+    save_folder: str | None = None
+    save_interval: str = "1000ba"
+    save_num_checkpoints_to_keep: int = -1
+    save_overwrite: bool = False
+    load_path: str | None = None
+    load_weights_only: bool = False
+    autoresume: bool = False
+    algorithms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    loggers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    console_log_interval: str = "10ba"
+    progress_bar: bool = False
+    python_log_level: str | None = "info"
+    dist_timeout: float = 600.0
+    fsdp_config: dict[str, Any] | None = None
+
+    def validate(self) -> list[str]:
+        errs = self.model.validate() + self.train_loader.validate("train_loader")
+        errs += self.optimizer.validate() + self.scheduler.validate()
+        for name in ("max_duration", "eval_interval", "save_interval", "console_log_interval"):
+            value = str(getattr(self, name))
+            if not _DURATION.match(value):
+                errs.append(f"{name} must be a duration like 1000ba, 2ep or 0.5dur, got {value!r}")
+        if str(self.max_duration).endswith(("sp", "tok")):
+            errs.append(
+                f"max_duration {self.max_duration!r}: use ba or ep; samples and tokens are counted in pool "
+                "units before selection, so sp/tok durations would not mean what they say"
+            )
+        if self.global_train_batch_size <= 0:
+            errs.append(f"global_train_batch_size must be > 0, got {self.global_train_batch_size}")
+        if self.max_seq_len <= 0:
+            errs.append(f"max_seq_len must be > 0, got {self.max_seq_len}")
+        mb = self.device_train_microbatch_size
+        if isinstance(mb, str) and mb != "auto":
+            errs.append(f"device_train_microbatch_size must be an int or 'auto', got {mb!r}")
+        if isinstance(mb, int) and mb <= 0:
+            errs.append(f"device_train_microbatch_size must be > 0, got {mb}")
+        if self.precision not in (None, "fp32", "amp_bf16", "amp_fp16", "amp_fp8"):
+            errs.append(f"precision must be fp32, amp_bf16, amp_fp16 or amp_fp8 (or unset for auto), got {self.precision!r}")
+        if self.device not in (None, "cpu", "gpu"):
+            errs.append(f"device must be cpu or gpu (or unset for auto), got {self.device!r}")
+        return errs
+
+
+def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a run yaml, apply `a.b=value` overrides, resolve `${variables...}` and validate.
+
+    Raises:
+        FileNotFoundError: `yaml_path` does not exist.
+        ConfigError: unknown, missing or invalid fields, all listed.
+    """
+    path = Path(yaml_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    cfg = OmegaConf.load(path)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value, got {bad}")
+    if overrides:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    assert isinstance(cfg, DictConfig)
+    return parse_config(cfg, source=str(path))
+
+
+def parse_config(cfg: DictConfig | dict[str, Any], source: str = "<config>") -> TrainConfig:
+    """Convert a merged config tree into a validated `TrainConfig` (see `load_config`)."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as e:  # interpolation errors name the key
+        raise ConfigError(f"{source}: {e}") from e
+    assert isinstance(data, dict)
+    data.pop("variables", None)
+    problems: list[str] = []
+    out = _build(TrainConfig, data, "", problems)
+    if not problems:
+        problems += out.validate()
+    if problems:
+        raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(problems))
+    return out
+
+
+def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+    """Recursively build dataclass `cls` from `data`, appending every problem found."""
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(data, dict):
+        problems.append(f"{where} must be a mapping, got {type(data).__name__}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        problems.append(f"unknown keys at {where}: {unknown}; allowed: {sorted(fields)}")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if name not in data:
+            if required:
+                problems.append(f"missing required key {prefix}{name}")
+            continue
+        kwargs[name] = _convert(hints[name], data[name], f"{prefix}{name}", problems)
+    try:
+        return cls(**kwargs)
+    except TypeError:  # a missing required key, already reported
+        return None
+
+
+def _convert(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        for a in non_none:
+            if dataclasses.is_dataclass(a) and isinstance(value, dict):
+                return _build(a, value, key + ".", problems)
+            if _matches(a, value):
+                return _convert(a, value, key, problems)
+        problems.append(f"{key} has the wrong type: got {value!r}, expected {_type_name(tp)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".", problems)
+    if not _matches(tp, value):
+        problems.append(f"{key} has the wrong type: got {value!r}, expected {_type_name(tp)}")
+        return value
+    if tp is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+def _matches(tp: Any, value: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp in (str, bool):
+        return isinstance(value, tp)
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_matches(inner, v) for v in value)
+    if origin is dict:
+        _, inner = typing.get_args(tp) or (str, Any)
+        return isinstance(value, dict) and all(_matches(inner, v) for v in value.values())
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, dict)
+    return isinstance(value, tp) if isinstance(tp, type) else True
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

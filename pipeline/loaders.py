@@ -1,0 +1,139 @@
+"""DataLoaders and per-domain evaluators over domain-tagged shards."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from composer.core import DataSpec, Evaluator
+from torch.utils.data import DataLoader
+
+from pipeline.collators import build_collator
+from pipeline.dataset import DomainStreamingDataset
+from pipeline.manifest import load_manifest
+
+log = logging.getLogger(__name__)
+
+__all__ = ["build_train_dataloader", "build_domain_evaluators", "load_domain_weights_file"]
+
+
+def build_train_dataloader(
+    *,
+    shard_dir: str,
+    device_batch_size: int,
+    pad_token_id: int,
+    max_seq_len: int,
+    remote: str | None = None,
+    split: str = "train",
+    domains: Sequence[str] | None = None,
+    domain_weights: Mapping[str, float] | None = None,
+    shuffle: bool = True,
+    shuffle_seed: int = 9176,
+    shuffle_algo: str = "py1e",
+    num_canonical_nodes: int | None = None,
+    predownload: int | None = None,
+    epoch_size: int | None = None,
+    num_workers: int = 0,
+    drop_last: bool = True,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool = False,
+    pin_memory: bool = False,
+) -> DataSpec:
+    """The training loader: a shuffled domain-tagged stream mix, batches of `device_batch_size`.
+
+    `device_batch_size` is what one rank receives per step: with a selection algorithm that
+    is the candidate pool, not the number of examples trained on.
+
+    Returns:
+        A Composer `DataSpec` whose batches hold input_ids, attention_mask, labels, domain_id.
+
+    Raises:
+        ValueError: the shards' max_seq_len differs from the run's.
+    """
+    manifest = load_manifest(shard_dir)
+    _check_seq_len(manifest.max_seq_len, max_seq_len, shard_dir)
+    dataset = DomainStreamingDataset(
+        shard_dir=shard_dir,
+        split=split,
+        remote=remote,
+        domains=domains,
+        domain_weights=domain_weights,
+        shuffle=shuffle,
+        shuffle_seed=shuffle_seed,
+        shuffle_algo=shuffle_algo,
+        num_canonical_nodes=num_canonical_nodes,
+        predownload=predownload,
+        epoch_size=epoch_size,
+        batch_size=device_batch_size,
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=device_batch_size,
+        collate_fn=build_collator(manifest.mode, pad_token_id=pad_token_id, max_seq_len=max_seq_len),
+        num_workers=num_workers,
+        drop_last=drop_last,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        persistent_workers=persistent_workers and num_workers > 0,
+        pin_memory=pin_memory,
+    )
+    return DataSpec(loader)
+
+
+def build_domain_evaluators(
+    *,
+    shard_dir: str,
+    device_batch_size: int,
+    pad_token_id: int,
+    max_seq_len: int,
+    remote: str | None = None,
+    split: str = "val",
+    per_domain: bool = True,
+    subset_num_batches: int = -1,
+    domains: Sequence[str] | None = None,
+) -> list[Evaluator]:
+    """One evaluator per domain (label `val/<domain>`), or one over all domains (`val/all`).
+
+    Each reports LanguageCrossEntropy (validation log-perplexity) and LanguagePerplexity.
+    """
+    manifest = load_manifest(shard_dir)
+    _check_seq_len(manifest.max_seq_len, max_seq_len, shard_dir)
+    names = list(domains) if domains is not None else [d.name for d in manifest.domains]
+    with_data = [d.name for d in manifest.domains if d.name in names and d.split_samples(split) > 0]
+    if not with_data:
+        raise ValueError(f"{shard_dir}: no domain has samples in split {split!r}; shard with a validation split")
+    skipped = sorted(set(names) - set(with_data))
+    if skipped:
+        log.warning("domains %s have no %s samples and get no evaluator", skipped, split)
+    groups = [[n] for n in with_data] if per_domain else [with_data]
+    collate = build_collator(manifest.mode, pad_token_id=pad_token_id, max_seq_len=max_seq_len)
+    evaluators = []
+    for group in groups:
+        dataset = DomainStreamingDataset(
+            shard_dir=shard_dir, split=split, remote=remote, domains=group, shuffle=False, batch_size=device_batch_size
+        )
+        loader = DataLoader(dataset, batch_size=device_batch_size, collate_fn=collate, drop_last=False)
+        label = f"val/{group[0]}" if per_domain else "val/all"
+        evaluators.append(
+            Evaluator(
+                label=label,
+                dataloader=DataSpec(loader),
+                metric_names=["LanguageCrossEntropy", "LanguagePerplexity"],
+                subset_num_batches=subset_num_batches,
+            )
+        )
+    return evaluators
+
+
+def load_domain_weights_file(path: str) -> dict[str, float]:
+    """Domain weights from a `mixture.json` (DoReMi's output or a selection run's)."""
+    from composer_algos.mixture_io import read_mixture_json
+
+    return dict(read_mixture_json(path).weights)
+
+
+def _check_seq_len(shard_len: int, run_len: int, shard_dir: str) -> None:
+    if shard_len != run_len:
+        raise ValueError(
+            f"max_seq_len {run_len} does not match the shards in {shard_dir} (manifest max_seq_len {shard_len}); "
+            "re-shard or set max_seq_len to match"
+        )

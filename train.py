@@ -1,0 +1,207 @@
+"""Train a causal LM on domain-partitioned Streaming shards, optionally selecting data each step.
+
+Usage:
+    composer train.py yamls/testing/tiny_dolma.yaml [key=value ...]      # any number of ranks
+    python train.py yamls/testing/tiny_dolma.yaml max_duration=20ba       # one process
+
+Keys are dotted paths into the yaml (e.g. `optimizer.lr=1e-4`,
+`algorithms.data_selection.strategy=random`); unknown or missing keys are reported before
+anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+from composer import Trainer
+from composer.loggers import FileLogger
+from composer.utils import dist, reproducibility
+from omegaconf import OmegaConf
+
+from composer_algos.builders import (
+    ALGORITHMS,
+    CALLBACKS,
+    LOGGERS,
+    build_optimizer,
+    build_registered,
+    build_scheduler,
+)
+from composer_algos.models import build_causal_lm
+from pipeline.config import TrainConfig, load_config
+from pipeline.loaders import build_domain_evaluators, build_train_dataloader, load_domain_weights_file
+from pipeline.manifest import load_manifest
+from pipeline.tokenizer import load_tokenizer
+
+log = logging.getLogger("train")
+
+
+def build_trainer(cfg: TrainConfig) -> Trainer:
+    """Build every object of the run described by `cfg` and return the (unfitted) Trainer."""
+    reproducibility.seed_all(cfg.seed)
+    world = dist.get_world_size()
+    if cfg.global_train_batch_size % world:
+        raise ValueError(
+            f"global_train_batch_size {cfg.global_train_batch_size} must be divisible by the world size {world}"
+        )
+    device_batch = cfg.global_train_batch_size // world
+    selection = cfg.algorithms.get("data_selection")
+    oversampling = float((selection or {}).get("oversampling", 1.0))
+    if oversampling < 1:
+        raise ValueError(f"algorithms.data_selection.oversampling must be >= 1, got {oversampling}")
+    device_pool = int(round(device_batch * oversampling))
+
+    tokenizer = load_tokenizer(cfg.tokenizer_name)
+    data = cfg.train_loader.dataset
+    manifest = load_manifest(data.shard_dir)
+    domain_names = [d.name for d in manifest.domains]
+    weights = data.domain_weights
+    if data.domain_weights_file is not None:
+        weights = load_domain_weights_file(data.domain_weights_file)
+        log.info("stream proportions from %s: %s", data.domain_weights_file, weights)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_loader = build_train_dataloader(
+        shard_dir=data.shard_dir,
+        remote=data.remote,
+        split=data.split,
+        domains=data.domains,
+        domain_weights=weights,
+        shuffle=data.shuffle,
+        shuffle_seed=data.shuffle_seed,
+        shuffle_algo=data.shuffle_algo,
+        num_canonical_nodes=data.num_canonical_nodes,
+        predownload=data.predownload,
+        epoch_size=data.epoch_size,
+        device_batch_size=device_pool,
+        pad_token_id=pad_id,
+        max_seq_len=cfg.max_seq_len,
+        num_workers=cfg.train_loader.num_workers,
+        drop_last=cfg.train_loader.drop_last,
+        prefetch_factor=cfg.train_loader.prefetch_factor,
+        persistent_workers=cfg.train_loader.persistent_workers,
+        pin_memory=cfg.train_loader.pin_memory,
+    )
+    evaluators = []
+    if cfg.eval_loader is not None:
+        ev = cfg.eval_loader
+        evaluators = build_domain_evaluators(
+            shard_dir=ev.shard_dir or data.shard_dir,
+            remote=ev.remote,
+            split=ev.split,
+            per_domain=ev.per_domain,
+            subset_num_batches=ev.subset_num_batches,
+            device_batch_size=ev.device_eval_batch_size,
+            pad_token_id=pad_id,
+            max_seq_len=cfg.max_seq_len,
+            domains=data.domains,
+        )
+
+    model_kwargs: dict[str, Any] = dataclasses.asdict(cfg.model)
+    model = build_causal_lm(tokenizer=tokenizer, **model_kwargs)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(trainable, **dataclasses.asdict(cfg.optimizer))
+    scheduler = build_scheduler(**dataclasses.asdict(cfg.scheduler))
+
+    run_dir = cfg.save_folder or os.path.join("runs", cfg.run_name or "run")
+    context = {
+        "domain_names": domain_names,
+        "natural_weights": [d.split_samples("train") for d in manifest.domains],
+        "device_train_batch_size": device_batch,
+        "run_dir": run_dir,
+        "output_dir": run_dir,
+        "max_seq_len": cfg.max_seq_len,
+        "pad_token_id": pad_id,
+        "shard_dir": data.shard_dir,
+        "seed": cfg.seed,
+    }
+    algorithms = [build_registered("algorithm", ALGORITHMS, n, kw, context) for n, kw in cfg.algorithms.items()]
+    callback_cfgs = dict(cfg.callbacks)
+    callback_cfgs.setdefault("mixture_monitor", {})  # the trained domain mixture is always logged
+    callbacks = [build_registered("callback", CALLBACKS, n, kw, context) for n, kw in callback_cfgs.items()]
+    loggers = [build_registered("logger", LOGGERS, n, kw, context) for n, kw in cfg.loggers.items()]
+    if cfg.save_folder and not any(isinstance(lg, FileLogger) for lg in loggers):
+        loggers.append(FileLogger(filename=os.path.join(cfg.save_folder, "log-rank{rank}.txt"), flush_interval=50))
+
+    precision = cfg.precision or ("amp_bf16" if torch.cuda.is_available() else "fp32")
+    if cfg.device_train_microbatch_size == "auto" and not torch.cuda.is_available():
+        raise ValueError("device_train_microbatch_size: auto needs a GPU; give an integer on CPU")
+    return Trainer(
+        run_name=cfg.run_name,
+        model=model,
+        train_dataloader=train_loader,
+        eval_dataloader=evaluators or None,
+        eval_interval=cfg.eval_interval,
+        eval_subset_num_batches=-1,
+        optimizers=optimizer,
+        schedulers=scheduler,
+        max_duration=cfg.max_duration,
+        device_train_microbatch_size=cfg.device_train_microbatch_size or device_batch,
+        precision=precision,
+        device=cfg.device,
+        algorithms=algorithms,
+        callbacks=callbacks,
+        loggers=loggers,
+        save_folder=cfg.save_folder,
+        save_interval=cfg.save_interval,
+        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
+        save_overwrite=cfg.save_overwrite,
+        load_path=cfg.load_path,
+        load_weights_only=cfg.load_weights_only,
+        autoresume=cfg.autoresume,
+        seed=cfg.seed,
+        console_log_interval=cfg.console_log_interval,
+        log_to_console=True,
+        progress_bar=cfg.progress_bar,
+        dist_timeout=cfg.dist_timeout,
+        parallelism_config={"fsdp": cfg.fsdp_config} if cfg.fsdp_config else None,
+        python_log_level=cfg.python_log_level,
+    )
+
+
+def domain_val_losses(trainer: Trainer) -> dict[str, float]:
+    """The last evaluation's cross-entropy (validation log-perplexity) per `val/<domain>` label."""
+    out = {}
+    for label, metrics in trainer.state.eval_metrics.items():
+        metric = metrics.get("LanguageCrossEntropy")
+        if metric is not None and label.startswith("val/"):
+            out[label[len("val/") :]] = float(metric.compute())
+    return out
+
+
+def format_domain_losses(losses: dict[str, float]) -> str:
+    """A small table of per-domain validation loss with the unweighted average."""
+    if not losses:
+        return "(no evaluation was run)"
+    width = max(len(n) for n in losses) + 2
+    lines = [f"{'domain':<{width}}{'val loss':>10}{'val ppl':>12}"]
+    for name, loss in losses.items():
+        lines.append(f"{name:<{width}}{loss:>10.4f}{math.exp(min(loss, 50)):>12.2f}")
+    avg = sum(losses.values()) / len(losses)
+    lines.append(f"{'average':<{width}}{avg:>10.4f}{math.exp(min(avg, 50)):>12.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> Trainer:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    cfg = load_config(argv[0], argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    trainer = build_trainer(cfg)
+    if cfg.save_folder and dist.get_global_rank() == 0:
+        os.makedirs(cfg.save_folder, exist_ok=True)
+        OmegaConf.save(OmegaConf.structured(dataclasses.asdict(cfg)), os.path.join(cfg.save_folder, "config.yaml"))
+    trainer.fit()
+    if dist.get_global_rank() == 0:
+        print("\nPer-domain validation loss (log-perplexity) at the end of training:")
+        print(format_domain_losses(domain_val_losses(trainer)))
+    return trainer
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
