@@ -78,8 +78,10 @@ class DoReMi(Algorithm):
             from every domain name to a positive weight.
         natural_weights: Natural shares of the training data in `domain_names` order; required
             by `initial_weights="natural"` and written into `mixture.json` when given.
-        output_dir: Where the writer puts `mixture.json` and `mixture_steps.csv`; `{run_name}`
-            is replaced by the run name (default "runs/{run_name}/doremi").
+        run_dir: The run's directory (train.py fills in the save folder or runs/<run_name>);
+            `{run_name}` is replaced. The writer puts `mixture.json` and `mixture_steps.csv` in
+            `<run_dir>/doremi/`, apart from the `MixtureMonitor` files of the proxy run itself
+            (which record the mixture the proxy was fed, not the learned one).
         reference_base_model: Base model (Hugging Face name or directory) for a reference
             checkpoint that holds only LoRA weights.
 
@@ -95,7 +97,7 @@ class DoReMi(Algorithm):
         smoothing: float = 1e-3,
         initial_weights: str | Mapping[str, float] = "uniform",
         natural_weights: Sequence[float] | None = None,
-        output_dir: str = "runs/{run_name}/doremi",
+        run_dir: str = "runs/{run_name}",
         reference_base_model: str | None = None,
     ) -> None:
         names = [str(n) for n in domain_names]
@@ -112,7 +114,7 @@ class DoReMi(Algorithm):
         self.domain_names = names
         self.eta_dro = float(eta_dro)
         self.smoothing = float(smoothing)
-        self.output_dir = output_dir
+        self.run_dir = run_dir
         self.natural_weights = None
         if natural_weights is not None:
             nat = [float(x) for x in natural_weights]

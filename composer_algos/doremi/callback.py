@@ -14,10 +14,11 @@ from composer_algos.mixture_io import MixtureCSVWriter, write_mixture_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DoReMiMixtureWriter", "MIXTURE_JSON", "MIXTURE_CSV"]
+__all__ = ["DoReMiMixtureWriter", "MIXTURE_JSON", "MIXTURE_CSV", "SUBDIR"]
 
 MIXTURE_JSON = "mixture.json"
 MIXTURE_CSV = "mixture_steps.csv"
+SUBDIR = "doremi"
 
 
 class DoReMiMixtureWriter(Callback):
@@ -32,8 +33,8 @@ class DoReMiMixtureWriter(Callback):
     run always has a recent one. One device-to-host copy of 3C numbers per step.
 
     Args:
-        output_dir: Output directory; `{run_name}` is replaced. None (default) uses the
-            algorithm's `output_dir`.
+        output_dir: Output directory; `{run_name}` is replaced. None (default) uses
+            `<run_dir>/doremi` with the algorithm's `run_dir`.
         json_every_n_batches: Also write `mixture.json` every this many steps (0: only at epoch and
             fit end). Default 100.
 
@@ -65,7 +66,8 @@ class DoReMiMixtureWriter(Callback):
 
     def _fit_start(self, state: State) -> None:
         algo = _find_doremi(state)
-        self.folder = Path(format_name_with_dist(self.output_dir or algo.output_dir, state.run_name))
+        folder = self.output_dir or str(Path(algo.run_dir) / SUBDIR)
+        self.folder = Path(format_name_with_dist(folder, state.run_name))
         if dist.get_global_rank() != 0:
             return
         resume = int(state.timestamp.batch) > 0

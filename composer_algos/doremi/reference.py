@@ -106,7 +106,9 @@ def _load_from_composer_checkpoint(path: Path, *, base_model: str | None, trust_
     if peft_cfg is not None:
         from peft import get_peft_config, get_peft_model
 
-        model = get_peft_model(model, get_peft_config(dict(peft_cfg["content"])))  # type: ignore[arg-type]
+        content = dict(peft_cfg["content"])
+        content["base_model_name_or_path"] = base_model or content.get("base_model_name_or_path") or ""
+        model = get_peft_model(model, get_peft_config(content))  # type: ignore[arg-type]
     # HuggingFaceModel keeps the transformers model as `.model`; strip that prefix.
     state = {k.removeprefix("model."): v for k, v in model_sd.items()}
     result = model.load_state_dict(state, strict=False)

@@ -38,7 +38,7 @@ def _examples(n=24, seed=0, domains=None):
 def _trainer(tmp_path, *, ref, steps, mb=BATCH, data=None, proxy=None, lr=0.5, algo_kwargs=None, **kw):
     proxy = tiny_llama(seed=0) if proxy is None else proxy
     model = HuggingFaceModel(proxy, use_logits=True)
-    algo = DoReMi(reference=ref, domain_names=NAMES, output_dir=str(tmp_path / "doremi"), **(algo_kwargs or {}))
+    algo = DoReMi(reference=ref, domain_names=NAMES, run_dir=str(tmp_path), **(algo_kwargs or {}))
     loader = DataLoader(_examples() if data is None else data, batch_size=BATCH, shuffle=False)
     trainer = Trainer(
         model=model,
