@@ -1,6 +1,12 @@
 """Per-example gradient features of a causal LM for data selection: exact or sketched, Adam-normalised, FFT-compressed."""
 
-from composer_algos.features.capture import per_example_grads, per_example_losses, scoring_mode, truncated_graph
+from composer_algos.features.capture import (
+    capture_layer_signals,
+    per_example_grads,
+    per_example_losses,
+    scoring_mode,
+    truncated_graph,
+)
 from composer_algos.features.extractor import FeatureError, GradFeatureExtractor
 from composer_algos.features.normalize import NORMALIZATIONS, SimulatedAdam
 from composer_algos.features.projection import apply_fjlt, fjlt_project, make_fjlt_plan
@@ -14,6 +20,7 @@ __all__ = [
     "SimulatedAdam",
     "TargetLayer",
     "apply_fjlt",
+    "capture_layer_signals",
     "choose_cut_module",
     "exact_layer_grads",
     "fjlt_project",

@@ -75,10 +75,11 @@ def factored_adam_scales(v_hats: Sequence[torch.Tensor], eps: float) -> tuple[to
     A sketch never forms the per-example gradient, so an elementwise preconditioner cannot be applied.
     We approximate `v` (O x (I[+1]), the bias as an extra column) by the rank-one fit Adafactor uses,
     `v_ij ~ r_i c_j / mean(v)` with row means `r` and column means `c` (exact when `v` is rank one),
-    so `1/sqrt(v_ij) ~ s_out_i * s_in_j` with `s_out = 1 / (sqrt(r / sqrt(mean v)) + sqrt(eps))` and
-    `s_in` alike. The preconditioned gradient `diag(s_out) G diag(s_in)` is then sketched by scaling
-    the projections' columns: `P_out diag(s_out)` and `P_in diag(s_in)`. Splitting eps as sqrt(eps) on
-    each side keeps the product at least eps-regularised like Adam's `sqrt(v) + eps`.
+    so `sqrt(v_ij) ~ A_i B_j` with `A = sqrt(r / sqrt(mean v))`, `B = sqrt(c / sqrt(mean v))`. The
+    preconditioned gradient `diag(s_out) G diag(s_in)` is then sketched by scaling the projections'
+    columns: `P_out diag(s_out)` and `P_in diag(s_in)`. Adam's `+ eps` cannot be factored exactly; we
+    use `s_out = 1 / (A + eps / (2 mean B))` and `s_in = 1 / (B + eps / (2 mean A))`, whose product is
+    `1 / (A_i B_j + ~eps + O(eps^2))` (the means are floored at sqrt(eps) so an all-zero `v` stays finite).
 
     Args:
         v_hats: the weight's (O, I) and optional bias's (O,) second moments.
@@ -92,8 +93,11 @@ def factored_adam_scales(v_hats: Sequence[torch.Tensor], eps: float) -> tuple[to
         v_OI = torch.cat([v_OI, v_hats[1].reshape(-1, 1)], dim=1)
     v_OI = v_OI.float() if v_OI.dtype in (torch.float16, torch.bfloat16) else v_OI
     root_mean = v_OI.mean().clamp_min(torch.finfo(v_OI.dtype).tiny).sqrt()
-    s_out_O = ((v_OI.mean(dim=1) / root_mean).sqrt() + eps**0.5).reciprocal()
-    s_in_I = ((v_OI.mean(dim=0) / root_mean).sqrt() + eps**0.5).reciprocal()
+    A_O = (v_OI.mean(dim=1) / root_mean).sqrt()
+    B_I = (v_OI.mean(dim=0) / root_mean).sqrt()
+    floor = eps**0.5
+    s_out_O = (A_O + eps / (2 * B_I.mean().clamp_min(floor))).reciprocal()
+    s_in_I = (B_I + eps / (2 * A_O.mean().clamp_min(floor))).reciprocal()
     return s_out_O, s_in_I
 
 
@@ -215,5 +219,10 @@ class SimulatedAdam:
 
 
 def unit_rows(x_nd: torch.Tensor) -> torch.Tensor:
-    """Rows scaled to unit L2 norm (so `G G^T` is the cosine Gram); all-zero rows stay zero."""
-    return x_nd / x_nd.norm(dim=1, keepdim=True).clamp_min(torch.finfo(x_nd.dtype).tiny)
+    """Rows scaled to unit L2 norm (so `G G^T` is the cosine Gram); all-zero rows stay zero.
+
+    Rows are first divided by their largest magnitude so tiny rows do not underflow in the norm.
+    """
+    tiny = torch.finfo(x_nd.dtype).tiny
+    scaled_nd = x_nd / x_nd.abs().amax(dim=1, keepdim=True).clamp_min(tiny)
+    return scaled_nd / scaled_nd.norm(dim=1, keepdim=True).clamp_min(tiny)
