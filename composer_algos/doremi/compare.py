@@ -1,0 +1,314 @@
+"""Compare domain mixtures (DoReMi's weights, selection runs' mixture.json) as a table and plots."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from composer_algos.mixture_io import MixtureFile, read_mixture_csv, read_mixture_json
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MixtureColumn",
+    "Trajectory",
+    "natural_token_shares",
+    "build_columns",
+    "format_table",
+    "format_markdown",
+    "plot_grouped_bars",
+    "plot_trajectories",
+    "load_trajectory",
+    "read_labelled",
+    "total_variation",
+]
+
+
+@dataclass
+class MixtureColumn:
+    """One method's mixture as a table column.
+
+    Attributes:
+        label: Column header.
+        weights: Domain name -> weight (domains the source lacks are absent).
+        source: The file it came from (or a description).
+    """
+
+    label: str
+    weights: dict[str, float]
+    source: str
+
+
+@dataclass
+class Trajectory:
+    """Per-step weights of one method, read from a `mixture_steps.csv`.
+
+    Attributes:
+        label: The method's label.
+        steps: Step of each row.
+        domain_names: Columns of `weights_SC`.
+        weights_SC: Per-step weights, shape (S, C).
+    """
+
+    label: str
+    steps: list[int]
+    domain_names: list[str]
+    weights_SC: np.ndarray
+
+
+def natural_token_shares(shard_dir: str | os.PathLike, split: str = "train") -> dict[str, float]:
+    """Each domain's share of the tokens of `split` in a shard manifest.
+
+    Args:
+        shard_dir: Directory holding the shard `manifest.json`.
+        split: "train" (default) or "val".
+
+    Returns:
+        Domain name -> token share, in manifest order.
+
+    Raises:
+        ValueError: If the split holds no tokens.
+    """
+    from pipeline.manifest import load_manifest
+
+    manifest = load_manifest(shard_dir)
+    tokens = {d.name: d.splits[split].tokens if split in d.splits else 0 for d in manifest.domains}
+    total = sum(tokens.values())
+    if total <= 0:
+        raise ValueError(f"{shard_dir}: split {split!r} holds no tokens; cannot compute natural shares")
+    return {n: t / total for n, t in tokens.items()}
+
+
+def build_columns(
+    doremi: MixtureFile | None,
+    runs: Sequence[tuple[str, MixtureFile]],
+    *,
+    doremi_source: str = "doremi",
+    natural: dict[str, float] | None = None,
+    natural_source: str = "manifest",
+) -> tuple[list[str], list[MixtureColumn]]:
+    """Assemble the table's domains (rows) and columns.
+
+    Columns, in order: the natural shares (given, else the first file's `natural`), DoReMi's
+    initial weights (when recorded) and learned weights, then each run.
+
+    Args:
+        doremi: DoReMi's mixture file, or None.
+        runs: (label, file) for each other run.
+        doremi_source: Where `doremi` came from (shown in messages).
+        natural: Natural shares by domain (e.g. `natural_token_shares`), or None.
+        natural_source: Where `natural` came from.
+
+    Returns:
+        `(domain_names, columns)`. Domains follow `natural` if given, else the first file, with
+        any further domains of later files appended.
+
+    Raises:
+        ValueError: If there is nothing to compare.
+    """
+    files = ([(doremi_source, doremi)] if doremi is not None else []) + [(lbl, f) for lbl, f in runs]
+    if not files and natural is None:
+        raise ValueError("nothing to compare: give --doremi and/or --runs")
+    names: list[str] = list(natural) if natural is not None else []
+    for _, f in files:
+        names += [n for n in f.domain_names if n not in names]
+    columns: list[MixtureColumn] = []
+    if natural is not None:
+        columns.append(MixtureColumn("natural", dict(natural), natural_source))
+    else:
+        first = next(((lbl, f) for lbl, f in files if f.natural is not None), None)
+        if first is not None:
+            columns.append(MixtureColumn("natural", dict(first[1].natural or {}), f"{first[0]} (`natural`)"))
+    if doremi is not None:
+        init = doremi.extra.get("initial_weights")
+        if isinstance(init, dict):
+            columns.append(MixtureColumn("DoReMi initial", {k: float(v) for k, v in init.items()}, doremi_source))
+        columns.append(MixtureColumn("DoReMi", dict(doremi.weights), doremi_source))
+    for label, f in runs:
+        columns.append(MixtureColumn(label, dict(f.weights), label))
+    for col in columns:
+        missing = [n for n in names if n not in col.weights]
+        if missing:
+            log.warning("%s has no weight for domains %s (shown as '-')", col.label, missing)
+    return names, columns
+
+
+def total_variation(a: dict[str, float], b: dict[str, float], names: Sequence[str]) -> float:
+    """Total-variation distance between two mixtures over `names` (missing weights count as 0)."""
+    return 0.5 * sum(abs(a.get(n, 0.0) - b.get(n, 0.0)) for n in names)
+
+
+def format_table(names: Sequence[str], columns: Sequence[MixtureColumn]) -> str:
+    """A fixed-width text table: one row per domain, one column per method, plus a TV row."""
+    width = max([len("domain"), len("TV vs natural"), *(len(n) for n in names)]) + 2
+    colw = max([9, *(len(c.label) + 2 for c in columns)])
+    lines = ["domain".ljust(width) + "".join(c.label.rjust(colw) for c in columns)]
+    for n in names:
+        lines.append(n.ljust(width) + "".join(_fmt(c.weights.get(n)).rjust(colw) for c in columns))
+    natural = next((c for c in columns if c.label == "natural"), None)
+    if natural is not None:
+        tv = [total_variation(c.weights, natural.weights, names) for c in columns]
+        lines.append("TV vs natural".ljust(width) + "".join(f"{x:.4f}".rjust(colw) for x in tv))
+    return "\n".join(lines)
+
+
+def format_markdown(names: Sequence[str], columns: Sequence[MixtureColumn]) -> str:
+    """The same table in Markdown, with a sources list underneath."""
+    lines = ["| domain | " + " | ".join(c.label for c in columns) + " |"]
+    lines.append("|---|" + "---:|" * len(columns))
+    for n in names:
+        lines.append(f"| {n} | " + " | ".join(_fmt(c.weights.get(n)) for c in columns) + " |")
+    natural = next((c for c in columns if c.label == "natural"), None)
+    if natural is not None:
+        tv = [total_variation(c.weights, natural.weights, names) for c in columns]
+        lines.append("| *TV vs natural* | " + " | ".join(f"{x:.4f}" for x in tv) + " |")
+    lines.append("")
+    lines += [f"- **{c.label}**: {c.source}" for c in columns]
+    return "\n".join(lines) + "\n"
+
+
+def plot_grouped_bars(
+    names: Sequence[str], columns: Sequence[MixtureColumn], path: str | os.PathLike, *, title: str | None = None
+) -> Path:
+    """Grouped bar chart, one group per domain and one bar per method (the paper's domain-weights figure).
+
+    Returns:
+        The written path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    num_cols = len(columns)
+    x = np.arange(len(names))
+    width = 0.8 / max(num_cols, 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 4.2))
+    colors = _colors(columns)
+    for i, col in enumerate(columns):
+        vals = [col.weights.get(n, 0.0) for n in names]
+        ax.bar(x - 0.4 + width * (i + 0.5), vals, width, label=col.label, color=colors[i], edgecolor="black",
+               linewidth=0.3)
+    ax.set_xticks(x)
+    ax.set_xticklabels(names, rotation=35, ha="right")
+    ax.set_ylabel("Domain weights")
+    ax.set_ylim(0, min(1.0, 1.15 * max([c.weights.get(n, 0.0) for c in columns for n in names] + [0.1])))
+    ax.grid(axis="y", color="0.85")
+    ax.set_axisbelow(True)
+    ax.legend(frameon=False, loc="upper left")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=150)
+    plt.close(fig)
+    return out
+
+
+def load_trajectory(label: str, json_path: str | os.PathLike) -> Trajectory | None:
+    """Read the `mixture_steps.csv` next to a `mixture.json`, or None when there is none."""
+    csv_path = Path(json_path).with_name("mixture_steps.csv")
+    if not csv_path.is_file():
+        return None
+    steps, names, weights_SC = read_mixture_csv(csv_path)
+    if not steps:
+        return None
+    return Trajectory(label, steps, names, weights_SC)
+
+
+def plot_trajectories(
+    trajectories: Sequence[Trajectory], path: str | os.PathLike, *, title: str | None = None
+) -> Path:
+    """One panel per method: per-step weights (thin) and their running mean (thick), per domain.
+
+    The running mean over the rows is what `mixture.json` reports (for DoReMi the first row is
+    the initial weights, which the average includes).
+
+    Returns:
+        The written path.
+
+    Raises:
+        ValueError: If `trajectories` is empty.
+    """
+    if not trajectories:
+        raise ValueError("no trajectories to plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    all_names: list[str] = []
+    for t in trajectories:
+        all_names += [n for n in t.domain_names if n not in all_names]
+    cmap = plt.get_cmap("tab10" if len(all_names) <= 10 else "tab20")
+    color = {n: cmap(i % cmap.N) for i, n in enumerate(all_names)}
+    ncols = min(3, len(trajectories))
+    nrows = math.ceil(len(trajectories) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False, sharey=True)
+    for ax, t in zip(axes.flat, trajectories):
+        running_SC = np.cumsum(t.weights_SC, axis=0) / np.arange(1, len(t.steps) + 1)[:, None]
+        for c, n in enumerate(t.domain_names):
+            ax.plot(t.steps, t.weights_SC[:, c], color=color[n], alpha=0.3, linewidth=0.7)
+            ax.plot(t.steps, running_SC[:, c], color=color[n], linewidth=1.8, label=n)
+        ax.set_title(t.label)
+        ax.set_xlabel("step")
+        ax.grid(color="0.9")
+    for ax in list(axes.flat)[len(trajectories) :]:
+        ax.set_visible(False)
+    axes[0][0].set_ylabel("weight (thin: per step, thick: running mean)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    for ax in list(axes.flat)[1 : len(trajectories)]:
+        h, lab = ax.get_legend_handles_labels()
+        seen.update({k: v for k, v in zip(lab, h) if k not in seen})
+    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(len(seen), 8), frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def read_labelled(spec: str) -> tuple[str, MixtureFile, Path]:
+    """Parse a `--runs` entry, `PATH` or `LABEL=PATH`; the default label is `<method> (<dir>)`.
+
+    Raises:
+        ValueError, FileNotFoundError: From `read_mixture_json`.
+    """
+    label, sep, path_s = spec.partition("=")
+    if not sep or not label or Path(spec).exists():
+        label, path_s = "", spec
+    path = Path(path_s)
+    if path.is_dir():
+        path = path / "mixture.json"
+    mix = read_mixture_json(path)
+    return label or f"{mix.method} ({path.parent.name})", mix, path
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _colors(columns: Sequence[MixtureColumn]) -> list:
+    import matplotlib.pyplot as plt
+
+    fixed = {"natural": "0.55", "DoReMi initial": "0.8", "DoReMi": "tab:blue"}
+    cycle = [c for c in plt.get_cmap("tab10").colors if c != plt.get_cmap("tab10").colors[0]]  # type: ignore[attr-defined]
+    out, k = [], 0
+    for col in columns:
+        if col.label in fixed:
+            out.append(fixed[col.label])
+        else:
+            out.append(cycle[(k + 2) % len(cycle)])  # start at red, as the paper's PartitionSel bars
+            k += 1
+    return out

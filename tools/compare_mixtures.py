@@ -1,0 +1,76 @@
+"""Compare DoReMi's learned domain weights with the mixtures other runs trained on.
+
+Prints a table (domain x method, beside the natural token shares of the data), and writes
+comparison.md (the same table), comparison.png (grouped bars, like the paper's DoReMi
+domain-weights figure) and trajectories.png (per-step weights and their running mean, from the
+mixture_steps.csv next to each mixture.json, when present).
+
+Example:
+    python tools/compare_mixtures.py \\
+        --doremi runs/demo-doremi-proxy/doremi/mixture.json \\
+        --runs runs/demo-partitionsel/mixture.json random=runs/demo-random \\
+        --manifest demo_out/shards/dolma --out runs/compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from composer_algos.doremi.compare import (
+    build_columns,
+    format_markdown,
+    format_table,
+    load_trajectory,
+    natural_token_shares,
+    plot_grouped_bars,
+    plot_trajectories,
+    read_labelled,
+)
+from composer_algos.mixture_io import read_mixture_json
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, print the table and write the Markdown table and the two figures."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--doremi", type=Path, help="DoReMi's mixture.json (the proxy run's doremi/mixture.json)")
+    parser.add_argument("--runs", nargs="*", default=[], help="other runs: mixture.json, its run directory, or LABEL=PATH")
+    parser.add_argument("--manifest", type=Path, help="shard directory whose manifest gives the natural token shares")
+    parser.add_argument("--split", default="train", help="manifest split for the natural shares (default: train)")
+    parser.add_argument("--out", type=Path, default=Path("mixture_comparison"), help="output directory")
+    parser.add_argument("--title", help="figure title")
+    args = parser.parse_args(argv)
+    if args.doremi is None and not args.runs:
+        parser.error("give --doremi and/or --runs")
+
+    doremi = read_mixture_json(args.doremi) if args.doremi is not None else None
+    runs = [read_labelled(spec) for spec in args.runs]
+    natural = natural_token_shares(args.manifest, args.split) if args.manifest is not None else None
+    names, columns = build_columns(
+        doremi,
+        [(label, mix) for label, mix, _ in runs],
+        doremi_source=str(args.doremi),
+        natural=natural,
+        natural_source=f"token shares of the {args.split} split in {args.manifest}/manifest.json",
+    )
+    print(format_table(names, columns))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "comparison.md").write_text(format_markdown(names, columns))
+    bars = plot_grouped_bars(names, columns, args.out / "comparison.png", title=args.title)
+    written = [args.out / "comparison.md", bars]
+    trajectories = []
+    if doremi is not None and args.doremi is not None:
+        trajectories.append(load_trajectory("DoReMi", args.doremi))
+    trajectories += [load_trajectory(label, path) for label, _, path in runs]
+    trajectories = [t for t in trajectories if t is not None]
+    if trajectories:
+        written.append(plot_trajectories(trajectories, args.out / "trajectories.png", title=args.title))
+    else:
+        print("no mixture_steps.csv next to the inputs; trajectories.png not written", file=sys.stderr)
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
