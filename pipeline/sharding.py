@@ -1,0 +1,763 @@
+"""Tokenizes corpus records in worker processes and writes one MDS directory per domain and split, plus the manifest."""
+
+# Shapes: ids_T = the token ids (int32) of one record or one packed sequence of T tokens.
+
+from __future__ import annotations
+
+import collections
+import copy
+import hashlib
+import heapq
+import json
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from streaming import MDSWriter
+from tqdm import tqdm
+
+from pipeline.corpora import (
+    CorpusError,
+    CorpusSpec,
+    InputFile,
+    ParsedRecord,
+    RawRecord,
+    RecordError,
+    iter_raw_records,
+    list_input_files,
+    parse_record,
+)
+from pipeline.manifest import (
+    FORMAT_VERSION,
+    SPLITS,
+    DomainInfo,
+    InputInfo,
+    Manifest,
+    SplitStats,
+    write_manifest,
+)
+from pipeline.prompts import render_prompt, resolve_prompt_template
+from pipeline.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "COMPRESSION",
+    "HASHES",
+    "MODES",
+    "REJECTS_NAME",
+    "TRUNCATIONS",
+    "ShardError",
+    "ShardOptions",
+    "ShardResult",
+    "columns_for_mode",
+    "format_summary",
+    "shard_corpus",
+    "truncate_example",
+]
+
+MODES = ("pretrain", "finetune")
+TRUNCATIONS = ("left_prompt", "right", "skip")
+ON_ERROR = ("stop", "skip")
+COMPRESSION = "zstd"
+HASHES = ["sha1", "xxh64"]
+REJECTS_NAME = "rejects.jsonl"
+_STAGING = "_staging"
+
+
+class ShardError(RuntimeError):
+    """Sharding stopped: a bad record under `on_error="stop"` or an unreadable input; names file:line."""
+
+
+@dataclass(kw_only=True)
+class ShardOptions:
+    """Options of one `shard_corpus` run (the CLI flags of tools/shard.py).
+
+    Args:
+        out: Output directory; built under a temporary name beside it and moved into place when complete.
+        tokenizer: Tokenizer name or path (`load_tokenizer`); must be a fast tokenizer.
+        max_seq_len: Pretrain: length of every packed sample (the last of a domain split may be
+            shorter). Finetune: the cap on prompt + response tokens.
+        mode: "pretrain" or "finetune"; None picks the corpus default (Dolma: pretrain,
+            instruction corpora: finetune).
+        prompt_template: Finetune (or pretraining on instruction data): template name or string
+            (`pipeline.prompts`); None picks "alpaca" for MetaMathQA and Mol-Instructions, "none" for jsonl.
+        truncation: Finetune policy for examples longer than `max_seq_len`: "left_prompt" (default;
+            drop prompt tokens from the left, keep the whole response; drop the example when the
+            response leaves no room for a prompt token), "right" (cut prompt + response on the
+            right; drop the example when no response token is left) or "skip" (drop it).
+        val_fraction: Hold out each record of a domain with this probability (by a seeded hash of
+            its content, so duplicates share a split), or None.
+        val_count: Hold out exactly this many records per domain (the smallest hashes), or None.
+            A domain always keeps at least one training record.
+        seed: Seed of the validation split (default 0).
+        workers: Tokenizer processes (default 1); each uses one thread. Output does not depend on it.
+        on_error: "stop" (default: raise `ShardError` naming file:line) or "skip" (write the bad
+            record to rejects.jsonl and go on).
+        overwrite: Replace an existing output directory (only one that holds a manifest.json or is empty).
+        size_limit: MDS shard size limit (bytes or e.g. "64mb").
+        progress: Show a tqdm progress bar.
+        chunk_records: Records per worker task.
+        command: The command line, stored in the manifest.
+
+    Raises:
+        ValueError: On invalid values (every problem listed).
+    """
+
+    out: Path | str
+    tokenizer: str
+    max_seq_len: int
+    mode: str | None = None
+    prompt_template: str | None = None
+    truncation: str = "left_prompt"
+    val_fraction: float | None = None
+    val_count: int | None = None
+    seed: int = 0
+    workers: int = 1
+    on_error: str = "stop"
+    overwrite: bool = False
+    size_limit: int | str = "64mb"
+    progress: bool = True
+    chunk_records: int = 256
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            problems.append(f"`max_seq_len` must be an integer >= 2, got {self.max_seq_len!r}")
+        if self.mode is not None and self.mode not in MODES:
+            problems.append(f"`mode` must be one of {list(MODES)}, got {self.mode!r}")
+        if self.truncation not in TRUNCATIONS:
+            problems.append(f"`truncation` must be one of {list(TRUNCATIONS)}, got {self.truncation!r}")
+        if self.val_fraction is not None and self.val_count is not None:
+            problems.append(f"`val_fraction` ({self.val_fraction}) and `val_count` ({self.val_count}) are mutually exclusive; give one")
+        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
+            problems.append(f"`val_fraction` must be in (0, 1), got {self.val_fraction}")
+        if self.val_count is not None and (not isinstance(self.val_count, int) or self.val_count < 1):
+            problems.append(f"`val_count` must be an integer >= 1, got {self.val_count!r}")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            problems.append(f"`workers` must be an integer >= 1, got {self.workers!r}")
+        if self.on_error not in ON_ERROR:
+            problems.append(f"`on_error` must be one of {list(ON_ERROR)}, got {self.on_error!r}")
+        if not isinstance(self.chunk_records, int) or self.chunk_records < 1:
+            problems.append(f"`chunk_records` must be an integer >= 1, got {self.chunk_records!r}")
+        if self.prompt_template is not None:
+            try:
+                resolve_prompt_template(self.prompt_template)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ValueError("invalid shard options:\n  " + "\n  ".join(problems))
+        self.out = Path(self.out)
+
+
+@dataclass
+class ShardResult:
+    """What a `shard_corpus` run produced.
+
+    Attributes:
+        manifest: The manifest written (its `root` is the output directory).
+        seconds: Wall time of the whole run.
+        records_read: Records read from the inputs.
+        tokens_written: Tokens written over all domains and splits.
+    """
+
+    manifest: Manifest
+    seconds: float
+    records_read: int
+    tokens_written: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens written per second of wall time."""
+        return self.tokens_written / max(self.seconds, 1e-9)
+
+
+def columns_for_mode(mode: str) -> dict[str, str]:
+    """The MDS columns of a mode: pretrain `input_ids`; finetune `prompt_ids`, `response_ids`, `record`."""
+    if mode == "pretrain":
+        return {"input_ids": "ndarray:int32"}
+    return {"prompt_ids": "ndarray:int32", "response_ids": "ndarray:int32", "record": "str"}
+
+
+def truncate_example(prompt_T: np.ndarray, response_T: np.ndarray, max_seq_len: int, policy: str) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """Fit a prompt/response pair into `max_seq_len` tokens.
+
+    Args:
+        prompt_T: Prompt token ids.
+        response_T: Response token ids (EOS included).
+        max_seq_len: The cap on their total length.
+        policy: "left_prompt", "right" or "skip" (see `ShardOptions.truncation`).
+
+    Returns:
+        (prompt, response, truncated), or None when the policy drops the example.
+    """
+    total = len(prompt_T) + len(response_T)
+    if total <= max_seq_len:
+        return prompt_T, response_T, False
+    if policy == "left_prompt":
+        room = max_seq_len - len(response_T)
+        return (prompt_T[len(prompt_T) - room :], response_T, True) if room >= 1 else None
+    if policy == "right":
+        keep = max_seq_len - len(prompt_T)
+        if keep >= 1:
+            return prompt_T, response_T[:keep], True
+        return None
+    return None
+
+
+def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptions) -> ShardResult:
+    """Convert a corpus into per-domain MDS directories and a manifest.
+
+    Layout: `OUT/manifest.json`, `OUT/train/<domain dir>/`, `OUT/val/<domain dir>/` (domains
+    with validation records) and, with `on_error="skip"` and rejects, `OUT/rejects.jsonl`.
+    Records are read in input order by this process, tokenized by `options.workers` processes
+    in chunks, and written back in input order, so the output is identical for any number of
+    workers. Pretraining concatenates each record's tokens plus EOS within a domain and split
+    only, and cuts `max_seq_len` sequences; fine-tuning writes one sample per record with the
+    prompt and response (plus EOS) kept apart.
+
+    Args:
+        spec: How to read the corpus (`pipeline.corpora.make_corpus_spec`).
+        inputs: Files and directories (or, for MetaMathQA, a hub dataset name).
+        options: The run's options.
+
+    Returns:
+        The manifest and timing.
+
+    Raises:
+        ValueError: On invalid options or inputs, or an existing output without `overwrite`.
+        ShardError: On a bad record under `on_error="stop"`, or an unreadable input file.
+    """
+    start = time.perf_counter()
+    mode = options.mode or spec.default_mode
+    if mode == "finetune" and not spec.is_instruction:
+        raise ValueError(
+            f"`mode` finetune needs prompt/response records, but corpus {spec.format!r} reads text field "
+            f"{spec.text_field!r}; use mode pretrain (or, for jsonl, --prompt-field and --response-field)"
+        )
+    template = options.prompt_template or ("none" if spec.format == "jsonl" else "alpaca")
+    out = Path(options.out)
+    _check_output(out, options.overwrite)
+    files = list_input_files(inputs, allow_hub=spec.format == "metamathqa")
+    tokenizer = load_tokenizer(options.tokenizer)
+    if not tokenizer.is_fast:
+        raise ValueError(f"`tokenizer` {options.tokenizer!r} has no fast (Rust) implementation; sharding needs one")
+
+    config = _WorkerConfig(
+        spec=spec,
+        mode=mode,
+        tokenizer=options.tokenizer,
+        template=template if spec.is_instruction else None,
+        max_seq_len=options.max_seq_len,
+        truncation=options.truncation,
+        seed=options.seed,
+        keep_records=options.on_error == "skip",
+    )
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
+    try:
+        # One thread per worker (the in-process one included), so --workers N means N cores.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        writer = _CorpusWriter(tmp, mode, options, tokenizer.eos_token_id)
+        inputs_info = [InputInfo(path=f.path, sha256=_sha256(f), records=0) for f in files]
+        bar = tqdm(desc="sharding", unit="rec", disable=not options.progress, dynamic_ncols=True)
+        chunk_results = _run_chunks(files, config, options)
+        try:
+            for file_idx, n_raw, results in chunk_results:
+                inputs_info[file_idx].records += n_raw
+                writer.consume(files[file_idx], results)
+                bar.update(n_raw)
+                bar.set_postfix(tokens=writer.tokens_written, refresh=False)
+        finally:
+            chunk_results.close()  # stops the worker pool at once on an error
+            bar.close()
+            writer.close_rejects()
+        domains = writer.finish()
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            mode=mode,
+            tokenizer=str(options.tokenizer),
+            vocab_size=len(tokenizer),
+            eos_token_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
+            pad_token_id=tokenizer.pad_token_id,  # type: ignore[arg-type]
+            bos_token_id=tokenizer.bos_token_id,  # type: ignore[arg-type]
+            max_seq_len=options.max_seq_len,
+            prompt_template=template if spec.is_instruction else None,
+            truncation=options.truncation if mode == "finetune" else None,
+            val_fraction=options.val_fraction,
+            val_count=options.val_count,
+            seed=options.seed,
+            domains=domains,
+            inputs=inputs_info,
+            command=options.command,
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            source_format=spec.format,
+            rejected_other=writer.rejected_other,
+            filtered_out=writer.filtered_out,
+            split_filter=spec.split if spec.split_field is not None else None,
+        )
+        write_manifest(manifest, tmp)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if saved_env is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved_env
+    manifest.root = out
+    return ShardResult(
+        manifest=manifest,
+        seconds=time.perf_counter() - start,
+        records_read=sum(i.records for i in inputs_info),
+        tokens_written=writer.tokens_written,
+    )
+
+
+def format_summary(result: ShardResult) -> str:
+    """A per-domain table: records in, written train/val, rejected, truncated, samples, tokens; then totals and tokens/s."""
+    m = result.manifest
+    head = f"{'domain':32s} {'in':>8s} {'train':>8s} {'val':>7s} {'rejected':>8s} {'trunc':>6s} {'samples':>15s} {'tokens':>21s}"
+    lines = [head, "-" * len(head)]
+    for d in m.domains:
+        tr, va = d.splits["train"], d.splits["val"]
+        rej = f"{d.rejected}" + (f"({d.too_long}L)" if d.too_long else "")
+        lines.append(
+            f"{d.name[:32]:32s} {d.input_records:8d} {tr.records:8d} {va.records:7d} {rej:>8s} {d.truncated:6d} "
+            f"{tr.samples:>8d}/{va.samples:<6d} {tr.tokens:>12d}/{va.tokens:<8d}"
+        )
+    if m.rejected_other:
+        lines.append(f"{'(no domain written)':32s} {m.rejected_other:8d} {0:8d} {0:7d} {m.rejected_other:8d}")
+    read = result.records_read
+    accounted = sum(d.input_records for d in m.domains) + m.rejected_other + m.filtered_out
+    lines.append("-" * len(head))
+    lines.append(
+        f"records read {read} = written {sum(d.splits['train'].records + d.splits['val'].records for d in m.domains)}"
+        f" + rejected {sum(d.rejected for d in m.domains) + m.rejected_other}"
+        f" + filtered by split {m.filtered_out}" + ("" if read == accounted else "  (DOES NOT RECONCILE)")
+    )
+    lines.append(
+        f"{result.tokens_written} tokens in {result.seconds:.1f}s: {result.tokens_per_s:,.0f} tokens/s "
+        f"({read / max(result.seconds, 1e-9):,.0f} records/s); (L) = dropped by the truncation policy"
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side: parse, validate, render prompts, tokenize, truncate, hash.
+
+
+@dataclass(frozen=True)
+class _WorkerConfig:
+    spec: CorpusSpec
+    mode: str
+    tokenizer: str
+    template: str | None
+    max_seq_len: int
+    truncation: str
+    seed: int
+    keep_records: bool
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(config: _WorkerConfig) -> None:
+    """Per-process setup: a private copy of the Rust tokenizer that treats special-token text as text."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tokenizer = load_tokenizer(config.tokenizer)
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)  # type: ignore[attr-defined]
+    # A document that contains the literal text "<|endoftext|>" must not inject an EOS token.
+    backend.encode_special_tokens = True
+    _WORKER.update(config=config, backend=backend, eos=int(tokenizer.eos_token_id))  # type: ignore[arg-type]
+
+
+def _process_chunk(chunk: tuple[str, str, list[RawRecord]]) -> list[tuple]:
+    """Turn a chunk of raw records into result tuples, in order.
+
+    Results: ("ok", line, loc, domain, hash, ids_T | (prompt_T, response_T), truncated),
+    ("err", line, loc, domain | None, problem, record), ("drop", ...same as err),
+    ("filtered", line, loc).
+    """
+    config: _WorkerConfig = _WORKER["config"]
+    backend, eos = _WORKER["backend"], _WORKER["eos"]
+    _, dir_domain, raws = chunk
+    results: list[tuple | None] = [None] * len(raws)
+    parsed: list[tuple[int, ParsedRecord]] = []
+    for i, raw in enumerate(raws):
+        try:
+            rec = parse_record(config.spec, raw, dir_domain)
+        except RecordError as exc:
+            results[i] = ("err", raw.line, raw.loc, exc.domain, exc.problem, exc.record if config.keep_records else None)
+            continue
+        if rec is None:
+            results[i] = ("filtered", raw.line, raw.loc)
+        else:
+            parsed.append((i, rec))
+
+    seed_prefix = f"{config.seed}\x00".encode()
+    if config.spec.is_instruction:
+        prompts = [render_prompt(config.template, r.instruction, r.input) for _, r in parsed]  # type: ignore[arg-type]
+        contents = [f"{r.instruction}\x00{r.input}\x00{r.response}" for _, r in parsed]
+    else:
+        prompts = [r.text for _, r in parsed]
+        contents = prompts
+
+    if config.mode == "pretrain":
+        texts = prompts if not config.spec.is_instruction else [p + r.response for p, (_, r) in zip(prompts, parsed)]
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+        for (i, rec), enc, content in zip(parsed, encodings, contents):
+            ids_T = np.empty(len(enc.ids) + 1, dtype=np.int32)
+            ids_T[:-1] = enc.ids
+            ids_T[-1] = eos
+            results[i] = ("ok", raws[i].line, raws[i].loc, rec.domain, _content_hash(seed_prefix, rec.domain, content), ids_T, False)
+    else:
+        prompt_encs = backend.encode_batch(prompts, add_special_tokens=False)
+        response_encs = backend.encode_batch([r.response for _, r in parsed], add_special_tokens=False)
+        for (i, rec), p_enc, r_enc, content in zip(parsed, prompt_encs, response_encs, contents):
+            prompt_T = np.asarray(p_enc.ids, dtype=np.int32)
+            response_T = np.empty(len(r_enc.ids) + 1, dtype=np.int32)
+            response_T[:-1] = r_enc.ids
+            response_T[-1] = eos
+            fitted = truncate_example(prompt_T, response_T, config.max_seq_len, config.truncation)
+            if fitted is None:
+                problem = (
+                    f"too long for max_seq_len {config.max_seq_len} (prompt {len(prompt_T)} + response {len(response_T)} tokens; "
+                    f"truncation={config.truncation})"
+                )
+                results[i] = ("drop", raws[i].line, raws[i].loc, rec.domain, problem, rec.obj if config.keep_records else None)
+                continue
+            results[i] = (
+                "ok", raws[i].line, raws[i].loc, rec.domain, _content_hash(seed_prefix, rec.domain, content), (fitted[0], fitted[1]), fitted[2]
+            )  # fmt: skip
+    return results  # type: ignore[return-value]
+
+
+def _content_hash(seed_prefix: bytes, domain: str, content: str) -> int:
+    """A seeded 64-bit hash of a record's content: the validation split is a function of it."""
+    h = hashlib.blake2b(seed_prefix + domain.encode("utf-8") + b"\x00", digest_size=8)
+    h.update(content.encode("utf-8"))
+    return int.from_bytes(h.digest(), "little")
+
+
+# ---------------------------------------------------------------------------------------------
+# Main side: read, dispatch in order with a bounded window, assign splits, pack, write.
+
+
+def _iter_chunks(files: list[InputFile], chunk_records: int) -> Iterator[tuple[int, tuple[str, str, list[RawRecord]]]]:
+    for file_idx, file in enumerate(files):
+        batch: list[RawRecord] = []
+        try:
+            for raw in iter_raw_records(file):
+                batch.append(raw)
+                if len(batch) >= chunk_records:
+                    yield file_idx, (file.display, file.dir_domain, batch)
+                    batch = []
+        except CorpusError as exc:
+            raise ShardError(str(exc)) from exc
+        if batch:
+            yield file_idx, (file.display, file.dir_domain, batch)
+
+
+def _run_chunks(files: list[InputFile], config: _WorkerConfig, options: ShardOptions) -> Iterator[tuple[int, int, list[tuple]]]:
+    """Yield (file index, records in chunk, results) in input order."""
+    chunks = _iter_chunks(files, options.chunk_records)
+    if options.workers == 1:
+        _init_worker(config)
+        for file_idx, chunk in chunks:
+            yield file_idx, len(chunk[2]), _process_chunk(chunk)
+        return
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(options.workers, initializer=_init_worker, initargs=(config,)) as pool:
+        yield from _ordered_window(pool.apply_async, chunks, window=4 * options.workers)
+
+
+def _ordered_window(submit: Callable, chunks: Iterable[tuple[int, tuple]], window: int) -> Iterator[tuple[int, int, list[tuple]]]:
+    """Like Pool.imap, but with at most `window` chunks in flight (imap reads its input eagerly)."""
+    pending: collections.deque = collections.deque()
+    for file_idx, chunk in chunks:
+        pending.append((file_idx, len(chunk[2]), submit(_process_chunk, (chunk,))))
+        if len(pending) >= window:
+            file_idx0, n0, fut = pending.popleft()
+            yield file_idx0, n0, fut.get()
+    while pending:
+        file_idx0, n0, fut = pending.popleft()
+        yield file_idx0, n0, fut.get()
+
+
+@dataclass
+class _Held:
+    """A written-later record: kept whole until its split is decided."""
+
+    hash: int
+    seq: int
+    display: str
+    loc: int
+    payload: Any
+
+
+@dataclass
+class _DomainState:
+    name: str
+    key: str
+    input_records: int = 0
+    rejected: int = 0
+    truncated: int = 0
+    too_long: int = 0
+    stats: dict[str, SplitStats] = field(default_factory=lambda: {s: SplitStats() for s in SPLITS})
+    writers: dict[str, MDSWriter] = field(default_factory=dict)
+    buffers: dict[str, list[np.ndarray]] = field(default_factory=lambda: {s: [] for s in SPLITS})
+    buffered: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+    held: list[_Held] = field(default_factory=list)  # val candidates (fraction: until a train record exists; count: a max-heap)
+
+
+class _CorpusWriter:
+    """Assigns records to splits, packs (pretrain) and writes MDS samples; tracks every count."""
+
+    def __init__(self, root: Path, mode: str, options: ShardOptions, eos_id: int) -> None:
+        self.root = root
+        self.mode = mode
+        self.options = options
+        self.columns = columns_for_mode(mode)
+        self.domains: dict[str, _DomainState] = {}
+        self.rejected_other = 0
+        self.filtered_out = 0
+        self.tokens_written = 0
+        self.seq = 0
+        self.threshold = None if options.val_fraction is None else int(options.val_fraction * 2**64)
+        self.rejects_file = None
+        self.rejects_written = 0
+
+    # -- records ------------------------------------------------------------------------------
+
+    def consume(self, file: InputFile, results: list[tuple]) -> None:
+        for res in results:
+            kind = res[0]
+            if kind == "ok":
+                _, _, loc, domain, h, payload, truncated = res
+                state = self._domain(domain)
+                state.input_records += 1
+                state.truncated += int(truncated)
+                self._assign(state, _Held(h, self.seq, file.display, loc, payload))
+                self.seq += 1
+            elif kind == "filtered":
+                self.filtered_out += 1
+            else:
+                _, line, _, domain, problem, record = res
+                if kind == "err" and self.options.on_error == "stop":
+                    raise ShardError(f"{file.display}:{line}: {problem} (pass --on-error skip to write bad records to {REJECTS_NAME} and go on)")
+                if domain is None:
+                    self.rejected_other += 1
+                else:
+                    state = self._domain(domain)
+                    state.input_records += 1
+                    state.rejected += 1
+                    state.too_long += int(kind == "drop")
+                if self.options.on_error == "skip":
+                    self._write_reject(file.display, line, domain, problem, record)
+
+    def _domain(self, name: str) -> _DomainState:
+        state = self.domains.get(name)
+        if state is None:
+            state = self.domains[name] = _DomainState(name=name, key=f"d{len(self.domains):05d}")
+        return state
+
+    def _assign(self, state: _DomainState, item: _Held) -> None:
+        opts = self.options
+        if opts.val_count is not None:
+            # Keep the val_count smallest hashes (a max-heap on -hash); evicted records train.
+            heapq.heappush(state.held, _HeapItem(item))  # type: ignore[arg-type]
+            if len(state.held) > opts.val_count:
+                self._write(state, "train", heapq.heappop(state.held).item)  # type: ignore[attr-defined]
+        elif self.threshold is not None and item.hash < self.threshold:
+            if state.stats["train"].records == 0:
+                state.held.append(item)  # until the domain has a training record (see finish)
+            else:
+                self._write(state, "val", item)
+        else:
+            self._write(state, "train", item)
+            if state.held and opts.val_count is None:
+                for held in state.held:
+                    self._write(state, "val", held)
+                state.held.clear()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def _writer(self, state: _DomainState, split: str) -> MDSWriter:
+        writer = state.writers.get(split)
+        if writer is None:
+            path = self.root / _STAGING / split / state.key
+            writer = state.writers[split] = MDSWriter(
+                out=str(path), columns=self.columns, compression=COMPRESSION, hashes=HASHES, size_limit=self.options.size_limit
+            )
+        return writer
+
+    def _write(self, state: _DomainState, split: str, item: _Held) -> None:
+        stats = state.stats[split]
+        stats.records += 1
+        if self.mode == "finetune":
+            prompt_T, response_T = item.payload
+            self._writer(state, split).write({"prompt_ids": prompt_T, "response_ids": response_T, "record": f"{item.display}:{item.loc}"})
+            stats.samples += 1
+            stats.tokens += len(prompt_T) + len(response_T)
+            self.tokens_written += len(prompt_T) + len(response_T)
+            return
+        ids_T = item.payload
+        buf = state.buffers[split]
+        buf.append(ids_T)
+        state.buffered[split] += len(ids_T)
+        if state.buffered[split] >= self.options.max_seq_len:
+            self._emit(state, split, final=False)
+
+    def _emit(self, state: _DomainState, split: str, final: bool) -> None:
+        """Write every full max_seq_len sequence in the buffer (and, if final, the remainder)."""
+        seq_len = self.options.max_seq_len
+        buf = state.buffers[split]
+        if not buf:
+            return
+        flat_T = np.concatenate(buf) if len(buf) > 1 else buf[0]
+        n_full = len(flat_T) // seq_len
+        writer = self._writer(state, split)
+        stats = state.stats[split]
+        for k in range(n_full):
+            writer.write({"input_ids": flat_T[k * seq_len : (k + 1) * seq_len]})
+        rest_T = flat_T[n_full * seq_len :]
+        n_out = n_full
+        if final and len(rest_T):
+            writer.write({"input_ids": rest_T})
+            n_out += 1
+            rest_T = rest_T[:0]
+        written = len(flat_T) - len(rest_T)
+        stats.samples += n_out
+        stats.tokens += written
+        self.tokens_written += written
+        state.buffers[split] = [rest_T] if len(rest_T) else []
+        state.buffered[split] = len(rest_T)
+
+    def _write_reject(self, display: str, line: int, domain: str | None, problem: str, record: Any) -> None:
+        if self.rejects_file is None:
+            self.rejects_file = open(self.root / REJECTS_NAME, "w", encoding="utf-8")  # noqa: SIM115 - closed in close_rejects
+        entry = {"file": display, "line": line, "domain": domain, "error": problem, "record": record}
+        self.rejects_file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self.rejects_written += 1
+
+    def close_rejects(self) -> None:
+        if self.rejects_file is not None:
+            self.rejects_file.close()
+
+    # -- end ----------------------------------------------------------------------------------
+
+    def finish(self) -> list[DomainInfo]:
+        """Settle held records, flush, close writers, and move domain dirs to their final names."""
+        for state in self.domains.values():
+            held = [h.item for h in state.held] if self.options.val_count is not None else list(state.held)  # type: ignore[attr-defined]
+            state.held = []
+            if held and state.stats["train"].records == 0:
+                # Every record hashed into validation: the largest hash trains, so the domain has training data.
+                top = max(held, key=lambda h: (h.hash, h.seq))
+                held.remove(top)
+                self._write(state, "train", top)
+            for item in sorted(held, key=lambda h: h.seq):
+                self._write(state, "val", item)
+            for split in SPLITS:
+                self._emit(state, split, final=True)
+            for writer in state.writers.values():
+                writer.finish()
+
+        kept = sorted((s for s in self.domains.values() if s.stats["train"].records + s.stats["val"].records > 0), key=lambda s: s.name)
+        for state in self.domains.values():
+            if state.stats["train"].records + state.stats["val"].records == 0:
+                logger.warning("domain %r has no valid records (%d rejected); it is left out of the manifest", state.name, state.rejected)
+                self.rejected_other += state.rejected
+        dirs = _domain_dirs([s.name for s in kept])
+        infos = []
+        for state in kept:
+            for split in state.writers:
+                dest = self.root / split
+                dest.mkdir(exist_ok=True)
+                (self.root / _STAGING / split / state.key).rename(dest / dirs[state.name])
+            assert state.input_records == state.stats["train"].records + state.stats["val"].records + state.rejected
+            infos.append(
+                DomainInfo(
+                    name=state.name,
+                    dir=dirs[state.name],
+                    input_records=state.input_records,
+                    rejected=state.rejected,
+                    truncated=state.truncated,
+                    too_long=state.too_long,
+                    splits=state.stats,
+                )
+            )
+        shutil.rmtree(self.root / _STAGING, ignore_errors=True)
+        return infos
+
+
+class _HeapItem:
+    """Orders held records so that heapq's min-heap pops the largest (hash, seq) first."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: _Held) -> None:
+        self.item = item
+
+    def __lt__(self, other: _HeapItem) -> bool:
+        return (self.item.hash, self.item.seq) > (other.item.hash, other.item.seq)
+
+
+def _domain_dirs(names: list[str]) -> dict[str, str]:
+    """Filesystem-safe, unique (case-insensitively) directory names, assigned in sorted-name order."""
+    dirs: dict[str, str] = {}
+    used: set[str] = set()
+    for name in sorted(names):
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._-")[:80] or "domain"
+        slug, k = base, 2
+        while slug.lower() in used:
+            slug, k = f"{base}-{k}", k + 1
+        used.add(slug.lower())
+        dirs[name] = slug
+    return dirs
+
+
+def _sha256(file: InputFile) -> str | None:
+    if file.hub_split is not None:
+        return None
+    digest = hashlib.sha256()
+    with open(file.path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    if not out.exists():
+        return
+    if not overwrite:
+        raise ValueError(f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it")
+    if not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").is_file()):
+        raise ValueError(
+            f"output {str(out)!r} exists and is not a sharded corpus (no manifest.json); refusing to overwrite it, remove it yourself"
+        )
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Swap the finished temporary directory in; an old output is removed only after the swap."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
