@@ -1,0 +1,277 @@
+"""Load a causal LM for evaluation from a Hugging Face folder, a PEFT adapter or a Composer checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.evaluation.generate import default_dtype, resolve_device
+
+__all__ = ["load_composer_checkpoint", "load_model_and_tokenizer", "load_tokenizer"]
+
+log = logging.getLogger(__name__)
+
+
+def load_model_and_tokenizer(
+    model_path: str | Path,
+    *,
+    adapter: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    base_model: str | Path | None = None,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.nn.Module, Any]:
+    """Load a model (LoRA merged) and its tokenizer from local files only, ready for generation.
+
+    ``model_path`` may be:
+
+    - a Hugging Face model folder (``config.json`` + weights);
+    - a PEFT adapter folder (``adapter_config.json``): the base is ``base_model`` or the adapter's
+      ``base_model_name_or_path``, which must be a local folder;
+    - a Composer checkpoint file (``.pt``) of a ``composer.models.HuggingFaceModel``; see
+      `load_composer_checkpoint`.
+
+    A separate ``adapter`` folder is applied on top and merged (``merge_and_unload``), so the
+    result is a plain ``transformers`` model either way.
+
+    Args:
+        model_path: Model folder, adapter folder or Composer checkpoint file.
+        adapter: Optional PEFT adapter folder to merge into the model.
+        tokenizer: Tokenizer folder (default: the one stored in the Composer checkpoint, else the
+            model, base-model or adapter folder, whichever has tokenizer files).
+        base_model: Base model folder for adapter-only inputs (a PEFT folder or a Composer
+            checkpoint saved with ``should_save_peft_only``).
+        device: ``"cuda"``, ``"cpu"``, ... (default: CUDA when available).
+        dtype: Weight dtype (default: bf16 on GPU, fp32 on CPU).
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode on ``device``.
+
+    Raises:
+        FileNotFoundError: If a path does not exist (hub names are not downloaded).
+        ValueError: If a folder is neither a model nor an adapter, no base model can be found for
+            an adapter, or no tokenizer can be found.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    dtype = dtype or default_dtype(dev)
+    path = _existing(model_path, "model_path")
+    stored_tokenizer = None
+    tokenizer_dirs: list[Path] = []
+
+    if path.is_file():
+        model, stored_tokenizer = load_composer_checkpoint(path, base_model=base_model, dtype=dtype)
+    elif (path / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
+        tokenizer_dirs.append(path)
+    elif (path / "adapter_config.json").exists():
+        base = _base_for_adapter(path, base_model)
+        model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=dtype, local_files_only=True)
+        model = _merge_adapter(model, path)
+        tokenizer_dirs += [path, base]
+    else:
+        raise ValueError(
+            f"`model_path` {path} is a folder without config.json or adapter_config.json; pass a Hugging "
+            "Face model folder, a PEFT adapter folder or a Composer checkpoint file (.pt)"
+        )
+    if adapter is not None:
+        adapter_dir = _existing(adapter, "adapter")
+        model = _merge_adapter(model, adapter_dir)
+        tokenizer_dirs.append(adapter_dir)
+    if base_model is not None:
+        tokenizer_dirs.append(Path(base_model))
+
+    if tokenizer is not None:
+        tok = load_tokenizer(_existing(tokenizer, "tokenizer"))
+    elif stored_tokenizer is not None:
+        tok = stored_tokenizer
+    else:
+        found = next((d for d in tokenizer_dirs if _has_tokenizer(d)), None)
+        if found is None:
+            searched = ", ".join(str(d) for d in tokenizer_dirs) or "(nothing)"
+            raise ValueError(f"no tokenizer files found in {searched}; pass `tokenizer` (--tokenizer DIR)")
+        tok = load_tokenizer(found)
+
+    model = model.to(device=dev, dtype=dtype).eval()
+    return model, tok
+
+
+def load_tokenizer(path: str | Path):
+    """``AutoTokenizer`` from a local folder (no downloads)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_existing(path, "tokenizer"), local_files_only=True)
+
+
+def load_composer_checkpoint(
+    path: str | Path,
+    *,
+    base_model: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.nn.Module, Any]:
+    """Rebuild the Hugging Face model (and tokenizer) stored in a Composer checkpoint.
+
+    Composer's ``HuggingFaceModel`` writes the model config, class, PEFT config and tokenizer files
+    under ``state.integrations.huggingface`` and the weights, prefixed ``model.``, under
+    ``state.model`` (see ``HuggingFaceModel.get_metadata`` and ``hf_from_composer_checkpoint``).
+    The architecture is built without random initialisation and the weights are loaded strictly.
+    For a LoRA model, a checkpoint saved with ``should_save_peft_only=True`` (Composer's default)
+    holds only the adapter tensors: the base weights then come from ``base_model``, or from the
+    PEFT config's ``base_model_name_or_path`` / the model config's ``_name_or_path`` when those
+    name a local folder. The adapter is merged into the base.
+
+    Only monolithic checkpoints are read (not FSDP sharded ones); the file is unpickled, so load
+    only checkpoints you trust.
+
+    Args:
+        path: Checkpoint file.
+        base_model: Base model folder for adapter-only checkpoints.
+        dtype: dtype the base model is loaded in (the result is cast by the caller).
+
+    Returns:
+        ``(model, tokenizer or None)``.
+
+    Raises:
+        ValueError: If the file is not a Composer ``HuggingFaceModel`` checkpoint, weights do not
+            match the stored architecture, or an adapter-only checkpoint has no local base model.
+    """
+    from composer.models.huggingface import (
+        HuggingFaceModel,
+        get_hf_config_from_composer_state_dict,
+        get_peft_config_from_composer_state_dict,
+    )
+    from composer.utils.checkpoint import safe_torch_load
+    from transformers import AutoModelForCausalLM
+
+    path = _existing(path, "checkpoint")
+    state = safe_torch_load(str(path))
+    try:
+        hf_state = state["state"]["integrations"]["huggingface"]
+        weights = dict(state["state"]["model"])
+    except (KeyError, TypeError) as err:
+        raise ValueError(
+            f"{path} is not a monolithic checkpoint of a composer HuggingFaceModel (missing "
+            f"state.integrations.huggingface or state.model: {err}); sharded FSDP checkpoints are not supported"
+        ) from err
+    config = get_hf_config_from_composer_state_dict(state)
+    peft_config = get_peft_config_from_composer_state_dict(state)
+    torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(weights, "model.")
+
+    if peft_config is None:
+        model = _build_empty(config)
+        _load_strict(model, weights, path)
+    else:
+        from peft import get_peft_model
+
+        adapter_only = all("lora_" in k for k in weights)
+        if adapter_only:
+            base_dir = _base_for_composer(path, base_model, peft_config, config)
+            base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=dtype, local_files_only=True)
+        else:
+            base = _build_empty(config)
+        peft_model = get_peft_model(base, peft_config)
+        result = peft_model.load_state_dict(weights, strict=False)
+        missing = [k for k in result.missing_keys if "lora_" in k or not adapter_only]
+        missing = _drop_tied(peft_model, missing)
+        if result.unexpected_keys or missing:
+            raise ValueError(
+                f"{path}: weights do not match the stored LoRA model: missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected {result.unexpected_keys[:5]}"
+            )
+        model = peft_model.merge_and_unload()
+    model.tie_weights()
+
+    tokenizer = None
+    if hf_state.get("tokenizer"):
+        # Composer writes the tokenizer files to a folder; slow tokenizers keep reading from it, so it
+        # must outlive this call.
+        save_dir = tempfile.mkdtemp(prefix="composer-tokenizer-")
+        tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(
+            hf_state, tokenizer_save_dir=save_dir
+        )
+    return model.to(dtype), tokenizer
+
+
+def _build_empty(config) -> torch.nn.Module:
+    """The architecture without spending time on random initialisation (weights come next)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.modeling_utils import no_init_weights
+    except ImportError:  # older/newer transformers: fall back to a normal (slower) init
+        no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _load_strict(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """load_state_dict that tolerates only tied weights being absent."""
+    result = model.load_state_dict(weights, strict=False)
+    missing = _drop_tied(model, list(result.missing_keys))
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{path}: weights do not match the stored config: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {result.unexpected_keys[:5]}"
+        )
+
+
+def _drop_tied(model: torch.nn.Module, missing: list[str]) -> list[str]:
+    """Missing keys minus output embeddings that are tied to the input embeddings."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "tie_word_embeddings", False):
+        return missing
+    return [k for k in missing if not k.endswith("lm_head.weight")]
+
+
+def _merge_adapter(model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """Apply a PEFT adapter folder and fold it into the weights."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+
+
+def _base_for_adapter(adapter_dir: Path, base_model: str | Path | None) -> Path:
+    """Base model folder of a PEFT adapter folder."""
+    if base_model is not None:
+        return _existing(base_model, "base_model")
+    with open(adapter_dir / "adapter_config.json", encoding="utf-8") as f:
+        named = json.load(f).get("base_model_name_or_path")
+    if named and Path(named).is_dir():
+        return Path(named)
+    raise ValueError(
+        f"adapter {adapter_dir} names base_model_name_or_path={named!r}, which is not a local folder; "
+        "pass `base_model` (--base-model DIR)"
+    )
+
+
+def _base_for_composer(path: Path, base_model: str | Path | None, peft_config, config) -> Path:
+    """Base model folder for an adapter-only Composer checkpoint."""
+    if base_model is not None:
+        return _existing(base_model, "base_model")
+    names = [getattr(peft_config, "base_model_name_or_path", None), getattr(config, "_name_or_path", None)]
+    for named in names:
+        if named and Path(named).is_dir():
+            return Path(named)
+    raise ValueError(
+        f"{path} holds only LoRA weights (saved with should_save_peft_only) and its base "
+        f"{[n for n in names if n]} is not a local folder; pass `base_model` (--base-model DIR)"
+    )
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return folder.is_dir() and any((folder / n).exists() for n in names)
+
+
+def _existing(path: str | Path, field: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"`{field}` {p} does not exist (only local files are read; nothing is downloaded)")
+    return p

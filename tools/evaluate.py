@@ -1,0 +1,209 @@
+"""Evaluate a fine-tuned checkpoint the paper's way: math-suite accuracy, Mol-Instructions metrics.
+
+Examples:
+    # Math suites (MAmmoTH layout) from a Hugging Face folder, LoRA adapter merged:
+    python tools/evaluate.py math --model base_dir --adapter runs/x/adapter \\
+        --data-dir ../shared/data/eval --suites gsm8k,svamp,aqua --limit 200 --out results/math.json
+
+    # From a Composer checkpoint (tokenizer and config are stored in it):
+    python tools/evaluate.py math --model runs/x/checkpoints/latest-rank0.pt --base-model base_dir \\
+        --data-dir math_eval/dataset --out results/math.json
+
+    # Molecule metrics of existing predictions ({"task", "prediction", "reference"} per line):
+    python tools/evaluate.py mol --predictions preds.jsonl --out results/mol.json
+
+    # Molecule metrics by generation on Mol-Instructions task files:
+    python tools/evaluate.py mol --model ckpt.pt --data mol_instructions/ --limit 500 --out results/mol.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.evaluation.math_suites import SUITES, resolve_suite_path
+
+log = logging.getLogger("evaluate")
+
+_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments and run the chosen subcommand; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI: one subparser per evaluation (``math``, ``mol``; more can be added beside them)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model_args = argparse.ArgumentParser(add_help=False)
+    g = model_args.add_argument_group("model")
+    g.add_argument("--model", help="HF model folder, PEFT adapter folder, or Composer checkpoint (.pt)")
+    g.add_argument("--adapter", help="PEFT adapter folder merged into --model (merge_and_unload)")
+    g.add_argument("--base-model", help="base model folder for adapter-only inputs")
+    g.add_argument("--tokenizer", help="tokenizer folder (default: from the checkpoint or model folder)")
+    g.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda when available)")
+    g.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="default: bf16 on GPU, fp32 on CPU")
+    g.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per generate call (default 8)")
+    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    m = sub.add_parser("math", parents=[model_args], help="accuracy on the math suites by greedy generation")
+    m.add_argument("--data-dir", required=True, help="folder of suite files (flat or MAmmoTH's dataset/ layout)")
+    m.add_argument(
+        "--suites",
+        default="all",
+        help=f"comma-separated subset of {','.join(SUITES)} (default: every suite found in --data-dir)",
+    )
+    m.add_argument("--limit", type=_positive_int, help="first N problems of each suite")
+    m.add_argument("--max-new-tokens", type=_positive_int, default=512, help="default 512")
+    m.add_argument(
+        "--prompt-template",
+        default="metamath",
+        help="'metamath' (default), a string with {query}, or a pipeline.prompts template name/string",
+    )
+    m.add_argument("--out", help="summary JSON path (predictions go to <stem>.predictions.jsonl)")
+    m.add_argument("--predictions-out", help="predictions JSONL path (default: beside --out)")
+    m.set_defaults(func=run_math)
+
+    mol = sub.add_parser("mol", parents=[model_args], help="BLEU / Levenshtein / exact / validity / fingerprints")
+    src = mol.add_mutually_exclusive_group(required=True)
+    src.add_argument("--predictions", help="JSONL with task, prediction, reference per line (no model needed)")
+    src.add_argument("--data", nargs="+", help="Mol-Instructions task files or folders (generate with --model)")
+    mol.add_argument("--split", default="test", help="metadata.split to keep (default test; 'all' keeps all)")
+    mol.add_argument("--limit", type=_positive_int, help="first N records of each task")
+    mol.add_argument("--max-new-tokens", type=_positive_int, default=256, help="default 256")
+    mol.add_argument("--prompt-template", default="alpaca", help="pipeline.prompts template (default alpaca)")
+    mol.add_argument(
+        "--keep-invalid",
+        action="store_true",
+        help="score every example (default: as Mol-Instructions, drop invalid molecules before BLEU/Levenshtein/exact)",
+    )
+    mol.add_argument("--out", help="summary JSON path (generated predictions go to <stem>.predictions.jsonl)")
+    mol.set_defaults(func=run_mol)
+    return parser
+
+
+def run_math(args: argparse.Namespace) -> int:
+    """``math`` subcommand."""
+    from pipeline.evaluation.checkpoint import load_model_and_tokenizer
+    from pipeline.evaluation.math_eval import evaluate_math, format_math_table, write_math_results
+
+    if not args.model:
+        raise SystemExit("math: --model is required")
+    suites = _select_suites(args.suites, args.data_dir)
+    model, tokenizer = load_model_and_tokenizer(
+        args.model,
+        adapter=args.adapter,
+        tokenizer=args.tokenizer,
+        base_model=args.base_model,
+        device=args.device,
+        dtype=_DTYPES[args.dtype],
+    )
+    result = evaluate_math(
+        model,
+        tokenizer,
+        suites,
+        args.data_dir,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        prompt_template=args.prompt_template,
+        show_progress=not args.no_progress,
+    )
+    print(format_math_table(result))
+    if args.out:
+        out, preds = write_math_results(result, args.out, args.predictions_out, _run_info(args, suites=suites))
+        print(f"wrote {out} and {preds}")
+    return 0
+
+
+def run_mol(args: argparse.Namespace) -> int:
+    """``mol`` subcommand."""
+    from pipeline.evaluation.mol_eval import (
+        evaluate_mol_generation,
+        format_mol_table,
+        load_mol_instructions,
+        write_mol_results,
+    )
+    from pipeline.evaluation.mol_metrics import evaluate_predictions, read_predictions
+
+    drop_invalid = not args.keep_invalid
+    records = None
+    if args.predictions:
+        metrics = evaluate_predictions(read_predictions(args.predictions), drop_invalid=drop_invalid)
+    else:
+        if not args.model:
+            raise SystemExit("mol: --data needs --model to generate predictions")
+        from pipeline.evaluation.checkpoint import load_model_and_tokenizer
+
+        examples = load_mol_instructions(
+            args.data, split=None if args.split == "all" else args.split, limit_per_task=args.limit
+        )
+        if not examples:
+            raise SystemExit(f"mol: no records with metadata.split == {args.split!r} in {args.data}")
+        model, tokenizer = load_model_and_tokenizer(
+            args.model,
+            adapter=args.adapter,
+            tokenizer=args.tokenizer,
+            base_model=args.base_model,
+            device=args.device,
+            dtype=_DTYPES[args.dtype],
+        )
+        metrics, records = evaluate_mol_generation(
+            model,
+            tokenizer,
+            examples,
+            batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens,
+            prompt_template=args.prompt_template,
+            drop_invalid=drop_invalid,
+            show_progress=not args.no_progress,
+        )
+    print(format_mol_table(metrics))
+    if args.out:
+        out = write_mol_results(metrics, args.out, records, _run_info(args))
+        print(f"wrote {out}")
+    return 0
+
+
+def _select_suites(spec: str, data_dir: str) -> list[str]:
+    """Suite keys from ``--suites``; ``all`` keeps the suites that have a file in ``data_dir``."""
+    if spec.strip().lower() != "all":
+        return [s.strip() for s in spec.split(",") if s.strip()]
+    found = []
+    for key in SUITES:
+        try:
+            resolve_suite_path(key, data_dir)
+            found.append(key)
+        except FileNotFoundError:
+            log.warning("no %s file in %s; skipping it", SUITES[key].display, data_dir)
+    if not found:
+        raise SystemExit(f"math: no suite file found in --data-dir {data_dir}")
+    return found
+
+
+def _run_info(args: argparse.Namespace, **extra) -> dict:
+    """The settings recorded in the summary JSON."""
+    info = {k: v for k, v in vars(args).items() if k != "func" and v is not None}
+    info.update(extra)
+    return {k: str(v) if isinstance(v, Path) else v for k, v in info.items()}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
