@@ -1,4 +1,4 @@
-"""Gradient-conflict analysis: per-step fraction of conflicting selected pairs per strategy, from `selection_log.csv`."""
+"""Gradient-conflict analysis: per-step fraction of conflicting selected pairs per strategy from the logs."""
 
 from __future__ import annotations
 
@@ -288,7 +288,8 @@ def plot_conflicts(
             label += f" ({agg.n_runs} runs)"
         ax.plot(agg.steps, smooth_curve(agg.mean, w), color=color, linewidth=1.5, label=label)
         if show_band and agg.n_runs > 1:
-            ax.fill_between(agg.steps, smooth_curve(agg.low, w), smooth_curve(agg.high, w), color=color, alpha=0.15, linewidth=0)
+            low, high = smooth_curve(agg.low, w), smooth_curve(agg.high, w)
+            ax.fill_between(agg.steps, low, high, color=color, alpha=0.15, linewidth=0)
     ax.set_xlabel("Steps")
     ax.set_ylabel("Gradient conflicts\n" + r"fraction of pairs with $\langle g_i, g_j\rangle < 0$")
     ax.set_xlim(left=0)

@@ -340,15 +340,29 @@ def _parse_math(records: list[dict[str, Any]], path: Path) -> list[MathExample]:
 SUITES: dict[str, SuiteSpec] = {
     spec.key: spec
     for spec in (
-        SuiteSpec("gsm8k", "GSM8K", ("gsm8k.jsonl", "gsm8k/gsm8k.jsonl", "gsm8k/test.jsonl"), _parse_gsm8k, _GSM8K_LAYOUT),
-        SuiteSpec("math", "MATH", ("MATH.json", "math.json", "math/MATH.json", "MATH/test", "math/test", "MATH"), _parse_math, _MATH_LAYOUT),
+        SuiteSpec(
+            "gsm8k", "GSM8K", ("gsm8k.jsonl", "gsm8k/gsm8k.jsonl", "gsm8k/test.jsonl"), _parse_gsm8k, _GSM8K_LAYOUT
+        ),
+        SuiteSpec(
+            "math",
+            "MATH",
+            ("MATH.json", "math.json", "math/MATH.json", "MATH/test", "math/test", "MATH"),
+            _parse_math,
+            _MATH_LAYOUT,
+        ),
         SuiteSpec("numglue", "NumGLUE", ("numglue.json", "numglue/numglue.json"), _parse_qa("numglue"), _QA_LAYOUT),
         SuiteSpec("svamp", "SVAMP", ("SVAMP.json", "svamp.json", "SVAMP/SVAMP.json"), _parse_svamp, _SVAMP_LAYOUT),
         SuiteSpec("deepmind", "DeepMind", ("deepmind.json", "deepmind/deepmind.json"), _parse_qa("deepmind"), _QA_LAYOUT),
         SuiteSpec("simuleq", "SimulEq", ("simuleq.json", "simuleq/simuleq.json"), _parse_qa("simuleq"), _QA_LAYOUT),
         SuiteSpec("aqua", "AQuA", ("AQuA.json", "aqua.json", "AQuA/AQuA.json"), _parse_aqua, _AQUA_LAYOUT),
         SuiteSpec("sat", "SAT", ("sat.json", "sat/sat.json"), _parse_sat, _SAT_LAYOUT),
-        SuiteSpec("mmlu_math", "MMLU-Math", ("mmlu_mathematics.json", "mmlu/mathematics.json", "mmlu_math.json"), _parse_mmlu, _MMLU_LAYOUT),
+        SuiteSpec(
+            "mmlu_math",
+            "MMLU-Math",
+            ("mmlu_mathematics.json", "mmlu/mathematics.json", "mmlu_math.json"),
+            _parse_mmlu,
+            _MMLU_LAYOUT,
+        ),
     )
 }
 

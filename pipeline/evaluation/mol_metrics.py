@@ -1,4 +1,4 @@
-"""Molecule-generation metrics as Mol-Instructions/MolT5 compute them: BLEU, Levenshtein, exact match, validity, fingerprints."""
+"""Molecule-generation metrics as Mol-Instructions/MolT5 compute them (BLEU, Levenshtein, exact, validity, FPs)."""
 
 from __future__ import annotations
 
@@ -187,9 +187,9 @@ def molecule_metrics(
     scored = [i for i in range(len(preds)) if valid_pair[i] or not drop_invalid]
 
     exact = [_same_molecule(pred_smi[i], ref_smi[i]) for i in scored]
-    fps = [fingerprint_similarities(pred_smi[i], ref_smi[i]) for i in range(len(preds)) if valid_pair[i]]  # type: ignore[arg-type]
-    fps = [f for f in fps if f is not None]
-    smiles_levs = [levenshtein(pred_smi[i], ref_smi[i]) for i in range(len(preds)) if valid_pair[i]]  # type: ignore[arg-type]
+    pairs = [(p, r) for p, r in zip(pred_smi, ref_smi) if p is not None and r is not None]
+    fps = [f for f in (fingerprint_similarities(p, r) for p, r in pairs) if f is not None]
+    smiles_levs = [levenshtein(p, r) for p, r in pairs]
     return {
         "n": float(len(preds)),
         "n_scored": float(len(scored)),

@@ -35,7 +35,9 @@ def _write_log(run_dir, strategy, values, start=1, empty_every=0):
         w.writerow(_COLUMNS + [f"mixture/{d}" for d in _DOMAINS] + [f"pool/{d}" for d in _DOMAINS])
         for i, v in enumerate(values):
             blank = empty_every and i % empty_every == 0
-            w.writerow([start + i, strategy, "" if blank else repr(float(v)), "0.5", "0.01", "0.002", "", "8", "512", "False", "0.75", "0.25", "0.5", "0.5"])
+            value = "" if blank else repr(float(v))
+            metrics = ["0.5", "0.01", "0.002", "", "8", "512", "False"]
+            w.writerow([start + i, strategy, value, *metrics, "0.75", "0.25", "0.5", "0.5"])
     return run_dir
 
 

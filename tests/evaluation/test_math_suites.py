@@ -87,7 +87,8 @@ def test_mmlu_math_index_answer(tmp_path):
 
 def test_math_hendrycks_folder_and_mammoth_file(tmp_path):
     sol = "We get $x = \\boxed{\\frac{1}{2}}$."
-    _write(tmp_path / "MATH" / "test" / "algebra" / "1.json", {"problem": "Solve 2x=1.", "level": "Level 1", "type": "Algebra", "solution": sol})
+    record = {"problem": "Solve 2x=1.", "level": "Level 1", "type": "Algebra", "solution": sol}
+    _write(tmp_path / "MATH" / "test" / "algebra" / "1.json", record)
     (ex,) = load_suite("math", tmp_path)
     assert ex.gold == "\\frac{1}{2}" and ex.answer_type == "expression" and ex.meta["level"] == "Level 1"
     other = tmp_path / "other"
