@@ -485,6 +485,8 @@ def _iter_json_array(file: InputFile, data: bytes) -> Iterator[RawRecord]:
             if sep == "]":
                 pos = _WS.match(text, pos + 1).end()
                 break
+            if not sep:
+                raise CorpusError(f"{file.display}:{line_at(pos)}: malformed JSON array: unexpected end of file after element {index - 1}")
             if sep != ",":
                 raise CorpusError(f"{file.display}:{line_at(pos)}: malformed JSON array: expected ',' or ']' after element {index - 1}")
             pos = _WS.match(text, pos + 1).end()

@@ -543,24 +543,34 @@ def _gsm_cookies(rng: random.Random) -> _Problem:
     return _Problem(q, r, sol, made - e - g, q.replace(f"bakes {b} batches", "bakes {var} batches"), _linear_x_solution(c, -e - g, made - e - g), b)
 
 
+def _signed(n: int) -> str:
+    """"+ 3" or "- 3", for a term after the first."""
+    return f"+ {n}" if n >= 0 else f"- {-n}"
+
+
 def _math_poly(rng: random.Random) -> _Problem:
-    a, b, c, k = rng.randint(1, 6), rng.randint(-9, 9), rng.randint(-20, 20), rng.randint(-5, 6)
+    a, b, c, k = rng.randint(1, 6), rng.choice([n for n in range(-9, 10) if n]), rng.randint(1, 20), rng.randint(-5, 6)
     val = a * k * k + b * k + c
-    q = f"What is the value of ${a}x^2 + {b}x + {c}$ when $x = {k}$?"
-    r = f"Evaluate the expression ${a}x^2 + {b}x + {c}$ at $x = {k}$."
-    sol = f"Substituting $x = {k}$ gives ${a}({k})^2 + {b}({k}) + {c} = {a * k * k} + {b * k} + {c} = \\boxed{{{val}}}$."
-    xq = f"What is the value of ${a}x^2 + {b}x + {{var}}$ when $x = {k}$?"
+    expr = f"{a}x^2 {_signed(b)}x + {{c}}"
+    q = f"What is the value of ${expr.format(c=c)}$ when $x = {k}$?"
+    r = f"Evaluate the expression ${expr.format(c=c)}$ at $x = {k}$."
+    sol = (
+        f"Substituting $x = {k}$ gives ${a}({k})^2 + ({b})({k}) + {c} = {a * k * k} {_signed(b * k)} + {c} = \\boxed{{{val}}}$."
+    )
+    xq = f"What is the value of ${expr.format(c='{var}')}$ when $x = {k}$?"
     return _Problem(q, r, sol, val, xq, _linear_x_solution(1, a * k * k + b * k, val), c)
 
 
 def _math_linear(rng: random.Random) -> _Problem:
-    a, x, b = rng.randint(2, 12), rng.randint(-15, 15), rng.randint(-30, 30)
+    a, x, b = rng.randint(2, 12), rng.randint(-15, 15), rng.choice([n for n in range(-30, 31) if n])
     c = a * x + b
-    q = f"Solve for $x$: ${a}x + {b} = {c}$."
-    r = f"Find the value of $x$ that satisfies the equation ${a}x + {b} = {c}$."
-    sol = f"Subtracting {b} from both sides gives ${a}x = {c - b}$.\nDividing by {a} gives $x = \\boxed{{{x}}}$."
-    x_sol = f"Substituting $x = {x}$ into the left-hand side gives ${a}({x}) + {b} = {a * x} + {b} = {c}$.\nSo {{var}} = {c}."
-    return _Problem(q, r, sol, x, f"Solve for $x$: ${a}x + {b} = {{var}}$.", x_sol, c)
+    lhs = f"{a}x {_signed(b)}"
+    q = f"Solve for $x$: ${lhs} = {c}$."
+    r = f"Find the value of $x$ that satisfies the equation ${lhs} = {c}$."
+    step = f"Subtracting {b} from both sides" if b > 0 else f"Adding {-b} to both sides"
+    sol = f"{step} gives ${a}x = {c - b}$.\nDividing by {a} gives $x = \\boxed{{{x}}}$."
+    x_sol = f"Substituting $x = {x}$ into the left-hand side gives ${a}({x}) {_signed(b)} = {a * x} {_signed(b)} = {c}$.\nSo {{var}} = {c}."
+    return _Problem(q, r, sol, x, f"Solve for $x$: ${lhs} = {{var}}$.", x_sol, c)
 
 
 def _math_rectangle(rng: random.Random) -> _Problem:
