@@ -34,6 +34,7 @@ from composer_algos.builders import (
 )
 from composer_algos.models import build_causal_lm
 from pipeline.config import TrainConfig, load_config
+from pipeline.dataset import split_samples
 from pipeline.loaders import build_domain_evaluators, build_train_dataloader, load_domain_weights_file
 from pipeline.manifest import load_manifest
 from pipeline.tokenizer import load_tokenizer
@@ -110,7 +111,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     run_dir = cfg.save_folder or os.path.join("runs", cfg.run_name or "run")
     context = {
         "domain_names": domain_names,
-        "natural_weights": [d.split_samples("train") for d in manifest.domains],
+        "natural_weights": [split_samples(d, "train") for d in manifest.domains],
         "device_train_batch_size": device_batch,
         "run_dir": run_dir,
         "output_dir": run_dir,
@@ -122,6 +123,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     algorithms = [build_registered("algorithm", ALGORITHMS, n, kw, context) for n, kw in cfg.algorithms.items()]
     callback_cfgs = dict(cfg.callbacks)
     callback_cfgs.setdefault("mixture_monitor", {})  # the trained domain mixture is always logged
+    callback_cfgs.setdefault("eval_history", {})  # per-domain validation curves and final results
     callbacks = [build_registered("callback", CALLBACKS, n, kw, context) for n, kw in callback_cfgs.items()]
     loggers = [build_registered("logger", LOGGERS, n, kw, context) for n, kw in cfg.loggers.items()]
     if cfg.save_folder and not any(isinstance(lg, FileLogger) for lg in loggers):

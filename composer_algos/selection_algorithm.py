@@ -61,7 +61,9 @@ class DataSelection(Algorithm):
             drawn each step (defaults: the training shards' `val` split, 4 examples).
         features: Keyword arguments of `GradFeatureExtractor` (target_modules, last_n_blocks,
             include_lm_head, exact_max_numel, sketch_dim, normalization, proj_dim, chunk_size).
-        strategy_options: Extra options of the strategy (for partitionsel: pick, refit, refine).
+        strategy_options: Extra options per strategy name, e.g. `{partitionsel: {refit: exact,
+            refine: swap}}`; only the running strategy's entry is used, so the strategy can be
+            switched from the command line without editing the options.
         capacity_fractions: Fixed per-domain shares of kappa by domain name (default:
             proportional to the pool, as in the paper).
         weighted_loss: Weight each selected example's loss by its refit weight (normalised to
@@ -115,6 +117,12 @@ class DataSelection(Algorithm):
         if unknown_val:
             problems.append(
                 f"validation does not take {unknown_val}; allowed: shard_dir, split, domains, batch_size, remote"
+            )
+        bad_opts = sorted(k for k in (strategy_options or {}) if k not in SELECTION_STRATEGIES)
+        if bad_opts:
+            problems.append(
+                f"strategy_options is keyed by strategy name; {bad_opts} are not strategies "
+                f"(allowed: {SELECTION_STRATEGIES}), e.g. strategy_options: {{partitionsel: {{refit: exact}}}}"
             )
         if problems:
             raise ValueError("algorithms.data_selection: " + "; ".join(problems))
@@ -292,7 +300,7 @@ class DataSelection(Algorithm):
             if self.capacity_fractions is not None:
                 fractions = [float(self.capacity_fractions.get(name, 0.0)) for name in self.domain_names or []]
             capacities = compute_capacities(pool_counts_C, kappa, fractions)
-        options = self.strategy_options if strategy == self.strategy else {}
+        options = dict(self.strategy_options.get(strategy, {})) if strategy == self.strategy else {}
         result = spec.fn(
             features=feats_ND,
             val_feature=gbar_D,

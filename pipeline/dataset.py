@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 from streaming import Stream, StreamingDataset
 
-from pipeline.manifest import Manifest, load_manifest
+from pipeline.manifest import DomainInfo, Manifest, load_manifest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DomainStreamingDataset", "build_domain_streams", "resolve_domain_weights"]
+__all__ = ["DomainStreamingDataset", "build_domain_streams", "resolve_domain_weights", "split_samples"]
 
 
 class DomainStreamingDataset(StreamingDataset):
@@ -118,7 +118,7 @@ def build_domain_streams(
     ids: list[int] = []
     for name in wanted:
         info = manifest.domains[by_name[name]]
-        if info.split_samples(split) == 0:
+        if split_samples(info, split) == 0:
             continue
         proportion = None
         if weights is not None:
@@ -163,3 +163,9 @@ def resolve_domain_weights(
     if total <= 0:
         raise ValueError(f"{source}: domain weights sum to {total}; at least one must be positive")
     return {n: float(weights.get(n, 0.0)) / total for n in domain_names}
+
+
+def split_samples(info: DomainInfo, split: str) -> int:
+    """Samples the manifest records for `split` of one domain (0 when the split is absent)."""
+    stats = info.splits.get(split)
+    return 0 if stats is None else int(stats.samples)

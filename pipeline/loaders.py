@@ -9,7 +9,7 @@ from composer.core import DataSpec, Evaluator
 from torch.utils.data import DataLoader
 
 from pipeline.collators import build_collator
-from pipeline.dataset import DomainStreamingDataset
+from pipeline.dataset import DomainStreamingDataset, split_samples
 from pipeline.manifest import load_manifest
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def build_domain_evaluators(
     manifest = load_manifest(shard_dir)
     _check_seq_len(manifest.max_seq_len, max_seq_len, shard_dir)
     names = list(domains) if domains is not None else [d.name for d in manifest.domains]
-    with_data = [d.name for d in manifest.domains if d.name in names and d.split_samples(split) > 0]
+    with_data = [d.name for d in manifest.domains if d.name in names and split_samples(d, split) > 0]
     if not with_data:
         raise ValueError(f"{shard_dir}: no domain has samples in split {split!r}; shard with a validation split")
     skipped = sorted(set(names) - set(with_data))

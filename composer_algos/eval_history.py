@@ -1,0 +1,92 @@
+"""A callback that records every per-domain evaluation (validation log-perplexity) to CSV and JSON."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EvalHistory"]
+
+
+class EvalHistory(Callback):
+    """Appends `eval_history.csv` (step, domain, cross-entropy) after each evaluator runs and
+    writes `eval_results.json` at the end of training (last per-domain losses, their unweighted
+    average, wall-clock time and the selection overhead measured by `DataSelection`).
+
+    Only rank 0 writes. The metric values are Composer's (already reduced over ranks).
+
+    Args:
+        run_dir: Output directory (filled in by `train.py`).
+    """
+
+    def __init__(self, *, run_dir: str = "runs/run") -> None:
+        self.run_dir = Path(run_dir)
+        self.last: dict[str, float] = {}
+        self._t0: float | None = None
+        self._selection_s = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last": dict(self.last), "selection_s": self._selection_s}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last = dict(state.get("last", {}))
+        self._selection_s = float(state.get("selection_s", 0.0))
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._t0 = time.perf_counter()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        from composer_algos.selection_algorithm import DataSelection
+
+        for algo in state.algorithms:
+            if isinstance(algo, DataSelection):
+                m = algo.last_stats.get("metrics", {})
+                self._selection_s += sum(
+                    float(m.get(f"selection/{k}", 0.0)) for k in ("time_features_s", "time_solve_s", "time_exchange_s")
+                )
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        label = state.dataloader_label or ""
+        metric = state.eval_metrics.get(label, {}).get("LanguageCrossEntropy")
+        if metric is None or not label.startswith("val/"):
+            return
+        value = float(metric.compute())
+        domain = label[len("val/") :]
+        self.last[domain] = value
+        if dist.get_global_rank() != 0:
+            return
+        path = self.run_dir / "eval_history.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            w = csv.writer(f)
+            if new:
+                w.writerow(["step", "domain", "cross_entropy"])
+            w.writerow([int(state.timestamp.batch.value), domain, repr(value)])
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() != 0:
+            return
+        wall = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
+        finite = [v for v in self.last.values() if math.isfinite(v)]
+        out = {
+            "run_name": state.run_name,
+            "steps": int(state.timestamp.batch.value),
+            "val_cross_entropy": self.last,
+            "val_cross_entropy_mean": sum(finite) / len(finite) if finite else None,
+            "wall_time_s": wall,
+            "selection_time_s": self._selection_s,
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "eval_results.json").write_text(json.dumps(out, indent=2))

@@ -1,0 +1,67 @@
+"""Fixtures for training tests: small Dolma-style and MetaMathQA-style shards built with tools/shard.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.sample_corpus import write_sample_corpus
+from tests.common.paths import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import shard as shard_tool  # noqa: E402  (tools/shard.py, the CLI users run)
+
+SEQ_LEN = 64
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("train_corpus")
+    write_sample_corpus(root, seed=0, scale=0.1)
+    return root
+
+
+@pytest.fixture(scope="session")
+def dolma_shards(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "dolma"
+    rc = shard_tool.main(
+        ["dolma", str(corpus_dir / "dolma" / "documents"), "--out", str(out), "--max-seq-len", str(SEQ_LEN),
+         "--val-count", "8", "--no-progress"]
+    )
+    assert rc == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def math_shards(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "metamathqa"
+    rc = shard_tool.main(
+        ["metamathqa", str(corpus_dir / "metamathqa" / "MetaMathQA-sample.json"), "--out", str(out),
+         "--max-seq-len", "128", "--val-count", "4", "--no-progress"]
+    )
+    assert rc == 0
+    return out
+
+
+def tiny_overrides(shard_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    """Overrides turning yamls/testing/tiny_dolma.yaml into a seconds-long CPU run."""
+    return [
+        f"variables.shard_dir={shard_dir}",
+        f"variables.max_seq_len={SEQ_LEN}",
+        f"save_folder={run_dir}",
+        "global_train_batch_size=4",
+        "max_duration=3ba",
+        "eval_interval=3ba",
+        "eval_loader.device_eval_batch_size=8",
+        "eval_loader.subset_num_batches=1",
+        "console_log_interval=1ba",
+        "python_log_level=warning",
+        "model.config.hidden_size=32",
+        "model.config.intermediate_size=64",
+        "algorithms.data_selection.oversampling=3",
+        "algorithms.data_selection.features.proj_dim=32",
+        "algorithms.data_selection.validation.batch_size=2",
+        *extra,
+    ]

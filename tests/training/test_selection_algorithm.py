@@ -1,0 +1,119 @@
+"""DataSelection inside a real Trainer: every strategy trains, the model trains on the selection."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from composer.loggers import InMemoryLogger
+
+import train
+from composer_algos.selection import STRATEGIES, compute_capacities
+from composer_algos.selection_algorithm import SELECTION_STRATEGIES, DataSelection
+from pipeline.config import load_config
+from tests.common.paths import REPO_ROOT
+from tests.training.conftest import tiny_overrides
+
+TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+
+
+def _build(shards, run_dir, *extra):
+    cfg = load_config(TINY, tiny_overrides(shards, run_dir, "loggers.in_memory={}", *extra))
+    return train.build_trainer(cfg)
+
+
+def _spy(trainer):
+    """Record each step's pool and selection, and the input_ids of every training forward."""
+    algo = next(a for a in trainer.state.algorithms if isinstance(a, DataSelection))
+    record = {"pools": [], "selected": [], "trained": []}
+    original = algo._select
+
+    def select(state, logger):
+        record["pools"].append({k: v.clone() for k, v in state.batch.items()})
+        original(state, logger)
+        record["selected"].append({k: v.clone() for k, v in state.batch.items()})
+
+    algo._select = select
+    hf = trainer.state.model.model
+
+    def hook(module, args, kwargs):
+        if module.training:  # feature extraction runs in eval mode; training forwards are per microbatch
+            step = int(trainer.state.timestamp.batch.value)
+            ids = kwargs["input_ids"].detach().clone()
+            if len(record["trained"]) == step + 1:
+                record["trained"][step] = torch.cat([record["trained"][step], ids])
+            else:
+                record["trained"].append(ids)
+
+    hf.register_forward_pre_hook(hook, with_kwargs=True)
+    return algo, record
+
+
+@pytest.mark.parametrize("strategy", SELECTION_STRATEGIES)
+def test_every_strategy_trains_on_its_selection(strategy, dolma_shards, tmp_path):
+    trainer = _build(dolma_shards, tmp_path / strategy, f"algorithms.data_selection.strategy={strategy}")
+    algo, rec = _spy(trainer)
+    trainer.fit()
+    assert trainer.state.timestamp.batch.value == 3
+    kappa, pool_size = 4, 12
+    assert len(rec["selected"]) == 3 and len(rec["trained"]) == 3
+    for pool, sel, trained in zip(rec["pools"], rec["selected"], rec["trained"]):
+        assert pool["input_ids"].shape[0] == pool_size
+        expected = pool_size if strategy == "none" else kappa
+        assert sel["input_ids"].shape[0] == expected
+        # The forward the optimizer step used saw exactly the selected examples.
+        assert torch.equal(trained, sel["input_ids"])
+        # Selected rows are distinct rows of the pool.
+        match = (sel["input_ids"][:, None, :] == pool["input_ids"][None, :, :]).all(-1)
+        assert bool(match.any(1).all())
+        if strategy != "none" and STRATEGIES[strategy].uses_capacities:
+            C = len(algo.domain_names)
+            caps = compute_capacities(torch.bincount(pool["domain_id"], minlength=C), kappa)
+            assert (torch.bincount(sel["domain_id"], minlength=C) <= caps).all()
+    assert all(torch.isfinite(torch.tensor(v)) for v in [trainer.state.total_loss_dict["loss/train/total"]])
+
+
+def test_mixture_metrics_sum_to_one_and_files_are_written(dolma_shards, tmp_path):
+    run_dir = tmp_path / "mix"
+    trainer = _build(dolma_shards, run_dir)
+    trainer.fit()
+    mem = next(d for d in trainer.logger.destinations if isinstance(d, InMemoryLogger))
+    names = trainer.state.algorithms[0].domain_names
+    for prefix in ("data/mixture/", "data/mixture_mean/", "data/pool/"):
+        per_step = [mem.data[prefix + n] for n in names]
+        for step_values in zip(*per_step):
+            assert sum(v for _, v in step_values) == pytest.approx(1.0)
+    assert "selection/conflict_fraction" in mem.data and "selection/objective" in mem.data
+    mix = json.loads((run_dir / "mixture.json").read_text())
+    assert mix["method"] == "partitionsel" and sum(mix["weights"].values()) == pytest.approx(1.0)
+    assert (run_dir / "mixture_steps.csv").read_text().count("\n") == 1 + 3
+    assert (run_dir / "selection_log.csv").exists() and (run_dir / "eval_results.json").exists()
+
+
+def test_missing_validation_split_fails_at_init(dolma_shards, tmp_path):
+    with pytest.raises(ValueError, match="validation"):
+        trainer = _build(
+            dolma_shards, tmp_path / "noval", "algorithms.data_selection.validation.split=train_missing"
+        )
+        trainer.fit()
+
+
+def test_bad_strategy_is_rejected_with_the_allowed_list(dolma_shards, tmp_path):
+    with pytest.raises(ValueError, match="partitionsel"):
+        _build(dolma_shards, tmp_path / "bad", "algorithms.data_selection.strategy=best")
+
+
+def test_feature_failure_falls_back_to_random_within_capacities(dolma_shards, tmp_path, monkeypatch):
+    from composer_algos.features import FeatureError, GradFeatureExtractor
+
+    def broken(self, *a, **k):
+        raise FeatureError("all-zero features (simulated)")
+
+    monkeypatch.setattr(GradFeatureExtractor, "compute", broken)
+    trainer = _build(dolma_shards, tmp_path / "fb")
+    algo, rec = _spy(trainer)
+    with pytest.warns(UserWarning, match="falling back"):
+        trainer.fit()
+    assert algo.fallbacks == 3
+    assert all(s["input_ids"].shape[0] == 4 for s in rec["selected"])
