@@ -1,0 +1,81 @@
+"""Per-step data selection strategies (PartitionSel and its baselines) as pure tensor functions.
+
+Every strategy has the keyword-only signature::
+
+    fn(*, features, val_feature, domain_ids, num_domains, kappa, eta, generator,
+       capacities=None, gram=None, **options) -> SelectionResult
+
+and is looked up by name in ``STRATEGIES`` (or ``get_strategy``). Unknown or invalid options raise
+``ValueError``. Strategies without randomness never touch the generator. See docs/selection.md.
+"""
+
+from __future__ import annotations
+
+from composer_algos.selection.capacities import compute_capacities, resolve_capacities
+from composer_algos.selection.colm import select_colm
+from composer_algos.selection.conflicts import conflict_fraction
+from composer_algos.selection.domain_greedy import select_id, select_iwd
+from composer_algos.selection.gradnorm import select_gradnorm
+from composer_algos.selection.greats import select_greats
+from composer_algos.selection.objective import build_objective, compute_gram
+from composer_algos.selection.partitionsel import PartitionSelOptions, omp_select, select_partitionsel
+from composer_algos.selection.random_select import select_random, select_random_stratified
+from composer_algos.selection.refit import refit_apga, refit_exact
+from composer_algos.selection.swap import refine_swap
+from composer_algos.selection.types import SelectionResult, StrategySpec
+
+__all__ = [
+    "SelectionResult",
+    "StrategySpec",
+    "STRATEGIES",
+    "get_strategy",
+    "compute_capacities",
+    "resolve_capacities",
+    "conflict_fraction",
+    "compute_gram",
+    "build_objective",
+    "PartitionSelOptions",
+    "omp_select",
+    "refine_swap",
+    "refit_exact",
+    "refit_apga",
+    "select_partitionsel",
+    "select_greats",
+    "select_id",
+    "select_iwd",
+    "select_gradnorm",
+    "select_colm",
+    "select_random",
+    "select_random_stratified",
+]
+
+STRATEGIES: dict[str, StrategySpec] = {
+    "partitionsel": StrategySpec(select_partitionsel, needs_features=True, needs_validation=True, uses_capacities=True),
+    "greats": StrategySpec(select_greats, needs_features=True, needs_validation=True, uses_capacities=False),
+    "id": StrategySpec(select_id, needs_features=True, needs_validation=True, uses_capacities=True),
+    "iwd": StrategySpec(select_iwd, needs_features=True, needs_validation=True, uses_capacities=True),
+    "gradnorm": StrategySpec(select_gradnorm, needs_features=True, needs_validation=False, uses_capacities=False),
+    "colm": StrategySpec(select_colm, needs_features=True, needs_validation=False, uses_capacities=False),
+    "random": StrategySpec(select_random, needs_features=False, needs_validation=False, uses_capacities=False),
+    "random_stratified": StrategySpec(
+        select_random_stratified, needs_features=False, needs_validation=False, uses_capacities=True
+    ),
+}
+
+
+def get_strategy(name: str) -> StrategySpec:
+    """The registry entry for a strategy name.
+
+    Args:
+        name: one of ``STRATEGIES``.
+
+    Returns:
+        Its ``StrategySpec``.
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown selection strategy {name!r}; choose one of {sorted(STRATEGIES)}") from None

@@ -1,0 +1,145 @@
+"""CoLM (Nguyen et al., 2024): keep small sources whole, pick facility-location medoids inside the others."""
+
+# Shape legend: N pool size, D feature dim, C domains (sources), S selected count.
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from composer_algos.selection.capacities import compute_capacities
+from composer_algos.selection.objective import compute_gram
+from composer_algos.selection.segments import count_per_domain, segmented_argmax_mask
+from composer_algos.selection.types import (
+    SelectionResult,
+    check_finite,
+    empty_result,
+    finish_result,
+    parse_options,
+    validate_inputs,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["select_colm", "colm_budgets"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _NoOptions:
+    """CoLM takes no options."""
+
+
+def select_colm(
+    *,
+    features: torch.Tensor | None,
+    val_feature: torch.Tensor | None,
+    domain_ids: torch.Tensor,
+    num_domains: int,
+    kappa: int,
+    eta: float,
+    generator: torch.Generator | None,
+    capacities: torch.Tensor | None = None,
+    gram: torch.Tensor | None = None,
+    **options,
+) -> SelectionResult:
+    """CoLM mini-batch coreset: small sources whole, facility-location medoids in the big ones.
+
+    A source is *small* when the pool holds fewer of it than an equal share of the budget,
+    ``n_c < k / C_present`` (our reading of "fewer than its budget"; an equal share is the only
+    per-source budget a source can fall short of, since proportional budgets never exceed
+    ``n_c``). Small sources are kept whole; the rest of the budget is split over the big sources
+    in proportion to their pool counts (largest remainder). Inside each big source the greedy
+    facility-location (medoid) objective ``F(A) = sum_i max_{j in A} (d_max - ||g_i - g_j||)``
+    is maximised, ``d_max`` the largest same-source distance, so each pick is the example that
+    most reduces the sum of distances to the nearest chosen medoid. The sources run in
+    lockstep (one segmented argmax per round, ``O(N^2)`` per round). ``val_feature``, ``eta``,
+    ``capacities`` and the generator are unused.
+
+    Args:
+        features: ``(N, D)`` (Adam-normalised) features, or None when ``gram`` is given.
+        val_feature: unused.
+        domain_ids: ``(N,)`` source ids.
+        num_domains: ``C``.
+        kappa: the budget.
+        eta: unused (validated).
+        generator: unused.
+        capacities: ignored (CoLM sets its own budgets, see ``colm_budgets``).
+        gram: optional ``G G^T`` (distances come from it).
+        **options: none are accepted.
+
+    Returns:
+        The selection; ``objective`` is the facility-location value ``F`` summed over the big
+        sources; ``info["small_sources"]`` is the ``(C,)`` bool mask of sources kept whole.
+    """
+    parse_options("colm", _NoOptions, options)
+    inputs = validate_inputs(
+        "colm",
+        features=features,
+        val_feature=None,
+        domain_ids=domain_ids,
+        num_domains=num_domains,
+        kappa=kappa,
+        eta=eta,
+        capacities=capacities,
+        gram=gram,
+        needs_features=True,
+        needs_validation=False,
+        gram_suffices=True,
+    )
+    if inputs.k == 0:
+        return empty_result(inputs, num_domains, with_weights=False)
+    dom_N = inputs.domain_ids
+    n, device = inputs.n, inputs.device
+    gram_NN = inputs.gram
+    if gram_NN is None:
+        assert inputs.features is not None
+        gram_NN = compute_gram(inputs.features)
+    check_finite("colm", diag_K=torch.diagonal(gram_NN))
+    counts_C = torch.bincount(dom_N, minlength=num_domains)
+    small_C, budgets_C = colm_budgets(counts_C, inputs.k)
+    small_N = small_C.index_select(0, dom_N)
+
+    same_NN = dom_N.unsqueeze(1) == dom_N.unsqueeze(0)
+    nu_N = torch.diagonal(gram_NN)
+    dist_NN = (nu_N.unsqueeze(1) + nu_N.unsqueeze(0) - 2.0 * gram_NN).clamp_min(0.0).sqrt()
+    big_pair_NN = same_NN & ~small_N.unsqueeze(1)
+    d_max = torch.where(big_pair_NN, dist_NN, torch.zeros_like(dist_NN)).max()
+    # Similarity within big sources only; zero across sources and on small-source rows.
+    sim_NN = torch.where(big_pair_NN, d_max - dist_NN, torch.zeros_like(dist_NN))
+    del dist_NN
+
+    best_N = torch.zeros(n, dtype=gram_NN.dtype, device=device)
+    taken_N = small_N.clone()
+    rem_C = budgets_C.clone()
+    rounds = int(budgets_C.max())
+    for _ in range(rounds):
+        open_N = (rem_C.index_select(0, dom_N) > 0) & ~taken_N
+        gains_N = (sim_NN - best_N.unsqueeze(1)).clamp_min(0.0).sum(0)
+        picked_N = segmented_argmax_mask(gains_N, open_N, dom_N, num_domains)
+        taken_N |= picked_N
+        rem_C -= count_per_domain(picked_N, dom_N, num_domains)
+        best_N = torch.maximum(best_N, torch.where(picked_N.unsqueeze(0), sim_NN, torch.zeros_like(sim_NN)).amax(1))
+    sel_S = torch.nonzero(taken_N).flatten()
+    return finish_result(
+        sel_S, dom_N, num_domains, objective=best_N.sum(), info={"small_sources": small_C}
+    )
+
+
+def colm_budgets(pool_counts_C: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which sources are small (kept whole) and the medoid budget of every big source.
+
+    Args:
+        pool_counts_C: ``(C,)`` examples of each source in the pool.
+        k: the number of examples to select (``<=`` the pool size).
+
+    Returns:
+        ``(small_C, budgets_C)``: a bool mask of small sources (``0 < n_c < k / C_present``) and
+        int64 medoid budgets (0 for small and absent sources) summing to ``k - sum_small n_c``.
+    """
+    present = int((pool_counts_C > 0).sum())
+    small_C = (pool_counts_C > 0) & (pool_counts_C * present < k)
+    big_counts_C = torch.where(small_C, torch.zeros_like(pool_counts_C), pool_counts_C)
+    budget = k - int(pool_counts_C[small_C].sum())
+    return small_C, compute_capacities(big_counts_C, budget)

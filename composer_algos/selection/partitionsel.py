@@ -1,0 +1,328 @@
+"""PartitionSel: OMP for the weighted gradient-matching objective over a partition matroid (paper Alg. 2)."""
+
+# Shape legend: N pool size, D feature dim, C domains, S selected count, K rounds (= S).
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from composer_algos.selection.capacities import resolve_capacities
+from composer_algos.selection.objective import build_objective, scaled_utility
+from composer_algos.selection.refit import ActiveSetState, APGAState, default_grad_tol, refit_exact
+from composer_algos.selection.swap import refine_swap
+from composer_algos.selection.types import (
+    SelectionInputs,
+    SelectionResult,
+    check_finite,
+    empty_result,
+    finish_result,
+    parse_options,
+    validate_inputs,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PartitionSelOptions", "select_partitionsel", "omp_select", "run_weighted_selection"]
+
+_PICKS = ("greedy", "randomized")
+_REFITS = ("exact", "apga")
+_REFINES = (None, "swap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionSelOptions:
+    """Options of ``partitionsel`` (and ``iwd``).
+
+    Args:
+        pick: ``"greedy"`` (default: the argmax of the gradient over the feasible elements; the
+            deterministic variant with the stronger guarantee) or ``"randomized"`` (the paper's
+            Alg. 2: uniform over the maximum-weight base of the contracted matroid).
+        refit: ``"exact"`` (default: active-set NNLS with incremental Cholesky) or ``"apga"``
+            (the paper's Alg. 3).
+        refine: None (default) or ``"swap"``: after OMP, exchange a selected example for an
+            unselected one of the same domain while that raises ``f(S)`` (exact refits).
+        swap_max_rounds: the most swaps made (default 32).
+        swap_max_checks: candidate swaps verified by an exact refit per round (default 8).
+        swap_time_budget_s: optional wall-clock budget of the swap pass in seconds. A time budget
+            makes the result depend on the machine's speed (ranks may disagree); default None.
+        apga_max_iters: APGA iterations per refit (default 128).
+        apga_tol: APGA relative-improvement tolerance; 0 (default) runs every iteration.
+        ridge: ridge added to the diagonal of the refit systems, relative to the mean of
+            ``diag(K)`` (default 1e-6). K is PSD, not always PD; set 0 only when it is PD.
+    """
+
+    pick: str = "greedy"
+    refit: str = "exact"
+    refine: str | None = None
+    swap_max_rounds: int = 32
+    swap_max_checks: int = 8
+    swap_time_budget_s: float | None = None
+    apga_max_iters: int = 128
+    apga_tol: float = 0.0
+    ridge: float = 1e-6
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.pick not in _PICKS:
+            problems.append(f"`pick` must be one of {list(_PICKS)}, got {self.pick!r}")
+        if self.refit not in _REFITS:
+            problems.append(f"`refit` must be one of {list(_REFITS)}, got {self.refit!r}")
+        if self.refine not in _REFINES:
+            problems.append(f"`refine` must be one of {list(_REFINES)}, got {self.refine!r}")
+        for name in ("swap_max_rounds", "swap_max_checks", "apga_max_iters"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "swap_max_rounds" else 1):
+                low = 0 if name == "swap_max_rounds" else 1
+                problems.append(f"`{name}` must be an int >= {low}, got {value!r}")
+        if self.swap_time_budget_s is not None and not (
+            isinstance(self.swap_time_budget_s, (int, float)) and self.swap_time_budget_s > 0
+        ):
+            problems.append(f"`swap_time_budget_s` must be None or a number > 0, got {self.swap_time_budget_s!r}")
+        if not isinstance(self.apga_tol, (int, float)) or isinstance(self.apga_tol, bool) or not self.apga_tol >= 0:
+            problems.append(f"`apga_tol` must be a float >= 0, got {self.apga_tol!r}")
+        if not isinstance(self.ridge, (int, float)) or isinstance(self.ridge, bool) or not 0 <= self.ridge < 1:
+            problems.append(f"`ridge` must be a float in [0, 1) (relative to mean diag K), got {self.ridge!r}")
+        if problems:
+            raise ValueError("invalid selection options: " + "; ".join(problems))
+
+
+def select_partitionsel(
+    *,
+    features: torch.Tensor | None,
+    val_feature: torch.Tensor | None,
+    domain_ids: torch.Tensor,
+    num_domains: int,
+    kappa: int,
+    eta: float,
+    generator: torch.Generator | None,
+    capacities: torch.Tensor | None = None,
+    gram: torch.Tensor | None = None,
+    **options,
+) -> SelectionResult:
+    """PartitionSel: maximise ``f(S)`` under per-domain capacities by OMP (paper Alg. 2).
+
+    ``f(S) = max { U(w) : w >= 0, supp(w) in S }`` with ``U(w) = <w, mu> - (eta/2) w^T K w``,
+    ``K = G G^T``, ``mu = G gbar + (eta/2) diag(K)``. Each of the ``k = min(kappa, n)`` rounds
+    takes the gradient ``mu - eta K w`` of the current refit, picks an element of the
+    maximum-weight base of the contracted matroid (argmax, or uniformly at random for
+    ``pick="randomized"``; the largest gradient when none is positive, so the budget is always
+    filled) and refits the weights on the new support. Solved in ``v = eta * w`` (see
+    ``objective.py``). Only ``pick="randomized"`` draws from ``generator`` (``k`` uniforms).
+
+    Args:
+        features: ``(N, D)`` per-example gradient features ``G`` (required).
+        val_feature: ``(D,)`` validation feature ``gbar`` (required).
+        domain_ids: ``(N,)`` domain of each example, in ``[0, num_domains)``.
+        num_domains: ``C``.
+        kappa: the budget; ``min(kappa, n)`` examples are selected.
+        eta: the optimizer's current learning rate (>= 0).
+        generator: randomness for ``pick="randomized"``; a fresh default generator when None.
+        capacities: ``(C,)`` per-domain capacities; proportional ones when None.
+        gram: optional precomputed ``(N, N)`` ``G G^T``.
+        **options: see ``PartitionSelOptions``.
+
+    Returns:
+        The selection with refit ``weights`` (in ``w``; ``v`` at ``eta == 0``) and ``objective``
+        ``f(S) = U(w*)`` (``eta f(S)`` at ``eta == 0``); ``info`` holds ``objective_scaled``
+        (``eta f(S)``), ``slow_refits`` or ``apga_iterations``, and for ``refine="swap"`` the
+        ``swaps`` made, ``swap_rounds`` and ``objective_before_refine``.
+
+    Raises:
+        ValueError: on bad inputs or options.
+    """
+    opts = parse_options("partitionsel", PartitionSelOptions, options)
+    inputs = validate_inputs(
+        "partitionsel",
+        features=features,
+        val_feature=val_feature,
+        domain_ids=domain_ids,
+        num_domains=num_domains,
+        kappa=kappa,
+        eta=eta,
+        capacities=capacities,
+        gram=gram,
+        needs_features=True,
+        needs_validation=True,
+    )
+    return run_weighted_selection("partitionsel", inputs, num_domains, opts, generator, block_diagonal=False)
+
+
+def run_weighted_selection(
+    strategy: str,
+    inputs: SelectionInputs,
+    num_domains: int,
+    opts: PartitionSelOptions,
+    generator: torch.Generator | None,
+    *,
+    block_diagonal: bool,
+) -> SelectionResult:
+    """Shared body of ``partitionsel`` and ``iwd`` (``block_diagonal`` drops cross-domain K)."""
+    if inputs.k == 0:
+        return empty_result(inputs, num_domains, with_weights=True)
+    assert inputs.features is not None and inputs.val_feature is not None
+    dom_N = inputs.domain_ids
+    gram_NN, mu_N, _ = build_objective(inputs.features, inputs.val_feature, inputs.eta, inputs.gram)
+    check_finite(strategy, diag_K=torch.diagonal(gram_NN), mu=mu_N)
+    if block_diagonal:
+        gram_NN = gram_NN * (dom_N.unsqueeze(1) == dom_N.unsqueeze(0))
+    caps_C = resolve_capacities(strategy, inputs.capacities, dom_N, num_domains, inputs.k)
+    ridge_abs = opts.ridge * float(torch.diagonal(gram_NN).mean()) if opts.ridge > 0 else 0.0
+    grad_tol = default_grad_tol(mu_N)
+    info: dict[str, torch.Tensor] = {}
+    if inputs.k == inputs.n:
+        # Everything is selected: a single exact refit on the whole pool.
+        sel_S = torch.arange(inputs.n, device=inputs.device)
+        v_S = refit_exact(gram_NN, mu_N, ridge_abs=ridge_abs, grad_tol=grad_tol)
+        phi = scaled_utility(v_S, gram_NN, mu_N)
+    else:
+        sel_S, v_S, phi, info = omp_select(
+            gram_NN,
+            mu_N,
+            dom_N,
+            caps_C,
+            inputs.k,
+            pick=opts.pick,
+            refit=opts.refit,
+            ridge_abs=ridge_abs,
+            apga_max_iters=opts.apga_max_iters,
+            apga_tol=opts.apga_tol,
+            generator=generator,
+        )
+        if opts.refine == "swap":
+            start = time.perf_counter()
+            info["objective_before_refine"] = _unscale(phi, inputs.eta)
+            sel_S, v_S, phi, swap_info = refine_swap(
+                gram_NN,
+                mu_N,
+                dom_N,
+                sel_S,
+                v_S,
+                ridge_abs=ridge_abs,
+                max_rounds=opts.swap_max_rounds,
+                max_checks=opts.swap_max_checks,
+                time_budget_s=opts.swap_time_budget_s,
+                grad_tol=grad_tol,
+            )
+            info.update(swap_info)
+            log.debug("%s: swap refinement took %.4fs", strategy, time.perf_counter() - start)
+    info["objective_scaled"] = phi
+    if inputs.eta == 0:
+        info["scale_free"] = torch.ones((), dtype=torch.bool, device=inputs.device)
+    weights_S = v_S / inputs.eta if inputs.eta > 0 else v_S
+    return finish_result(sel_S, dom_N, num_domains, weights_S=weights_S, objective=_unscale(phi, inputs.eta), info=info)
+
+
+def omp_select(
+    gram_NN: torch.Tensor,
+    mu_N: torch.Tensor,
+    domain_ids_N: torch.Tensor,
+    capacities_C: torch.Tensor,
+    k: int,
+    *,
+    pick: str = "greedy",
+    refit: str = "exact",
+    ridge_abs: float = 0.0,
+    apga_max_iters: int = 128,
+    apga_tol: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """OMP over the partition matroid in the scale-free variable ``v`` (paper Alg. 2).
+
+    Each round costs a handful of ``O(N)`` kernels plus the refit; nothing loops over the
+    candidates in Python. The exact refit syncs once per round; APGA with ``apga_tol = 0`` never.
+
+    Args:
+        gram_NN: ``(N, N)`` Gram matrix ``K``.
+        mu_N: ``(N,)`` linear term ``mu``.
+        domain_ids_N: ``(N,)`` int64 domain ids.
+        capacities_C: ``(C,)`` int64 capacities (each at most the domain's pool count, summing
+            to at least ``k``).
+        k: rounds, ``0 <= k <= N``.
+        pick: ``"greedy"`` or ``"randomized"``.
+        refit: ``"exact"`` or ``"apga"``.
+        ridge_abs: absolute ridge on the refit systems.
+        apga_max_iters: APGA iterations per refit.
+        apga_tol: APGA tolerance.
+        generator: randomness for the randomized pick.
+
+    Returns:
+        ``(indices_S, v_S, phi, info)``: the selection in pick order, its weights ``v``, the
+        scale-free objective ``Phi(v)`` (0-dim) and solver counters.
+    """
+    device = gram_NN.device
+    n = gram_NN.shape[0]
+    grad_tol = default_grad_tol(mu_N)
+    state: ActiveSetState | APGAState
+    if refit == "exact":
+        state = ActiveSetState(gram_NN, mu_N, k, ridge_abs, grad_tol)
+    else:
+        state = APGAState(gram_NN, mu_N, k, ridge_abs, apga_max_iters, apga_tol)
+    rem_C = capacities_C.clone()
+    minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=device)
+    neg_inf = torch.full((), float("-inf"), dtype=mu_N.dtype, device=device)
+    if pick == "randomized":
+        gen = generator if generator is not None else torch.Generator(device=device)
+        uniforms_K = torch.rand(k, generator=gen, device=gen.device, dtype=torch.float64).to(device)
+        counts_C = torch.bincount(domain_ids_N, minlength=capacities_C.shape[0])
+        starts_C = torch.cumsum(counts_C, 0) - counts_C
+        positions_N = torch.arange(n, device=device)
+    for r in range(k):
+        avail_N = (rem_C.index_select(0, domain_ids_N) > 0) & ~state.selected_N
+        grad_N = state.grad_N
+        j = torch.where(avail_N, grad_N, neg_inf).argmax()
+        if pick == "randomized":
+            j = _randomized_pick(grad_N, avail_N, domain_ids_N, rem_C, starts_C, positions_N, uniforms_K[r], j)
+        rem_C.index_add_(0, domain_ids_N.index_select(0, j.view(1)), minus_one)
+        state.add(j)
+    if isinstance(state, ActiveSetState):
+        state.finalize()
+    sel_S = state.sel_M[:k].clone()
+    v_S = state.weights_on(sel_S)
+    info: dict[str, torch.Tensor] = {}
+    if isinstance(state, ActiveSetState):
+        info["slow_refits"] = torch.tensor(state.slow_refits, device=device)
+    else:
+        info["apga_iterations"] = torch.tensor(state.iterations, device=device)
+    return sel_S, v_S, state.scaled_objective(), info
+
+
+def _randomized_pick(
+    grad_N: torch.Tensor,
+    avail_N: torch.Tensor,
+    dom_N: torch.Tensor,
+    rem_C: torch.Tensor,
+    starts_C: torch.Tensor,
+    positions_N: torch.Tensor,
+    uniform: torch.Tensor,
+    j_greedy: torch.Tensor,
+) -> torch.Tensor:
+    """Uniform pick from the maximum-weight base of the contracted matroid (weights ``max(0, grad)``).
+
+    The base takes, in each domain with remaining capacity ``rem_c``, its ``rem_c`` available
+    elements of largest weight: two stable sorts group the pool by domain with weights descending
+    (ties by pool position), and an element is in the base when its rank in its domain is below
+    ``rem_c``. Falls back to ``j_greedy`` (the largest gradient) when no available gradient is
+    positive.
+    """
+    weight_N = torch.where(avail_N, grad_N.clamp_min(0.0), torch.full_like(grad_N, -1.0))
+    by_weight_N = torch.sort(weight_N, descending=True, stable=True).indices
+    by_domain_N = torch.sort(dom_N.index_select(0, by_weight_N), stable=True).indices
+    perm_N = by_weight_N.index_select(0, by_domain_N)
+    dom_sorted_N = dom_N.index_select(0, perm_N)
+    rank_N = positions_N - starts_C.index_select(0, dom_sorted_N)
+    base_N = rank_N < rem_C.index_select(0, dom_sorted_N)
+    size = base_N.sum()
+    target = torch.minimum((uniform * size).floor().long(), size - 1)
+    pos = torch.argmax((torch.cumsum(base_N.long(), 0) > target).long())
+    j_random = perm_N.index_select(0, pos.view(1)).squeeze(0)
+    any_positive = ((grad_N > 0) & avail_N).any()
+    return torch.where(any_positive, j_random, j_greedy)
+
+
+def _unscale(phi: torch.Tensor, eta: float) -> torch.Tensor:
+    """``f(S) = Phi / eta`` for ``eta > 0``; the scale-free ``Phi`` at ``eta == 0``."""
+    return phi / eta if eta > 0 else phi

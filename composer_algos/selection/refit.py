@@ -1,0 +1,474 @@
+"""Refits of the weights on a fixed support: exact active-set NNLS (Cholesky) and the paper's APGA."""
+
+# Shape legend: N pool size, S support size, A active-set size, M buffer capacity (max support).
+#
+# Both refits maximise the scale-free Phi(v) = <v, mu> - (1/2) v^T (K + ridge I) v over v >= 0 on a
+# support (v = eta * w, see objective.py). K is PSD but need not be PD (duplicates, D < N): the
+# ridge keeps every Cholesky factor well defined. With ridge = 0 a candidate that is numerically
+# dependent on the active set (its Cholesky pivot vanishes) is left at weight 0.
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["refit_exact", "refit_apga", "default_grad_tol", "ActiveSetState", "APGAState"]
+
+# Power iteration approaches ||K||_op from below; inflate the estimate so that the APGA step
+# 1/L stays below the stability limit of Nesterov's method on quadratics (~1.33/||K||).
+_LIPSCHITZ_SAFETY = 1.05
+
+
+def default_grad_tol(mu_N: torch.Tensor) -> torch.Tensor:
+    """Gradients below this count as zero in KKT checks: ``100 * eps * max|mu|`` (0-dim tensor)."""
+    eps = torch.finfo(mu_N.dtype).eps
+    scale = mu_N.abs().max() if mu_N.numel() else mu_N.new_zeros(())
+    return 100.0 * eps * torch.clamp(scale, min=torch.finfo(mu_N.dtype).tiny)
+
+
+def refit_exact(
+    gram_SS: torch.Tensor,
+    mu_S: torch.Tensor,
+    *,
+    ridge_abs: float = 0.0,
+    v0_S: torch.Tensor | None = None,
+    grad_tol: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Exact non-negative maximiser of ``Phi(v) = <v, mu> - (1/2) v^T (K + ridge I) v`` on a support.
+
+    Lawson–Hanson active-set method in Gram form: grow the passive (positive) set by the most
+    violating KKT coordinate, solve the passive system by Cholesky, and step back to feasibility
+    when a coordinate turns non-positive. Warm-started from ``v0_S`` when given. Terminates in at
+    most ``3 S + 10`` outer iterations; candidates whose Cholesky pivot vanishes (dependent
+    columns at ``ridge_abs = 0``) or that cannot enter numerically are left at zero. Host-side
+    control flow: it syncs once per active-set change, so the OMP uses ``ActiveSetState`` for its
+    common path and calls this only when the active set shrinks.
+
+    Args:
+        gram_SS: ``(S, S)`` PSD Gram block of the support.
+        mu_S: ``(S,)`` linear term on the support.
+        ridge_abs: absolute value added to the diagonal (default 0.0).
+        v0_S: optional ``(S,)`` non-negative warm start.
+        grad_tol: gradients at or below this are treated as zero (default ``default_grad_tol``).
+
+    Returns:
+        ``(S,)`` optimal ``v >= 0`` in the dtype of ``gram_SS``.
+    """
+    m = gram_SS.shape[0]
+    if m == 0:
+        return mu_S.new_zeros(0)
+    tol = default_grad_tol(mu_S) if grad_tol is None else torch.as_tensor(grad_tol, dtype=mu_S.dtype)
+    kr_SS = gram_SS + ridge_abs * torch.eye(m, dtype=gram_SS.dtype, device=gram_SS.device)
+    v_S = mu_S.new_zeros(m) if v0_S is None else v0_S.clamp_min(0.0).to(mu_S.dtype).clone()
+    passive = torch.nonzero(v_S > 0).flatten().tolist()
+    blocked: set[int] = set()
+    passive = _solve_passive(kr_SS, mu_S, v_S, passive, blocked)
+    for _ in range(3 * m + 10):
+        grad_S = mu_S - kr_SS @ v_S
+        cand_S = grad_S > tol
+        if passive:
+            cand_S[passive] = False
+        if blocked:
+            cand_S[list(blocked)] = False
+        if not bool(cand_S.any()):
+            break
+        j = int(torch.where(cand_S, grad_S, torch.full_like(grad_S, -math.inf)).argmax())
+        passive.append(j)
+        after = _solve_passive(kr_SS, mu_S, v_S, passive, blocked)
+        if j not in after:
+            # The entering coordinate left at once: rounding broke the Lawson–Hanson invariant.
+            blocked.add(j)
+        passive = after
+    else:
+        log.warning("refit_exact: active-set iteration cap (%d) reached; the refit may be inexact", 3 * m + 10)
+    return v_S
+
+
+def refit_apga(
+    gram_SS: torch.Tensor,
+    mu_S: torch.Tensor,
+    *,
+    v0_S: torch.Tensor | None = None,
+    max_iters: int = 128,
+    tol: float = 0.0,
+    ridge_abs: float = 0.0,
+    lipschitz: torch.Tensor | float | None = None,
+    check_every: int = 8,
+) -> torch.Tensor:
+    """The paper's Alg. 3: accelerated projected gradient ascent on ``Phi`` over ``v >= 0``.
+
+    Nesterov momentum ``t+ = (1 + sqrt(1 + 4 t^2)) / 2``, step ``1 / L`` with ``L`` the spectral
+    norm of ``K + ridge I`` (computed exactly here when not given), projection onto ``v >= 0``.
+    The paper's vector lives in ``R^N`` with zeros off the support; restricting it to the support
+    is the same iteration at ``O(S^2)`` instead of ``O(N^2)`` per step.
+
+    Args:
+        gram_SS: ``(S, S)`` Gram block of the support.
+        mu_S: ``(S,)`` linear term on the support.
+        v0_S: optional ``(S,)`` warm start (projected onto ``v >= 0``); zeros when None.
+        max_iters: iteration cap (default 128).
+        tol: stop when the objective changed by at most ``tol * |Phi|`` over the last
+            ``check_every`` iterations; 0 (default) runs exactly ``max_iters`` iterations with no
+            host sync.
+        ridge_abs: absolute value added to the diagonal (default 0.0).
+        lipschitz: the Lipschitz constant ``L`` of the gradient; ``||K + ridge I||_op`` when None.
+        check_every: iterations between convergence checks when ``tol > 0`` (default 8).
+
+    Returns:
+        ``(S,)`` weights ``v >= 0``.
+    """
+    m = gram_SS.shape[0]
+    if m == 0:
+        return mu_S.new_zeros(0)
+    kr_SS = gram_SS + ridge_abs * torch.eye(m, dtype=gram_SS.dtype, device=gram_SS.device)
+    if lipschitz is None:
+        lipschitz = torch.linalg.eigvalsh(kr_SS)[-1]
+    v_S = mu_S.new_zeros(m) if v0_S is None else v0_S.clamp_min(0.0).to(mu_S.dtype)
+    v_S, _ = apga_iterate(kr_SS, mu_S, v_S, lipschitz, max_iters=max_iters, tol=tol, check_every=check_every)
+    return v_S
+
+
+def apga_iterate(
+    kr_SS: torch.Tensor,
+    mu_S: torch.Tensor,
+    v_S: torch.Tensor,
+    lipschitz: torch.Tensor | float,
+    *,
+    max_iters: int,
+    tol: float,
+    check_every: int = 8,
+) -> tuple[torch.Tensor, int]:
+    """APGA iterations from a feasible ``v_S`` with the ridge already in ``kr_SS``.
+
+    Four kernels per iteration (``addmv``, ``addcmul``, ``clamp_min_``, ``lerp``) and no host
+    sync unless ``tol > 0``.
+
+    Returns:
+        ``(v_S, iterations_run)``.
+    """
+    inv_l = 1.0 / torch.as_tensor(lipschitz, dtype=mu_S.dtype, device=mu_S.device)
+    w_S = v_S.clone()
+    y_S = v_S.clone()
+    t = 1.0
+    last_phi = None
+    it = 0
+    for it in range(1, max_iters + 1):
+        grad_S = torch.addmv(mu_S, kr_SS, y_S, alpha=-1.0)
+        w_new = torch.addcmul(y_S, grad_S, inv_l).clamp_min_(0.0)
+        t_next = 0.5 * (1.0 + math.sqrt(1.0 + 4.0 * t * t))
+        # y = w+ + ((t - 1) / t+) (w+ - w) written as one lerp from w towards w+.
+        y_S = torch.lerp(w_S, w_new, 1.0 + (t - 1.0) / t_next)
+        w_S, t = w_new, t_next
+        if tol > 0 and it % check_every == 0:
+            phi = torch.dot(w_S, mu_S) - 0.5 * torch.dot(w_S, kr_SS @ w_S)
+            if last_phi is not None and bool((phi - last_phi).abs() <= tol * phi.abs()):
+                break
+            last_phi = phi
+    return w_S, it
+
+
+class ActiveSetState:
+    """Exact refit state that OMP grows one element at a time (inverse-Cholesky updates).
+
+    Keeps the active set ``A`` (positive weights) of the selected set ``S``, the inverse Cholesky
+    factor ``W = L^{-1}`` of ``K_AA + ridge I = L L^T``, the K rows of the active elements, the
+    optimal ``v_A`` and the gradient ``grad = mu - K_{:,A} v_A`` over the whole pool.
+
+    ``add(j)`` selects ``j``. Appending ``j`` to ``A`` costs two matrix-vector products with ``W``
+    (``r = W k_Aj``, ``q = W^T r = K_AA^{-1} k_Aj``), the Schur complement ``s = K_jj + ridge - r.r``
+    and, in closed form, the new optimum ``z_j = grad_j / s``, ``z_A = v_A - z_j q`` and gradient
+    ``grad - z_j (K_{:,j} - K_{:,A} q)``; the new row of ``W`` is ``[-q^T, 1] / sqrt(s)``. No
+    triangular solve, ``O(N A)`` per round. ONE host sync confirms that ``z > 0`` and that every
+    selected-but-inactive element keeps a non-positive gradient, so ``v`` is the exact NNLS
+    optimum on ``S``. Otherwise (a weight hit zero, a dependent column) it falls back to
+    ``refit_exact`` warm-started at the current ``v`` and refactors: ``O(A^3)``, rare.
+    ``finalize()`` re-solves the final active system with a fresh Cholesky factor to remove the
+    rounding the updates accumulate.
+
+    Args:
+        gram_NN: ``(N, N)`` Gram matrix (no ridge).
+        mu_N: ``(N,)`` linear term.
+        capacity: the most elements that will be selected (buffer size ``M``).
+        ridge_abs: absolute ridge added to the diagonal of ``K_AA``.
+        grad_tol: 0-dim tensor, gradients at or below it count as zero.
+    """
+
+    def __init__(
+        self,
+        gram_NN: torch.Tensor,
+        mu_N: torch.Tensor,
+        capacity: int,
+        ridge_abs: float,
+        grad_tol: torch.Tensor,
+    ) -> None:
+        n = gram_NN.shape[0]
+        dev, dt = gram_NN.device, gram_NN.dtype
+        self.gram_NN = gram_NN
+        self.mu_N = mu_N
+        self.ridge_abs = float(ridge_abs)
+        self.grad_tol = grad_tol
+        # Schur complements at or below this (relative to K_jj) mean j depends on the active set.
+        self.pivot_tol = 64.0 * torch.finfo(dt).eps
+        self.rows_MN = torch.zeros(capacity, n, dtype=dt, device=dev)  # K rows of active elements
+        self.winv_MM = torch.zeros(capacity, capacity, dtype=dt, device=dev)  # W = L^{-1}, lower
+        self.v_M = torch.zeros(capacity, dtype=dt, device=dev)
+        self.act_M = torch.zeros(capacity, dtype=torch.long, device=dev)
+        self.sel_M = torch.zeros(capacity, dtype=torch.long, device=dev)
+        self.selected_N = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.active_N = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.grad_N = mu_N.clone()
+        self.a = 0  # active count
+        self.m = 0  # selected count
+        self.slow_refits = 0
+
+    def add(self, j: torch.Tensor) -> None:
+        """Select pool element ``j`` (0-dim int64 tensor) and refit exactly on the new support."""
+        a, m = self.a, self.m
+        j1 = j.view(1)
+        row_N = self.gram_NN.index_select(0, j1).view(-1)
+        winv_AA = self.winv_MM[:a, :a]
+        r_A = winv_AA @ row_N.index_select(0, self.act_M[:a])
+        q_A = winv_AA.T @ r_A
+        k_jj = row_N.index_select(0, j1) + self.ridge_abs
+        schur = k_jj - torch.dot(r_A, r_A)
+        g_j = self.grad_N.index_select(0, j1)
+        z_j = g_j / schur
+        z_A = torch.addcmul(self.v_M[:a], q_A, z_j, value=-1.0)
+        # grad - z_j (K_{:,j} - K_{:,A} q): the gradient at the new optimum.
+        u_N = torch.addmv(row_N, self.rows_MN[:a].T, q_A, alpha=-1.0)
+        grad_new = torch.addcmul(self.grad_N, u_N, z_j, value=-1.0)
+        checks = [g_j > self.grad_tol, schur > self.pivot_tol * k_jj]
+        if a > 0:
+            checks.append(z_A.amin(0, keepdim=True) > 0)
+        if m > a:
+            # Selected elements at weight 0 must keep a non-positive gradient (KKT).
+            inactive = self.selected_N & ~self.active_N
+            checks.append(~((grad_new > self.grad_tol) & inactive).any().view(1))
+        flags = torch.cat(checks).tolist()
+        self.sel_M[m] = j
+        self.selected_N.index_fill_(0, j1, True)
+        self.m = m + 1
+        if not flags[0]:
+            # Non-positive gradient: the current v stays optimal on S + j with w_j = 0.
+            return
+        if all(flags):
+            inv_piv = torch.rsqrt(schur)
+            self.winv_MM[a, :a] = q_A * (-inv_piv)
+            self.winv_MM[a, a] = inv_piv.squeeze(0)
+            self.rows_MN[a] = row_N
+            self.act_M[a] = j
+            self.v_M[:a] = z_A
+            self.v_M[a] = z_j.squeeze(0)
+            self.active_N.index_fill_(0, j1, True)
+            self.grad_N = grad_new
+            self.a = a + 1
+            return
+        self._slow_refit()
+
+    def finalize(self) -> None:
+        """Re-solve the active system with a fresh Cholesky factor; full refit if a weight flips."""
+        a = self.a
+        if a == 0:
+            return
+        act_A = self.act_M[:a]
+        kr_AA = self.rows_MN[:a].index_select(1, act_A)
+        kr_AA = kr_AA + self.ridge_abs * torch.eye(a, dtype=kr_AA.dtype, device=kr_AA.device)
+        chol_AA, info = torch.linalg.cholesky_ex(kr_AA)
+        v_A = torch.cholesky_solve(self.mu_N[act_A].unsqueeze(1), chol_AA).squeeze(1)
+        grad_N = torch.addmv(self.mu_N, self.rows_MN[:a].T, v_A, alpha=-1.0)
+        inactive = self.selected_N & ~self.active_N
+        ok = (info == 0) & (v_A > 0).all() & ~((grad_N > self.grad_tol) & inactive).any()
+        if bool(ok):
+            self.v_M[:a] = v_A
+            self.grad_N = grad_N
+        else:
+            self._slow_refit()
+
+    def _slow_refit(self) -> None:
+        """Full Lawson–Hanson on ``S`` from the current ``v``, then rebuild the factor."""
+        self.slow_refits += 1
+        sel_S = self.sel_M[: self.m]
+        v_S = self.weights_on(sel_S)
+        gram_SS = self.gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)]
+        v_S = refit_exact(gram_SS, self.mu_N[sel_S], ridge_abs=self.ridge_abs, v0_S=v_S, grad_tol=self.grad_tol)
+        self._rebuild(sel_S[v_S > 0])
+
+    def _rebuild(self, act_A: torch.Tensor) -> None:
+        """Refactor ``K_AA + ridge I`` for a new active set and re-solve on it."""
+        a = act_A.shape[0]
+        self.a = a
+        self.act_M[:a] = act_A
+        self.active_N.zero_()
+        self.active_N[act_A] = True
+        self.rows_MN[:a] = self.gram_NN.index_select(0, act_A)
+        if a == 0:
+            self.grad_N = self.mu_N.clone()
+            return
+        kr_AA = self.rows_MN[:a].index_select(1, act_A)
+        kr_AA = kr_AA + self.ridge_abs * torch.eye(a, dtype=kr_AA.dtype, device=kr_AA.device)
+        chol_AA, info = torch.linalg.cholesky_ex(kr_AA)
+        if int(info) != 0:
+            raise RuntimeError(f"ActiveSetState: active Gram block lost definiteness (info={int(info)})")
+        eye_AA = torch.eye(a, dtype=kr_AA.dtype, device=kr_AA.device)
+        self.winv_MM[:a, :a] = torch.linalg.solve_triangular(chol_AA, eye_AA, upper=False)
+        self.v_M[:a] = torch.cholesky_solve(self.mu_N[act_A].unsqueeze(1), chol_AA).squeeze(1)
+        self.grad_N = torch.addmv(self.mu_N, self.rows_MN[:a].T, self.v_M[:a], alpha=-1.0)
+
+    def weights_on(self, idx_S: torch.Tensor) -> torch.Tensor:
+        """The current ``v`` at pool positions ``idx_S`` (zero for inactive ones)."""
+        v_N = self.mu_N.new_zeros(self.mu_N.shape[0])
+        v_N[self.act_M[: self.a]] = self.v_M[: self.a]
+        return v_N[idx_S]
+
+    def scaled_objective(self) -> torch.Tensor:
+        """``Phi(v)`` with the true ``K`` (no ridge), from ``K_AA v_A = mu_A - grad_A``."""
+        act_A = self.act_M[: self.a]
+        v_A = self.v_M[: self.a]
+        mu_A = self.mu_N[act_A]
+        return 0.5 * (torch.dot(v_A, mu_A) + torch.dot(v_A, self.grad_N[act_A]))
+
+
+class APGAState:
+    """APGA refit state that OMP grows one element at a time (the paper's Alg. 3 refit).
+
+    Keeps the Gram block ``K_SS + ridge I`` of the selected set, the K rows of the selected
+    elements and a power-iteration vector for the step size: ``||K_SS||_op`` is re-estimated each
+    round by ``power_iters`` warm-started iterations and inflated by 5% (power iteration approaches
+    the norm from below); the estimate never decreases since adding a row and column cannot lower
+    the top eigenvalue. Each refit is warm-started from the previous weights with ``w_j = 0``.
+
+    Args:
+        gram_NN: ``(N, N)`` Gram matrix (no ridge).
+        mu_N: ``(N,)`` linear term.
+        capacity: the most elements that will be selected.
+        ridge_abs: absolute ridge added to the diagonal.
+        max_iters: APGA iteration cap per refit.
+        tol: APGA relative-improvement tolerance (0 runs every iteration).
+        power_iters: power iterations per round for the step size (default 8).
+    """
+
+    def __init__(
+        self,
+        gram_NN: torch.Tensor,
+        mu_N: torch.Tensor,
+        capacity: int,
+        ridge_abs: float,
+        max_iters: int,
+        tol: float,
+        power_iters: int = 8,
+    ) -> None:
+        n = gram_NN.shape[0]
+        dev, dt = gram_NN.device, gram_NN.dtype
+        self.gram_NN = gram_NN
+        self.mu_N = mu_N
+        self.ridge_abs = float(ridge_abs)
+        self.max_iters = max_iters
+        self.tol = tol
+        self.power_iters = power_iters
+        self.kr_MM = torch.zeros(capacity, capacity, dtype=dt, device=dev)
+        self.rows_MN = torch.zeros(capacity, n, dtype=dt, device=dev)
+        self.mu_M = torch.zeros(capacity, dtype=dt, device=dev)
+        self.v_M = torch.zeros(capacity, dtype=dt, device=dev)
+        self.u_M = torch.zeros(capacity, dtype=dt, device=dev)
+        self.lip = torch.zeros((), dtype=dt, device=dev)
+        self.sel_M = torch.zeros(capacity, dtype=torch.long, device=dev)
+        self.selected_N = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.grad_N = mu_N.clone()
+        self.m = 0
+        self.iterations = 0
+
+    def add(self, j: torch.Tensor) -> None:
+        """Select pool element ``j`` (0-dim int64 tensor) and run APGA on the new support."""
+        m = self.m
+        j1 = j.view(1)
+        row_N = self.gram_NN.index_select(0, j1).squeeze(0)
+        self.sel_M[m] = j
+        self.selected_N[j1] = True
+        self.rows_MN[m] = row_N
+        k_S = row_N.index_select(0, self.sel_M[: m + 1])
+        self.kr_MM[m, : m + 1] = k_S
+        self.kr_MM[: m + 1, m] = k_S
+        self.kr_MM[m, m] += self.ridge_abs
+        self.mu_M[m] = self.mu_N.index_select(0, j1).squeeze(0)
+        self.m = m + 1
+        kr_SS = self.kr_MM[: m + 1, : m + 1]
+        # Warm-started power iteration for ||K_SS||_op; the new coordinate starts at the mean.
+        self.u_M[m] = 1.0 if m == 0 else self.u_M[:m].mean()
+        u_S = self.u_M[: m + 1]
+        u_S = u_S / torch.linalg.vector_norm(u_S).clamp_min(torch.finfo(u_S.dtype).tiny)
+        est = self.lip
+        for _ in range(self.power_iters):
+            ku_S = kr_SS @ u_S
+            est = torch.linalg.vector_norm(ku_S)
+            u_S = ku_S / est.clamp_min(torch.finfo(u_S.dtype).tiny)
+        self.u_M[: m + 1] = u_S
+        self.lip = torch.maximum(self.lip, est)
+        v_S, its = apga_iterate(
+            kr_SS,
+            self.mu_M[: m + 1],
+            self.v_M[: m + 1],
+            _LIPSCHITZ_SAFETY * self.lip.clamp_min(torch.finfo(u_S.dtype).tiny),
+            max_iters=self.max_iters,
+            tol=self.tol,
+        )
+        self.iterations += its
+        self.v_M[: m + 1] = v_S
+        self.grad_N = torch.addmv(self.mu_N, self.rows_MN[: m + 1].T, v_S, alpha=-1.0)
+
+    def weights_on(self, idx_S: torch.Tensor) -> torch.Tensor:
+        """The current ``v`` at pool positions ``idx_S`` (all must be selected)."""
+        v_N = self.mu_N.new_zeros(self.mu_N.shape[0])
+        v_N[self.sel_M[: self.m]] = self.v_M[: self.m]
+        return v_N[idx_S]
+
+    def scaled_objective(self) -> torch.Tensor:
+        """``Phi(v)`` with the true ``K`` (no ridge) at the current APGA weights."""
+        v_S = self.v_M[: self.m]
+        sel_S = self.sel_M[: self.m]
+        gram_SS = self.rows_MN[: self.m].index_select(1, sel_S)
+        return torch.dot(v_S, self.mu_M[: self.m]) - 0.5 * torch.dot(v_S, gram_SS @ v_S)
+
+
+def _solve_passive(
+    kr_SS: torch.Tensor,
+    mu_S: torch.Tensor,
+    v_S: torch.Tensor,
+    passive: list[int],
+    blocked: set[int],
+) -> list[int]:
+    """Lawson–Hanson inner loop: make ``v`` the optimum on a passive set with positive entries.
+
+    Updates ``v_S`` in place and returns the (possibly smaller) passive set.
+    """
+    while passive:
+        idx_P = torch.tensor(passive, dtype=torch.long, device=kr_SS.device)
+        chol_PP, info = torch.linalg.cholesky_ex(kr_SS[idx_P][:, idx_P])
+        bad = int(info)
+        if bad != 0:
+            # Leading minor `bad` is singular: that coordinate depends on the earlier ones.
+            drop = passive[bad - 1]
+            blocked.add(drop)
+            v_S[drop] = 0.0
+            passive = [p for p in passive if p != drop]
+            continue
+        z_P = torch.cholesky_solve(mu_S[idx_P].unsqueeze(1), chol_PP).squeeze(1)
+        if bool((z_P > 0).all()):
+            v_S.zero_()
+            v_S[idx_P] = z_P
+            return passive
+        # Step from the feasible v towards z until the first coordinate hits zero.
+        v_P = v_S[idx_P]
+        neg_P = z_P <= 0
+        ratio_P = torch.where(neg_P, v_P / (v_P - z_P).clamp_min(torch.finfo(v_P.dtype).tiny), torch.full_like(v_P, math.inf))
+        alpha = ratio_P.min().clamp(0.0, 1.0)
+        v_P = v_P + alpha * (z_P - v_P)
+        kill_P = (neg_P & (ratio_P <= alpha)) | (v_P <= 0)
+        v_P = torch.where(kill_P, torch.zeros_like(v_P), v_P)
+        v_S[idx_P] = v_P
+        keep = (~kill_P).tolist()
+        passive = [p for p, k in zip(passive, keep) if k]
+    return passive

@@ -1,0 +1,323 @@
+"""Result and registry types shared by every selection strategy, plus input and option validation."""
+
+# Shape legend: N pool size, D feature dim, C domains, S selected count.
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "SelectionResult",
+    "StrategySpec",
+    "SelectionInputs",
+    "validate_inputs",
+    "parse_options",
+    "empty_result",
+    "finish_result",
+    "check_finite",
+]
+
+
+@dataclass
+class SelectionResult:
+    """What a selection strategy returns.
+
+    Attributes:
+        indices: ``(k,)`` int64, distinct pool positions sorted ascending, on the input device;
+            ``k = min(kappa, n)``.
+        domain_counts: ``(C,)`` int64, how many selected examples each domain contributes.
+        weights: ``(k,)`` refit weights aligned with ``indices`` in the ORIGINAL variable ``w``
+            of ``U(w) = <w, mu> - (eta/2) w^T K w`` (``w = v / eta``; the solvers work in
+            ``v = eta * w``). At ``eta == 0`` ``U`` is unbounded, so the scale-free ``v`` is
+            reported instead and ``info["scale_free"]`` is true. ``None`` for strategies
+            without weights.
+        objective: 0-dim tensor: ``f(S) = U(w*)`` for ``partitionsel`` and ``iwd`` (``eta * f(S)``
+            at ``eta == 0``); the strategy's own score otherwise (see each strategy's
+            docstring); ``None`` for the random baselines.
+        info: extra tensors worth logging (e.g. the number of swaps made).
+    """
+
+    indices: torch.Tensor
+    domain_counts: torch.Tensor
+    weights: torch.Tensor | None = None
+    objective: torch.Tensor | None = None
+    info: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A registry entry: the strategy function and what it needs from the caller.
+
+    Attributes:
+        fn: the keyword-only strategy function (see ``composer_algos.selection``).
+        needs_features: needs per-example gradient features ``G`` (or their Gram).
+        needs_validation: needs the validation feature ``gbar``.
+        uses_capacities: respects per-domain capacities.
+    """
+
+    fn: Callable[..., SelectionResult]
+    needs_features: bool
+    needs_validation: bool
+    uses_capacities: bool
+
+
+@dataclass(frozen=True)
+class SelectionInputs:
+    """Validated, normalised inputs of one selection call.
+
+    Attributes:
+        n: pool size.
+        k: number of examples to select, ``min(kappa, n)``.
+        device: where the outputs live (the device of ``features``, ``gram`` or ``domain_ids``).
+        dtype: the float dtype the solvers compute in (float32 for half-precision features).
+        domain_ids: ``(N,)`` int64 on ``device``.
+        features: ``(N, D)`` on ``device`` in ``dtype``, or None.
+        val_feature: ``(D,)`` on ``device`` in ``dtype``, or None.
+        gram: ``(N, N)`` on ``device`` in ``dtype``, or None.
+        capacities: ``(C,)`` int64 on ``device``, or None.
+        eta: the learning rate as a Python float.
+    """
+
+    n: int
+    k: int
+    device: torch.device
+    dtype: torch.dtype
+    domain_ids: torch.Tensor
+    features: torch.Tensor | None
+    val_feature: torch.Tensor | None
+    gram: torch.Tensor | None
+    capacities: torch.Tensor | None
+    eta: float
+
+
+def validate_inputs(
+    strategy: str,
+    *,
+    features: torch.Tensor | None,
+    val_feature: torch.Tensor | None,
+    domain_ids: torch.Tensor,
+    num_domains: int,
+    kappa: int,
+    eta: float,
+    capacities: torch.Tensor | None,
+    gram: torch.Tensor | None,
+    needs_features: bool,
+    needs_validation: bool,
+    gram_suffices: bool = False,
+) -> SelectionInputs:
+    """Check the common arguments of a strategy call and move them to one device and dtype.
+
+    ``domain_ids`` and ``capacities`` follow the features to their device; half-precision
+    features are upcast to float32 (Cholesky and the solvers need it). Costs one host sync for
+    the domain-id range check. Finiteness is checked later and more cheaply by the strategies
+    (``check_finite`` on ``diag(K)`` and ``G gbar``, which are NaN/inf whenever a row of ``G`` is).
+
+    Args:
+        strategy: the strategy name, used in error messages.
+        features: ``(N, D)`` per-example features or None.
+        val_feature: ``(D,)`` validation feature or None.
+        domain_ids: ``(N,)`` integer domain of each pool example.
+        num_domains: the number of domains ``C`` (>= 1).
+        kappa: the budget (>= 0).
+        eta: the learning rate (finite, >= 0).
+        capacities: ``(C,)`` per-domain capacities or None.
+        gram: ``(N, N)`` precomputed ``G G^T`` or None.
+        needs_features: whether ``features`` (or ``gram`` if ``gram_suffices``) is required.
+        needs_validation: whether ``val_feature`` is required.
+        gram_suffices: whether ``gram`` can stand in for ``features``.
+
+    Returns:
+        The validated inputs.
+
+    Raises:
+        ValueError: naming the first bad argument, its value and what is allowed.
+    """
+    if isinstance(num_domains, bool) or not isinstance(num_domains, int) or num_domains < 1:
+        raise ValueError(f"{strategy}: `num_domains` must be an int >= 1, got {num_domains!r}")
+    if isinstance(kappa, bool) or not isinstance(kappa, int) or kappa < 0:
+        raise ValueError(f"{strategy}: `kappa` must be an int >= 0, got {kappa!r}")
+    try:
+        eta_f = float(eta)
+    except (TypeError, ValueError):
+        raise ValueError(f"{strategy}: `eta` must be a finite float >= 0, got {eta!r}") from None
+    if not math.isfinite(eta_f) or eta_f < 0:
+        raise ValueError(f"{strategy}: `eta` must be a finite float >= 0, got {eta!r}")
+    if not isinstance(domain_ids, torch.Tensor) or domain_ids.dim() != 1:
+        raise ValueError(f"{strategy}: `domain_ids` must be a 1-D integer tensor, got {_describe(domain_ids)}")
+    if domain_ids.dtype.is_floating_point or domain_ids.dtype == torch.bool or domain_ids.is_complex():
+        raise ValueError(f"{strategy}: `domain_ids` must have an integer dtype, got {domain_ids.dtype}")
+    n = domain_ids.shape[0]
+
+    if features is not None:
+        if not isinstance(features, torch.Tensor) or features.dim() != 2 or features.shape[0] != n:
+            raise ValueError(
+                f"{strategy}: `features` must be a ({n}, D) floating tensor matching `domain_ids`, "
+                f"got {_describe(features)}"
+            )
+        if not features.dtype.is_floating_point:
+            raise ValueError(f"{strategy}: `features` must be floating point, got {features.dtype}")
+    if gram is not None:
+        if not isinstance(gram, torch.Tensor) or gram.shape != (n, n) or not gram.dtype.is_floating_point:
+            raise ValueError(f"{strategy}: `gram` must be a floating ({n}, {n}) tensor, got {_describe(gram)}")
+    if needs_features and features is None and not (gram_suffices and gram is not None):
+        need = "`features` (or `gram`)" if gram_suffices else "`features`"
+        raise ValueError(f"{strategy}: needs {need}, got None")
+    if val_feature is not None:
+        dim = features.shape[1] if features is not None else None
+        if (
+            not isinstance(val_feature, torch.Tensor)
+            or val_feature.dim() != 1
+            or not val_feature.dtype.is_floating_point
+            or (dim is not None and val_feature.shape[0] != dim)
+        ):
+            raise ValueError(
+                f"{strategy}: `val_feature` must be a 1-D floating tensor of length D={dim}, "
+                f"got {_describe(val_feature)}"
+            )
+    if needs_validation and val_feature is None:
+        raise ValueError(f"{strategy}: needs `val_feature` (the validation gradient feature), got None")
+
+    anchor = features if features is not None else gram
+    device = anchor.device if anchor is not None else domain_ids.device
+    src_dtype = anchor.dtype if anchor is not None else torch.float32
+    dtype = src_dtype if src_dtype in (torch.float32, torch.float64) else torch.float32
+
+    domain_ids = domain_ids.to(device=device, dtype=torch.long)
+    if n > 0:
+        lo_hi = torch.stack([domain_ids.min(), domain_ids.max()]).tolist()
+        if lo_hi[0] < 0 or lo_hi[1] >= num_domains:
+            raise ValueError(
+                f"{strategy}: `domain_ids` must lie in [0, num_domains={num_domains}), "
+                f"got values in [{lo_hi[0]}, {lo_hi[1]}]"
+            )
+    if features is not None:
+        features = features.to(device=device, dtype=dtype)
+    if val_feature is not None:
+        val_feature = val_feature.to(device=device, dtype=dtype)
+    if gram is not None:
+        gram = gram.to(device=device, dtype=dtype)
+    if capacities is not None:
+        if (
+            not isinstance(capacities, torch.Tensor)
+            or capacities.shape != (num_domains,)
+            or capacities.dtype.is_floating_point
+            or capacities.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"{strategy}: `capacities` must be an integer tensor of shape ({num_domains},), "
+                f"got {_describe(capacities)}"
+            )
+        capacities = capacities.to(device=device, dtype=torch.long)
+        if num_domains > 0 and bool((capacities < 0).any()):
+            raise ValueError(f"{strategy}: `capacities` must be >= 0, got {capacities.tolist()}")
+    return SelectionInputs(
+        n=n,
+        k=min(kappa, n),
+        device=device,
+        dtype=dtype,
+        domain_ids=domain_ids,
+        features=features,
+        val_feature=val_feature,
+        gram=gram,
+        capacities=capacities,
+        eta=eta_f,
+    )
+
+
+_OptionsT = TypeVar("_OptionsT")
+
+
+def parse_options(strategy: str, options_cls: type[_OptionsT], options: Mapping[str, Any]) -> _OptionsT:
+    """Build a strategy's option dataclass, rejecting unknown option names.
+
+    Args:
+        strategy: the strategy name, used in error messages.
+        options_cls: a dataclass whose ``__post_init__`` validates the values.
+        options: the extra keyword arguments the caller gave.
+
+    Returns:
+        The options instance.
+
+    Raises:
+        ValueError: for unknown option names (listing the allowed ones) or bad values.
+    """
+    allowed = [f.name for f in dataclasses.fields(options_cls)]  # type: ignore[arg-type]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"{strategy}: unknown option(s) {unknown}; allowed options are {allowed or 'none'}"
+        )
+    return options_cls(**options)
+
+
+def empty_result(inputs: SelectionInputs, num_domains: int, *, with_weights: bool) -> SelectionResult:
+    """The result of selecting nothing (``kappa == 0`` or an empty pool)."""
+    device = inputs.device
+    return SelectionResult(
+        indices=torch.zeros(0, dtype=torch.long, device=device),
+        domain_counts=torch.zeros(num_domains, dtype=torch.long, device=device),
+        weights=torch.zeros(0, dtype=inputs.dtype, device=device) if with_weights else None,
+        objective=torch.zeros((), dtype=inputs.dtype, device=device) if with_weights else None,
+    )
+
+
+def finish_result(
+    indices_S: torch.Tensor,
+    domain_ids_N: torch.Tensor,
+    num_domains: int,
+    *,
+    weights_S: torch.Tensor | None = None,
+    objective: torch.Tensor | None = None,
+    info: dict[str, torch.Tensor] | None = None,
+) -> SelectionResult:
+    """Sort the selection ascending (weights follow) and count it per domain."""
+    order_S = torch.argsort(indices_S)
+    indices_S = indices_S[order_S]
+    if weights_S is not None:
+        weights_S = weights_S[order_S]
+    counts_C = torch.bincount(domain_ids_N[indices_S], minlength=num_domains)
+    return SelectionResult(
+        indices=indices_S,
+        domain_counts=counts_C,
+        weights=weights_S,
+        objective=objective,
+        info=dict(info or {}),
+    )
+
+
+def check_finite(strategy: str, **tensors: torch.Tensor) -> None:
+    """Raise when any of the named tensors holds NaN or inf (one host sync).
+
+    Strategies pass cheap derived quantities (``diag(K)``, ``G gbar``): a NaN or inf anywhere in a
+    row of ``G`` makes that row's diagonal Gram entry non-finite, so the full ``(N, D)`` features
+    need not be scanned.
+
+    Raises:
+        ValueError: naming the non-finite tensors.
+    """
+    names = [name for name, t in tensors.items() if t is not None and t.numel() > 0]
+    if not names:
+        return
+    finite = torch.stack([torch.isfinite(tensors[name]).all() for name in names]).tolist()
+    bad = [name for name, ok in zip(names, finite) if not ok]
+    if bad:
+        raise ValueError(
+            f"{strategy}: non-finite values (NaN/inf) in {bad}; the gradient features or the validation "
+            "feature are broken (fall back to `random` for this step)"
+        )
+
+
+def _describe(x: object) -> str:
+    """A short description of a bad argument for error messages."""
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return repr(x)
