@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import collections
-import copy
 import hashlib
 import heapq
 import json
@@ -14,6 +13,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import struct
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 from streaming import MDSWriter
+from streaming.base.format.mds.encodings import NDArray
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from pipeline.corpora import (
@@ -257,12 +259,14 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
     config = _WorkerConfig(
         spec=spec,
         mode=mode,
-        tokenizer=options.tokenizer,
+        backend_json=tokenizer.backend_tokenizer.to_str(),  # type: ignore[attr-defined]
+        eos_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
         template=template if spec.is_instruction else None,
         max_seq_len=options.max_seq_len,
         truncation=options.truncation,
         seed=options.seed,
         keep_records=options.on_error == "skip",
+        needs_hash=options.val_fraction is not None or options.val_count is not None,
     )
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
@@ -364,12 +368,14 @@ def format_summary(result: ShardResult) -> str:
 class _WorkerConfig:
     spec: CorpusSpec
     mode: str
-    tokenizer: str
+    backend_json: str  # the Rust tokenizer, serialized: rebuilt in each worker without transformers' slow loading
+    eos_id: int
     template: str | None
     max_seq_len: int
     truncation: str
     seed: int
     keep_records: bool
+    needs_hash: bool  # only the validation split uses the content hash
 
 
 _WORKER: dict[str, Any] = {}
@@ -378,11 +384,10 @@ _WORKER: dict[str, Any] = {}
 def _init_worker(config: _WorkerConfig) -> None:
     """Per-process setup: a private copy of the Rust tokenizer that treats special-token text as text."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tokenizer = load_tokenizer(config.tokenizer)
-    backend = copy.deepcopy(tokenizer.backend_tokenizer)  # type: ignore[attr-defined]
+    backend = Tokenizer.from_str(config.backend_json)
     # A document that contains the literal text "<|endoftext|>" must not inject an EOS token.
     backend.encode_special_tokens = True
-    _WORKER.update(config=config, backend=backend, eos=int(tokenizer.eos_token_id))  # type: ignore[arg-type]
+    _WORKER.update(config=config, backend=backend, eos=config.eos_id)
 
 
 def _process_chunk(chunk: tuple[str, str, list[RawRecord]]) -> list[tuple]:
@@ -408,26 +413,24 @@ def _process_chunk(chunk: tuple[str, str, list[RawRecord]]) -> list[tuple]:
         else:
             parsed.append((i, rec))
 
-    seed_prefix = f"{config.seed}\x00".encode()
     if config.spec.is_instruction:
         prompts = [render_prompt(config.template, r.instruction, r.input) for _, r in parsed]  # type: ignore[arg-type]
-        contents = [f"{r.instruction}\x00{r.input}\x00{r.response}" for _, r in parsed]
     else:
         prompts = [r.text for _, r in parsed]
-        contents = prompts
+    hashes = _content_hashes(config, [r for _, r in parsed])
 
     if config.mode == "pretrain":
         texts = prompts if not config.spec.is_instruction else [p + r.response for p, (_, r) in zip(prompts, parsed)]
         encodings = backend.encode_batch(texts, add_special_tokens=False)
-        for (i, rec), enc, content in zip(parsed, encodings, contents):
+        for (i, rec), enc, h in zip(parsed, encodings, hashes):
             ids_T = np.empty(len(enc.ids) + 1, dtype=np.int32)
             ids_T[:-1] = enc.ids
             ids_T[-1] = eos
-            results[i] = ("ok", raws[i].line, raws[i].loc, rec.domain, _content_hash(seed_prefix, rec.domain, content), ids_T, False)
+            results[i] = ("ok", raws[i].line, raws[i].loc, rec.domain, h, ids_T, False)
     else:
         prompt_encs = backend.encode_batch(prompts, add_special_tokens=False)
         response_encs = backend.encode_batch([r.response for _, r in parsed], add_special_tokens=False)
-        for (i, rec), p_enc, r_enc, content in zip(parsed, prompt_encs, response_encs, contents):
+        for (i, rec), p_enc, r_enc, h in zip(parsed, prompt_encs, response_encs, hashes):
             prompt_T = np.asarray(p_enc.ids, dtype=np.int32)
             response_T = np.empty(len(r_enc.ids) + 1, dtype=np.int32)
             response_T[:-1] = r_enc.ids
@@ -441,16 +444,27 @@ def _process_chunk(chunk: tuple[str, str, list[RawRecord]]) -> list[tuple]:
                 results[i] = ("drop", raws[i].line, raws[i].loc, rec.domain, problem, rec.obj if config.keep_records else None)
                 continue
             results[i] = (
-                "ok", raws[i].line, raws[i].loc, rec.domain, _content_hash(seed_prefix, rec.domain, content), (fitted[0], fitted[1]), fitted[2]
+                "ok", raws[i].line, raws[i].loc, rec.domain, h, (fitted[0], fitted[1]), fitted[2]
             )  # fmt: skip
     return results  # type: ignore[return-value]
 
 
-def _content_hash(seed_prefix: bytes, domain: str, content: str) -> int:
-    """A seeded 64-bit hash of a record's content: the validation split is a function of it."""
-    h = hashlib.blake2b(seed_prefix + domain.encode("utf-8") + b"\x00", digest_size=8)
-    h.update(content.encode("utf-8"))
-    return int.from_bytes(h.digest(), "little")
+def _content_hashes(config: _WorkerConfig, records: list[ParsedRecord]) -> list[int]:
+    """Seeded 64-bit hashes of the records' content (domain included): the validation split is a function of them.
+
+    Content, not position, decides the split, so it does not depend on file order, and exact
+    duplicates land in the same split.
+    """
+    if not config.needs_hash:
+        return [0] * len(records)
+    seed_prefix = f"{config.seed}\x00".encode()
+    out = []
+    for r in records:
+        content = f"{r.instruction}\x00{r.input}\x00{r.response}" if config.spec.is_instruction else r.text
+        h = hashlib.blake2b(seed_prefix + r.domain.encode("utf-8") + b"\x00", digest_size=8)
+        h.update(content.encode("utf-8"))
+        out.append(int.from_bytes(h.digest(), "little"))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,7 +614,7 @@ class _CorpusWriter:
         writer = state.writers.get(split)
         if writer is None:
             path = self.root / _STAGING / split / state.key
-            writer = state.writers[split] = MDSWriter(
+            writer = state.writers[split] = _FastMDSWriter(
                 out=str(path), columns=self.columns, compression=COMPRESSION, hashes=HASHES, size_limit=self.options.size_limit
             )
         return writer
@@ -703,6 +717,37 @@ class _CorpusWriter:
             )
         shutil.rmtree(self.root / _STAGING, ignore_errors=True)
         return infos
+
+
+class _FastMDSWriter(MDSWriter):
+    """MDSWriter with a direct encoder for our columns (1-D int32 arrays and str); the bytes are identical.
+
+    Streaming's generic path re-parses the column encoding and inspects dtype names for every
+    sample, which cost more than the zstd compression and hashing of the shards together at
+    max_seq_len 128. tests/data/test_corpora.py checks byte parity against MDSWriter.
+    """
+
+    def encode_sample(self, sample: dict[str, Any]) -> bytes:
+        data = [_encode_column(sample[name]) for name in self.column_names]  # column_names are sorted
+        # Every column has a variable size: a uint32 size per column, then the column bytes.
+        return struct.pack(f"={len(data)}I", *map(len, data)) + b"".join(data)
+
+
+# Streaming's shape-dtype codes (uint8 / uint16 / uint32 dims) for the NDArray header byte.
+_SHAPE_CODES = [(1 << 8, "B", NDArray._shape_dtype2int["uint8"]), (1 << 16, "H", NDArray._shape_dtype2int["uint16"]), (1 << 32, "I", NDArray._shape_dtype2int["uint32"])]
+
+
+def _encode_column(value: Any) -> bytes:
+    """Streaming's "ndarray:int32" encoding of a non-empty 1-D int32 array, or "str" (UTF-8)."""
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    assert value.dtype == np.int32 and value.ndim == 1 and len(value) > 0, (value.dtype, value.shape)
+    n = len(value)
+    for limit, fmt, code in _SHAPE_CODES:
+        if n < limit:
+            # Header byte: (ndim << 2) | shape dtype code; then the shape; dtype is fixed by the column.
+            return struct.pack(f"=B{fmt}", (1 << 2) | code, n) + value.tobytes()
+    raise ValueError(f"sequence of {n} tokens is too long for an MDS ndarray")
 
 
 class _HeapItem:

@@ -199,3 +199,25 @@ def test_truncation_policies(policy, prompt, response, limit, expected):
     else:
         assert got is not None
         assert (tuple(got[0].tolist()), tuple(got[1].tolist()), got[2]) == expected
+
+
+def test_fast_mds_writer_matches_streaming_bytes(tmp_path):
+    """The direct column encoder must produce exactly what MDSWriter's generic path produces."""
+    from streaming import MDSWriter
+
+    from pipeline.sharding import _FastMDSWriter, columns_for_mode
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-(2**31), 2**31 - 1, size=n, dtype=np.int32) for n in (1, 2, 255, 256, 1000, 65535, 65536, 70000)]
+    for mode in ("pretrain", "finetune"):
+        outs = {}
+        for name, cls in (("generic", MDSWriter), ("fast", _FastMDSWriter)):
+            with cls(out=str(tmp_path / mode / name), columns=columns_for_mode(mode), compression="zstd", hashes=["sha1", "xxh64"], size_limit=1 << 18) as w:
+                for ids in arrays:
+                    n = len(ids)
+                    if mode == "pretrain":
+                        w.write({"input_ids": ids})
+                    else:
+                        w.write({"prompt_ids": ids[: max(1, n // 3)], "response_ids": ids, "record": f"fïlé\u2028.json:{n}"})
+            outs[name] = {p.name: p.read_bytes() for p in sorted((tmp_path / mode / name).iterdir())}
+        assert outs["fast"] == outs["generic"] and len(outs["fast"]) > 2
