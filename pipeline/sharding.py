@@ -614,8 +614,10 @@ class _CorpusWriter:
         writer = state.writers.get(split)
         if writer is None:
             path = self.root / _STAGING / split / state.key
+            # max_workers=1: each writer owns a thread pool (used for remote uploads only); keep it small,
+            # since a corpus may have hundreds of domain x split writers open at once.
             writer = state.writers[split] = _FastMDSWriter(
-                out=str(path), columns=self.columns, compression=COMPRESSION, hashes=HASHES, size_limit=self.options.size_limit
+                out=str(path), columns=self.columns, compression=COMPRESSION, hashes=HASHES, size_limit=self.options.size_limit, max_workers=1
             )
         return writer
 
