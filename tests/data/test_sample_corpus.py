@@ -157,5 +157,6 @@ def test_make_sample_corpus_cli(tmp_path, capsys):
     from tests.data.mds_helpers import load_tool
 
     assert load_tool("make_sample_corpus").main([str(tmp_path / "c"), "--scale", "0.02", "--seed", "3"]) == 0
-    assert "wrote 11 files" in capsys.readouterr().out or (tmp_path / "c" / "metamathqa" / "MetaMathQA-sample.json").is_file()
+    n_files = sum(1 for p in (tmp_path / "c").rglob("*") if p.is_file())
+    assert f"wrote {n_files} files" in capsys.readouterr().out
     assert _tree(tmp_path / "c") == _tree(write_sample_corpus(tmp_path / "lib", seed=3, scale=0.02).root)
