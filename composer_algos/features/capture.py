@@ -49,11 +49,14 @@ def per_example_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> tor
         (n,) losses.
     """
     n, t, v = logits_nTV.shape
-    shift_logits = logits_nTV[:, :-1].reshape(-1, v).float()
-    shift_labels = labels_nT[:, 1:].reshape(-1)
-    token_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="none")
-    n_targets = (shift_labels != IGNORE_INDEX).view(n, t - 1).sum(dim=1).clamp_min(1)
-    return token_loss.view(n, t - 1).sum(dim=1) / n_targets
+    # Shift the labels, not the logits: slicing the logits would copy them and make the backward
+    # materialise a zero-filled full-size gradient (SliceBackward), costing time and memory at large V.
+    targets_nT = torch.cat([labels_nT[:, 1:], labels_nT.new_full((n, 1), IGNORE_INDEX)], dim=1)
+    token_loss_nT = F.cross_entropy(
+        logits_nTV.reshape(n * t, v).float(), targets_nT.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(n, t)
+    n_targets = (targets_nT != IGNORE_INDEX).sum(dim=1).clamp_min(1)
+    return token_loss_nT.sum(dim=1) / n_targets
 
 
 @contextmanager

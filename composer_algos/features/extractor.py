@@ -245,18 +245,19 @@ class GradFeatureExtractor:
                 dtype = torch.promote_types(a_nTI.dtype, torch.float32)
                 a_nTI, delta_nTO = a_nTI.to(dtype), delta_nTO.to(dtype)
                 pre = preconditioners[t.index] if preconditioners is not None else None
-                x_nD = self._layer_features(t, a_nTI, delta_nTO, pre, step)
+                x_nD, col_scale_D = self._layer_features(t, a_nTI, delta_nTO, pre, step)
                 if self.normalization == "adam_simulated":
                     if accumulate:
                         self.simulated.accumulate(t.name, x_nD)
                     x_nD = self.simulated.filter(t.name, x_nD)
-                bad_rows.append((~torch.isfinite(x_nD)).any(dim=1).sum())
+                # A row holding NaN/inf has a non-finite sum: one reduction instead of an elementwise mask.
+                bad_rows.append((~torch.isfinite(x_nD.sum(dim=1))).sum())
                 if self.proj_dim:
                     if out_nd is None:
                         out_nd = x_nD.new_zeros(x_nD.shape[0], self.proj_dim)
-                    apply_fjlt(x_nD, self._fjlt_plan(t, x_nD, step), out_nd)
+                    apply_fjlt(x_nD, self._fjlt_plan(t, x_nD, step), out_nd, col_scale_D)
                 else:
-                    raw_parts.append(x_nD)
+                    raw_parts.append(x_nD if col_scale_D is None else x_nD * col_scale_D)
             rows.append(out_nd if self.proj_dim else torch.cat(raw_parts, dim=1))
         X_nd = torch.cat(rows, dim=0)
         return unit_rows(X_nd) if self.normalization == "unit" else X_nd
@@ -266,24 +267,26 @@ class GradFeatureExtractor:
         t: TargetLayer,
         a_nTI: torch.Tensor,
         delta_nTO: torch.Tensor,
-        v_hats: list[torch.Tensor] | None,
+        pre: tuple[torch.Tensor, ...] | None,
         step: int,
-    ) -> torch.Tensor:
-        """One layer's raw (optionally optimizer-preconditioned) features (n, D)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One layer's raw features (n, D), and the elementwise Adam scale (D,) still to apply (exact layers)."""
         if not t.sketched:
             x_nD = exact_layer_grads(a_nTI, delta_nTO, t.has_bias)
-            if v_hats is not None:
-                x_nD = x_nD * exact_adam_scale(v_hats, self.adam_eps).to(x_nD.dtype)
-            return x_nD
+            return x_nD, (pre[0].to(x_nD.dtype) if pre is not None else None)
         P_out_KO, P_in_JI = self._sketch(t, a_nTI.device, a_nTI.dtype, step)
-        if v_hats is not None:
-            s_out_O, s_in_I = factored_adam_scales(v_hats, self.adam_eps)
+        if pre is not None:
+            s_out_O, s_in_I = pre
             P_out_KO = P_out_KO * s_out_O.to(P_out_KO.dtype)
             P_in_JI = P_in_JI * s_in_I.to(P_in_JI.dtype)
-        return sketch_layer_grads(a_nTI, delta_nTO, P_out_KO, P_in_JI)
+        return sketch_layer_grads(a_nTI, delta_nTO, P_out_KO, P_in_JI), None
 
-    def _adam_preconditioners(self, optimizer: torch.optim.Optimizer | None) -> list[list[torch.Tensor]] | None:
-        """Per target, the optimizer's v_hat tensors; None (and `normalization_in_use='none'`) when unavailable."""
+    def _adam_preconditioners(self, optimizer: torch.optim.Optimizer | None) -> list[tuple[torch.Tensor, ...]] | None:
+        """Per target, the Adam scale from the optimizer's v_hat, computed once per call.
+
+        Exact layers get `(1 / (sqrt(v_hat) + eps),)` flattened in feature order, sketched layers the
+        factored `(s_out, s_in)`. None (and `normalization_in_use = "none"`) when unavailable.
+        """
         if self.normalization != "adam_optimizer":
             self.normalization_in_use = self.normalization
             return None
@@ -297,7 +300,10 @@ class GradFeatureExtractor:
             self.normalization_in_use = "none"
             return None
         self.normalization_in_use = "adam_optimizer"
-        return v_hats  # type: ignore[return-value]
+        return [
+            factored_adam_scales(v, self.adam_eps) if t.sketched else (exact_adam_scale(v, self.adam_eps),)
+            for t, v in zip(self.targets, v_hats)  # type: ignore[arg-type]
+        ]
 
     def _sketch(self, t: TargetLayer, device: torch.device, dtype: torch.dtype, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's (cached) sketch projections."""

@@ -94,8 +94,13 @@ def make_fjlt_plan(
     return FJLTPlan(dim_in, dim_out, signs_D, index_d, scale_d, fft_len)
 
 
-def apply_fjlt(x_nD: torch.Tensor, plan: FJLTPlan, out_nd: torch.Tensor | None = None) -> torch.Tensor:
-    """Project the rows of `x_nD` with `plan`, adding into `out_nd` when given.
+def apply_fjlt(
+    x_nD: torch.Tensor,
+    plan: FJLTPlan,
+    out_nd: torch.Tensor | None = None,
+    col_scale_D: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Project the rows of `x_nD` (optionally column-scaled first) with `plan`, adding into `out_nd` when given.
 
     Summing the projections of several layers (each with its own independent plan) into one `out_nd`
     is itself an unbiased JL map of the concatenated features: cross-layer terms have zero mean
@@ -105,6 +110,8 @@ def apply_fjlt(x_nD: torch.Tensor, plan: FJLTPlan, out_nd: torch.Tensor | None =
         x_nD: (n, D) features.
         plan: from `make_fjlt_plan` with `dim_in == D`.
         out_nd: optional (n, d) accumulator, updated in place.
+        col_scale_D: optional (D,) scale applied to the columns before projecting (folded into the
+            random signs, so an elementwise preconditioner costs no extra pass over `x_nD`).
 
     Returns:
         (n, d) projected features (`out_nd` itself when given).
@@ -117,7 +124,8 @@ def apply_fjlt(x_nD: torch.Tensor, plan: FJLTPlan, out_nd: torch.Tensor | None =
         raise ValueError(f"features have {dim_in} columns but the FJLT plan expects {plan.dim_in}")
     if out_nd is None:
         out_nd = x_nD.new_zeros(n, plan.dim_out)
-    signed_nD = x_nD * plan.signs_D
+    signs_D = plan.signs_D if col_scale_D is None else plan.signs_D * col_scale_D
+    signed_nD = x_nD * signs_D
     if plan.scale_d is None:
         return out_nd.index_add_(1, plan.index_d, signed_nD)
     coeffs_nF = torch.fft.rfft(signed_nD, n=plan.fft_len, dim=1, norm="ortho")

@@ -1,0 +1,257 @@
+"""Benchmark per-example gradient features against a plain forward, the truncated batch backward, and torch.func.
+
+Example:
+    .venv/bin/python tools/bench_features.py                 # both model sizes, CPU, 5 timed rounds
+    .venv/bin/python tools/bench_features.py --configs small --repeats 5 --device cuda
+
+For each model (random Llama, vocab 8192, sequence 128, pool 32; "small": 4 blocks, hidden 256;
+"large": 8 blocks, hidden 512), side by side in one run:
+  (a) forward     a plain no-grad forward of the pool (eval mode);
+  (b) batch_grad  the same truncated forward (no graph below the last block) + backward computing only the
+                  summed gradient of the target layers (the last block's linear layers);
+  (c) feat_*      GradFeatureExtractor.compute on the pool (adam_optimizer normalisation with real optimizer
+                  state, FJLT to the hidden size): `feat_exact` (every target exact), `feat_sketch` (every
+                  target sketched, k=32), `feat_default` (the default 65536 threshold);
+  (d) func        torch.func per-example gradients (vmap of grad) of the same parameters.
+Timing: all methods of a model are set up in one process, warmed up, then run round-robin --repeats
+times, so load changes on a shared machine hit them alike; the median and the min are reported and the
+ratios use the median. Memory: each method runs once more in its own subprocess, which reports the
+peak it added over its setup: on CPU the rise of the peak RSS (/proc/self/status VmHWM, reset through
+/proc/self/clear_refs), on CUDA torch.cuda.max_memory_allocated above the setup level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = {
+    "small": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=4),
+    "large": dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=8),
+}
+METHODS = ["forward", "batch_grad", "feat_exact", "feat_sketch", "feat_default", "func"]
+VOCAB, SEQ, POOL = 8192, 128, 32
+TARGETS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(_run_worker(json.loads(args.worker))))
+        return
+
+    results: dict[str, dict[str, dict]] = {}
+    for cfg in args.configs:
+        job = dict(config=cfg, methods=args.methods, repeats=args.repeats, device=args.device, threads=args.threads)
+        timings = _call_worker(dict(job, mode="time"))
+        results[cfg] = {}
+        for method in args.methods:
+            mem = _call_worker(dict(job, mode="memory", methods=[method]))
+            if timings is None or method not in timings:
+                continue
+            res = dict(timings[method], peak_mb=mem[method]["peak_mb"] if mem else float("nan"))
+            results[cfg][method] = res
+            print(f"[{cfg}] {method:<13} median {res['median_s'] * 1e3:9.1f} ms  (min {res['min_s'] * 1e3:9.1f})  "
+                  f"peak +{res['peak_mb']:8.1f} MB", flush=True)
+    _print_report(results)
+
+
+def _call_worker(job: dict) -> dict | None:
+    """Run `_run_worker(job)` in a fresh interpreter; None (and the error on stderr) when it fails."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(job)],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        print(f"[{job['config']}/{job['mode']}/{job['methods']}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[len("RESULT ") :])
+
+
+def _print_report(results: dict) -> None:
+    print("\n| model | method | median ms | peak MB | / (a) forward | / (b) batch_grad |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for cfg, res in results.items():
+        a = res.get("forward", {}).get("median_s")
+        b = res.get("batch_grad", {}).get("median_s")
+        for method, r in res.items():
+            ra = f"{r['median_s'] / a:.2f}" if a else "-"
+            rb = f"{r['median_s'] / b:.2f}" if b else "-"
+            print(f"| {cfg} | {method} | {r['median_s'] * 1e3:.1f} | {r['peak_mb']:.1f} | {ra} | {rb} |")
+    print("\nTargets: (c)/(b) <= 1.2; (d)/(c) >= 5.")
+    for cfg, res in results.items():
+        b, d = res.get("batch_grad"), res.get("func")
+        for method in ("feat_exact", "feat_sketch", "feat_default"):
+            c = res.get(method)
+            if c is None:
+                continue
+            parts = [f"[{cfg}] {method}:"]
+            if b:
+                parts.append(f"(c)/(b) = {c['median_s'] / b['median_s']:.2f}")
+            if d:
+                parts.append(f"(d)/(c) = {d['median_s'] / c['median_s']:.1f}")
+            if "forward" in res:
+                parts.append(f"(c)/(a) = {c['median_s'] / res['forward']['median_s']:.2f}")
+            print("  ".join(parts))
+
+
+def _run_worker(job: dict) -> dict:
+    """Build the model and the methods; time them round-robin, or measure the memory each adds."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    device = torch.device(job["device"])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=False, attn_implementation="eager",
+        **CONFIGS[job["config"]],
+    )
+    model = LlamaForCausalLM(config).to(device)
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (POOL, SEQ), generator=gen).to(device)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+    last = config.num_hidden_layers - 1
+    target_names = [f"model.layers.{last}.{t}" for t in TARGETS]
+    fns = {m: _make_method(m, model, batch, target_names) for m in job["methods"]}
+    for fn in fns.values():
+        fn()  # warm-up (also builds the extractor's cached projections)
+    _sync(device)
+    if job["mode"] == "memory":
+        out = {}
+        for method, fn in fns.items():
+            base = _memory_reset(device)
+            fn()
+            _sync(device)
+            out[method] = {"peak_mb": (_memory_peak(device) - base) / 2**20}
+        return out
+    times: dict[str, list[float]] = {m: [] for m in fns}
+    for _ in range(job["repeats"]):
+        for method, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[method].append(time.perf_counter() - start)
+    return {m: {"median_s": statistics.median(t), "min_s": min(t)} for m, t in times.items()}
+
+
+def _make_method(method: str, model, batch: dict, target_names: list[str]):
+    """A zero-argument callable running one measurement of `method`."""
+    import torch
+    from torch.func import functional_call, grad, vmap
+
+    from composer_algos.features import GradFeatureExtractor, per_example_losses, truncated_graph
+
+    model.eval()
+    modules = dict(model.named_modules())
+    weights = [modules[n].weight for n in target_names]
+
+    if method == "forward":
+        def run():
+            with torch.no_grad():
+                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        return run
+
+    if method == "batch_grad":
+        cut = model.model.layers[-1]
+
+        def run():
+            with truncated_graph(cut):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+                loss = per_example_losses(logits, batch["labels"]).sum()
+                return torch.autograd.grad(loss, weights)
+        return run
+
+    if method.startswith("feat_"):
+        # Real Adam state for the adam_optimizer normalisation: one training step on a few examples.
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model(input_ids=batch["input_ids"][:4], labels=batch["labels"][:4]).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        threshold = {"feat_exact": 10**12, "feat_sketch": 0, "feat_default": 65536}[method]
+        extractor = GradFeatureExtractor(
+            model, target_modules=[re.escape(n) + "$" for n in target_names], exact_max_numel=threshold,
+            sketch_dim=32, normalization="adam_optimizer", chunk_size=POOL,
+        )
+
+        def run():
+            G, _ = extractor.compute(batch, step=1, optimizer=opt)
+            assert extractor.normalization_in_use == "adam_optimizer"
+            return G
+        return run
+
+    if method == "func":
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        buffers = dict(model.named_buffers())
+        tp = {n + ".weight": params[n + ".weight"] for n in target_names}
+
+        def loss_fn(tparams, ids_T, labels_T):
+            out = functional_call(model, ({**params, **tparams}, buffers), (ids_T[None],), {"use_cache": False})
+            return per_example_losses(out.logits, labels_T[None])[0]
+
+        per_example = vmap(grad(loss_fn), in_dims=(None, 0, 0))
+
+        def run():
+            return per_example(tp, batch["input_ids"], batch["labels"])
+        return run
+
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _memory_reset(device) -> int:
+    """Reset the peak counter; return the current level in bytes."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    return _proc_status_kb("VmRSS") * 1024
+
+
+def _memory_peak(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return _proc_status_kb("VmHWM") * 1024
+
+
+def _proc_status_kb(key: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+    assert match, key
+    return int(match.group(1))
+
+
+if __name__ == "__main__":
+    main()
