@@ -31,6 +31,7 @@ SELECTION_LOG_COLUMNS = (
     "kept_samples",
     "kept_tokens",
     "fallback",
+    "selected_hash",
 )
 
 

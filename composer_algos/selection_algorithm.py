@@ -409,6 +409,10 @@ class DataSelection(Algorithm):
         }
         if result.objective is not None:
             metrics["selection/objective"] = float(result.objective)
+        # A 24-bit digest of the selected pool positions (exact in float32 loggers), so runs and
+        # ranks can be compared step by step.
+        digest = hashlib.sha1(torch.sort(result.indices.cpu()).values.numpy().tobytes()).digest()
+        metrics["selection/selected_hash"] = float(int.from_bytes(digest[:3], "little"))
         if feats_ND is not None and result.indices.numel() > 1:
             metrics["selection/conflict_fraction"] = float(conflict_fraction(feats_ND, result.indices))
         logger.log_metrics(metrics)
