@@ -198,10 +198,11 @@ def plot_grouped_bars(
     ax.set_xticks(x)
     ax.set_xticklabels(names, rotation=35, ha="right")
     ax.set_ylabel("Domain weights")
-    ax.set_ylim(0, min(1.0, 1.15 * max([c.weights.get(n, 0.0) for c in columns for n in names] + [0.1])))
+    # Headroom above the tallest bar for the legend row(s).
+    ax.set_ylim(0, 1.4 * max([c.weights.get(n, 0.0) for c in columns for n in names] + [0.1]))
     ax.grid(axis="y", color="0.85")
     ax.set_axisbelow(True)
-    ax.legend(frameon=False, loc="upper left")
+    ax.legend(frameon=False, loc="upper left", ncol=min(num_cols, 4))
     if title:
         ax.set_title(title)
     fig.tight_layout()
