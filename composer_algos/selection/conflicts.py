@@ -13,7 +13,9 @@ log = logging.getLogger(__name__)
 __all__ = ["conflict_fraction"]
 
 
-def conflict_fraction(features_or_gram: torch.Tensor, indices: torch.Tensor, *, is_gram: bool = False) -> torch.Tensor:
+def conflict_fraction(
+    features_or_gram: torch.Tensor, indices: torch.Tensor, *, is_gram: bool = False
+) -> torch.Tensor:
     """Fraction of selected unordered pairs ``i < j`` with ``<g_i, g_j> < 0``.
 
     Args:
@@ -28,7 +30,10 @@ def conflict_fraction(features_or_gram: torch.Tensor, indices: torch.Tensor, *, 
         ValueError: when ``is_gram`` is set and the matrix is not square.
     """
     if is_gram and (features_or_gram.dim() != 2 or features_or_gram.shape[0] != features_or_gram.shape[1]):
-        raise ValueError(f"`features_or_gram` must be a square Gram matrix when is_gram=True, got shape {tuple(features_or_gram.shape)}")
+        raise ValueError(
+            "`features_or_gram` must be a square Gram matrix when is_gram=True, "
+            f"got shape {tuple(features_or_gram.shape)}"
+        )
     dtype = features_or_gram.dtype if features_or_gram.dtype.is_floating_point else torch.float32
     idx_S = indices.to(device=features_or_gram.device, dtype=torch.long)
     s = idx_S.shape[0]

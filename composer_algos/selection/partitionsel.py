@@ -12,7 +12,13 @@ import torch
 
 from composer_algos.selection.capacities import resolve_capacities
 from composer_algos.selection.objective import build_objective, scaled_utility
-from composer_algos.selection.refit import ActiveSetState, APGAState, default_grad_tol, refit_exact
+from composer_algos.selection.refit import (
+    ActiveSetState,
+    APGAState,
+    default_grad_tol,
+    refit_exact,
+    single_thread_on_cpu,
+)
 from composer_algos.selection.swap import refine_swap
 from composer_algos.selection.types import (
     SelectionInputs,
@@ -234,6 +240,8 @@ def omp_select(
 
     Each round costs a handful of ``O(N)`` kernels plus the refit; nothing loops over the
     candidates in Python. The exact refit syncs once per round; APGA with ``apga_tol = 0`` never.
+    On CPU the rounds run with one intra-op thread (restored afterwards): their kernels are too
+    small to split, and handing them to a thread pool costs several times the work itself.
 
     Args:
         gram_NN: ``(N, N)`` Gram matrix ``K``.
@@ -253,6 +261,26 @@ def omp_select(
         ``(indices_S, v_S, phi, info)``: the selection in pick order, its weights ``v``, the
         scale-free objective ``Phi(v)`` (0-dim) and solver counters.
     """
+    with single_thread_on_cpu(gram_NN.device):
+        return _omp_rounds(
+            gram_NN, mu_N, domain_ids_N, capacities_C, k, pick, refit, ridge_abs, apga_max_iters, apga_tol, generator
+        )
+
+
+def _omp_rounds(
+    gram_NN: torch.Tensor,
+    mu_N: torch.Tensor,
+    domain_ids_N: torch.Tensor,
+    capacities_C: torch.Tensor,
+    k: int,
+    pick: str,
+    refit: str,
+    ridge_abs: float,
+    apga_max_iters: int,
+    apga_tol: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The body of ``omp_select``."""
     device = gram_NN.device
     n = gram_NN.shape[0]
     grad_tol = default_grad_tol(mu_N)

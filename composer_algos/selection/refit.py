@@ -9,14 +9,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 
 import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["refit_exact", "refit_apga", "default_grad_tol", "ActiveSetState", "APGAState"]
+__all__ = ["refit_exact", "refit_apga", "default_grad_tol", "single_thread_on_cpu", "ActiveSetState", "APGAState"]
 
 # Power iteration approaches ||K||_op from below; inflate the estimate so that the APGA step
 # 1/L stays below the stability limit of Nesterov's method on quadratics (~1.33/||K||).
@@ -28,6 +30,25 @@ def default_grad_tol(mu_N: torch.Tensor) -> torch.Tensor:
     eps = torch.finfo(mu_N.dtype).eps
     scale = mu_N.abs().max() if mu_N.numel() else mu_N.new_zeros(())
     return 100.0 * eps * torch.clamp(scale, min=torch.finfo(mu_N.dtype).tiny)
+
+
+@contextlib.contextmanager
+def single_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    """Run the block with one intra-op thread when on CPU; restore the previous count after.
+
+    The OMP rounds and swap verifications launch many kernels on vectors of a few thousand
+    entries at most; splitting those over a thread pool costs more than the work, and on a
+    shared machine the hand-offs can cost several times more.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def refit_exact(
@@ -506,7 +527,8 @@ def _solve_passive(
         # Step from the feasible v towards z until the first coordinate hits zero.
         v_P = v_S[idx_P]
         neg_P = z_P <= 0
-        ratio_P = torch.where(neg_P, v_P / (v_P - z_P).clamp_min(torch.finfo(v_P.dtype).tiny), torch.full_like(v_P, math.inf))
+        step_P = v_P / (v_P - z_P).clamp_min(torch.finfo(v_P.dtype).tiny)
+        ratio_P = torch.where(neg_P, step_P, torch.full_like(v_P, math.inf))
         alpha = ratio_P.min().clamp(0.0, 1.0)
         v_P = v_P + alpha * (z_P - v_P)
         kill_P = (neg_P & (ratio_P <= alpha)) | (v_P <= 0)

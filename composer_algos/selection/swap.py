@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from composer_algos.selection.refit import default_grad_tol, refit_exact
+from composer_algos.selection.refit import default_grad_tol, refit_exact, single_thread_on_cpu
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ def refine_swap(
     estimates are upper bounds of the true gains, so a round whose candidates all have
     non-positive estimates proves a local optimum.
 
+    On CPU the small-kernel parts (the verifications) run with one intra-op thread; the estimate
+    GEMM keeps the caller's thread count.
+
     Args:
         gram_NN: ``(N, N)`` Gram matrix (no ridge).
         mu_N: ``(N,)`` linear term.
@@ -76,7 +79,11 @@ def refine_swap(
         if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
             break
         rounds += 1
-        state = _SwapState(gram_NN, mu_N, sel_S, v_S, ridge_abs, float(tol))
+        with single_thread_on_cpu(device):
+            state = _SwapState(gram_NN, mu_N, sel_S, v_S, ridge_abs, float(tol))
+        if not state.ok:
+            log.warning("refine_swap: singular active Gram block (ridge %g); stopping the swap search", ridge_abs)
+            break
         unsel_U, est_US = estimate_swap_gains(
             gram_NN, mu_N, domain_ids_N, sel_S, v_S, ridge_abs=ridge_abs, p_AA=state.p_AA
         )
@@ -84,17 +91,19 @@ def refine_swap(
         moved_i: set[int] = set()
         moved_u: set[int] = set()
         made = 0
-        for est, flat in zip(top.values.tolist(), top.indices.tolist()):
-            if not math.isfinite(est) or est <= rel_tol * abs(state.phi):
-                break
-            u, i = divmod(flat, k)
-            if i in moved_i or u in moved_u:
-                continue
-            if state.try_swap(i, int(unsel_U[u]), rel_tol):
-                moved_i.add(i)
-                moved_u.add(u)
-                made += 1
-        sel_S, v_S = state.selection()
+        unsel = unsel_U.tolist()
+        with single_thread_on_cpu(device):
+            for est, flat in zip(top.values.tolist(), top.indices.tolist()):
+                if not math.isfinite(est) or est <= rel_tol * abs(state.phi):
+                    break
+                u, i = divmod(flat, k)
+                if i in moved_i or u in moved_u:
+                    continue
+                if state.ok and state.try_swap(i, unsel[u], rel_tol):
+                    moved_i.add(i)
+                    moved_u.add(u)
+                    made += 1
+            sel_S, v_S = state.selection()
         swaps += made
         if made == 0:
             break
@@ -158,7 +167,8 @@ def estimate_swap_gains(
     grad_U = mu_N[unsel_U] - k_UA @ v_A
     if a > 0:
         if p_AA is None:
-            kr_AA = gram_NN[act_A.unsqueeze(1), act_A.unsqueeze(0)] + ridge_abs * torch.eye(a, dtype=dt, device=gram_NN.device)
+            eye_AA = torch.eye(a, dtype=dt, device=gram_NN.device)
+            kr_AA = gram_NN[act_A.unsqueeze(1), act_A.unsqueeze(0)] + ridge_abs * eye_AA
             p_AA = torch.cholesky_inverse(torch.linalg.cholesky(kr_AA))
         b_UA = k_UA @ p_AA
         schur_U = diag_U - (b_UA * k_UA).sum(1)
@@ -187,7 +197,13 @@ class _SwapState:
     """
 
     def __init__(
-        self, gram_NN: torch.Tensor, mu_N: torch.Tensor, sel_S: torch.Tensor, v_S: torch.Tensor, ridge: float, tol: float
+        self,
+        gram_NN: torch.Tensor,
+        mu_N: torch.Tensor,
+        sel_S: torch.Tensor,
+        v_S: torch.Tensor,
+        ridge: float,
+        tol: float,
     ) -> None:
         self.gram_NN = gram_NN
         self.mu_N = mu_N
@@ -206,7 +222,14 @@ class _SwapState:
         kr_AA = self.gram_NN[act.unsqueeze(1), act.unsqueeze(0)] + self.ridge * torch.eye(
             a, dtype=v_S.dtype, device=v_S.device
         )
-        self.p_AA = torch.cholesky_inverse(torch.linalg.cholesky(kr_AA)) if a else kr_AA
+        self.ok = True
+        if a:
+            chol_AA, info = torch.linalg.cholesky_ex(kr_AA)
+            # A numerically singular active block (possible only at ridge 0) ends the search.
+            self.ok = int(info) == 0
+            self.p_AA = torch.cholesky_inverse(chol_AA)
+        else:
+            self.p_AA = kr_AA
         # At the ridge optimum (K_AA + ridge I) v_A = mu_A, so Phi_ridge = <v_A, mu_A> / 2.
         self.phi = 0.5 * float(torch.dot(self.v_A, self.mu_N[act])) if a else 0.0
 
@@ -253,7 +276,9 @@ class _SwapState:
             new_act_pos = self.act_pos + [i_pos]
             z_new = torch.cat([z_A, z_j.view(1)])
         active = set(self.act_pos)
-        zero_pos = [q for q in range(len(self.sel)) if q not in active and q != i_pos] if len(active) < len(self.sel) else []
+        zero_pos = []
+        if len(active) < len(self.sel):
+            zero_pos = [q for q in range(len(self.sel)) if q not in active and q != i_pos]
         checks = [g_j, schur, loss, z_new.min() if z_new.numel() else g_j]
         if zero_pos:
             z_idx = torch.tensor([self.sel[q] for q in zero_pos], dtype=torch.long, device=mu.device)
@@ -300,7 +325,9 @@ class _SwapState:
         return True
 
 
-def _phi(sel_S: torch.Tensor, v_S: torch.Tensor, gram_NN: torch.Tensor, mu_N: torch.Tensor, ridge_abs: float) -> torch.Tensor:
+def _phi(
+    sel_S: torch.Tensor, v_S: torch.Tensor, gram_NN: torch.Tensor, mu_N: torch.Tensor, ridge_abs: float
+) -> torch.Tensor:
     """``Phi`` including the ridge, the quantity the refits maximise."""
     gram_SS = gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)]
     return torch.dot(v_S, mu_N[sel_S]) - 0.5 * (torch.dot(v_S, gram_SS @ v_S) + ridge_abs * torch.dot(v_S, v_S))

@@ -279,3 +279,14 @@ def test_singular_pool_with_duplicates_float32():
     res = _run(features, val_feature, dom, 3, 15, refine="swap")
     assert bool(torch.isfinite(res.weights).all()) and bool(torch.isfinite(res.objective))
     assert res.indices.unique().numel() == 15
+
+
+def test_thread_count_is_restored_after_the_single_threaded_rounds():
+    features, val_feature, dom = make_instance(0, 30)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _run(features, val_feature, dom, 3, 8, refine="swap")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -33,6 +33,7 @@ SCENARIOS = {
     "absent_domain": (20, 5, 7, "skip_2", None),
     "tiny_domain": (30, 3, 12, "tiny_0", None),
     "user_caps": (30, 3, 9, "uniform", [2, 4, 9]),
+    "empty_pool": (0, 3, 5, "uniform", None),
 }
 
 
