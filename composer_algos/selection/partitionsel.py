@@ -11,12 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from composer_algos.selection.capacities import resolve_capacities
-from composer_algos.selection.objective import build_objective, scaled_utility
+from composer_algos.selection.objective import build_objective
 from composer_algos.selection.refit import (
     ActiveSetState,
     APGAState,
     default_grad_tol,
-    refit_exact,
     single_thread_on_cpu,
 )
 from composer_algos.selection.swap import refine_swap
@@ -178,43 +177,38 @@ def run_weighted_selection(
     caps_C = resolve_capacities(strategy, inputs.capacities, dom_N, num_domains, inputs.k)
     ridge_abs = opts.ridge * float(torch.diagonal(gram_NN).mean()) if opts.ridge > 0 else 0.0
     grad_tol = default_grad_tol(mu_N)
-    info: dict[str, torch.Tensor] = {}
-    if inputs.k == inputs.n:
-        # Everything is selected: a single exact refit on the whole pool.
-        sel_S = torch.arange(inputs.n, device=inputs.device)
-        v_S = refit_exact(gram_NN, mu_N, ridge_abs=ridge_abs, grad_tol=grad_tol)
-        phi = scaled_utility(v_S, gram_NN, mu_N)
-    else:
-        sel_S, v_S, phi, info = omp_select(
+    # kappa >= n runs the same rounds: OMP then adds every element in gradient order, which is
+    # the incremental form of an exact refit on the whole pool.
+    sel_S, v_S, phi, info = omp_select(
+        gram_NN,
+        mu_N,
+        dom_N,
+        caps_C,
+        inputs.k,
+        pick=opts.pick,
+        refit=opts.refit,
+        ridge_abs=ridge_abs,
+        apga_max_iters=opts.apga_max_iters,
+        apga_tol=opts.apga_tol,
+        generator=generator,
+    )
+    if opts.refine == "swap":
+        start = time.perf_counter()
+        info["objective_before_refine"] = _unscale(phi, inputs.eta)
+        sel_S, v_S, phi, swap_info = refine_swap(
             gram_NN,
             mu_N,
             dom_N,
-            caps_C,
-            inputs.k,
-            pick=opts.pick,
-            refit=opts.refit,
+            sel_S,
+            v_S,
             ridge_abs=ridge_abs,
-            apga_max_iters=opts.apga_max_iters,
-            apga_tol=opts.apga_tol,
-            generator=generator,
+            max_rounds=opts.swap_max_rounds,
+            max_checks=opts.swap_max_checks,
+            time_budget_s=opts.swap_time_budget_s,
+            grad_tol=grad_tol,
         )
-        if opts.refine == "swap":
-            start = time.perf_counter()
-            info["objective_before_refine"] = _unscale(phi, inputs.eta)
-            sel_S, v_S, phi, swap_info = refine_swap(
-                gram_NN,
-                mu_N,
-                dom_N,
-                sel_S,
-                v_S,
-                ridge_abs=ridge_abs,
-                max_rounds=opts.swap_max_rounds,
-                max_checks=opts.swap_max_checks,
-                time_budget_s=opts.swap_time_budget_s,
-                grad_tol=grad_tol,
-            )
-            info.update(swap_info)
-            log.debug("%s: swap refinement took %.4fs", strategy, time.perf_counter() - start)
+        info.update(swap_info)
+        log.debug("%s: swap refinement took %.4fs", strategy, time.perf_counter() - start)
     info["objective_scaled"] = phi
     if inputs.eta == 0:
         info["scale_free"] = torch.ones((), dtype=torch.bool, device=inputs.device)

@@ -66,8 +66,9 @@ def refit_exact(
     when a coordinate turns non-positive. Warm-started from ``v0_S`` when given. Terminates in at
     most ``3 S + 10`` outer iterations; candidates whose Cholesky pivot vanishes (dependent
     columns at ``ridge_abs = 0``) or that cannot enter numerically are left at zero. Host-side
-    control flow: it syncs once per active-set change, so the OMP uses ``ActiveSetState`` for its
-    common path and calls this only when the active set shrinks.
+    control flow with one Cholesky factorisation per active-set change (``O(P^3)`` each): cheap
+    warm-started, but a cold start on a large support costs about ``S^4 / 12``; the OMP builds
+    large supports with ``ActiveSetState`` and calls this only when the active set shrinks.
 
     Args:
         gram_SS: ``(S, S)`` PSD Gram block of the support.
