@@ -144,6 +144,7 @@ class DataSelection(Algorithm):
         self.max_seq_len = max_seq_len
 
         self.spec = None
+        self._fractions: list[float] | None = None
         self.extractor = None
         self.validation: ValidationSource | None = None
         self.fallbacks = 0
@@ -189,13 +190,15 @@ class DataSelection(Algorithm):
             )
         if self.domain_names is None:
             raise ValueError("algorithms.data_selection needs domain_names (train.py fills them in from the manifest)")
+        self._fractions = None
         if self.capacity_fractions is not None:
-            unknown = sorted(set(self.capacity_fractions) - set(self.domain_names))
-            if unknown:
-                raise ValueError(
-                    f"algorithms.data_selection.capacity_fractions names unknown domains {unknown}; "
-                    f"known: {self.domain_names}"
-                )
+            from pipeline.dataset import resolve_domain_weights
+
+            # Missing domains get 0 (with a warning); the rest is normalised to sum to 1.
+            weights = resolve_domain_weights(
+                self.capacity_fractions, self.domain_names, source="algorithms.data_selection.capacity_fractions"
+            )
+            self._fractions = [weights[name] for name in self.domain_names]
         if self.spec.needs_validation:
             shard_dir = self.validation_cfg.get("shard_dir", self.shard_dir)
             if shard_dir is None:
@@ -296,10 +299,7 @@ class DataSelection(Algorithm):
         if spec.uses_capacities:
             from composer_algos.selection import compute_capacities
 
-            fractions = None
-            if self.capacity_fractions is not None:
-                fractions = [float(self.capacity_fractions.get(name, 0.0)) for name in self.domain_names or []]
-            capacities = compute_capacities(pool_counts_C, kappa, fractions)
+            capacities = compute_capacities(pool_counts_C, kappa, self._fractions)
         options = dict(self.strategy_options.get(strategy, {})) if strategy == self.strategy else {}
         result = spec.fn(
             features=feats_ND,

@@ -1,6 +1,9 @@
-"""Evaluate a fine-tuned checkpoint the paper's way: math-suite accuracy, Mol-Instructions metrics.
+"""Evaluate a checkpoint the paper's way: per-domain perplexity, math-suite accuracy, Mol-Instructions metrics.
 
 Examples:
+    # Per-domain validation log-perplexity on shards written by tools/shard.py:
+    python tools/evaluate.py ppl --model runs/x/latest-rank0.pt --shards demo_out/shards/dolma --out ppl.json
+
     # Math suites (MAmmoTH layout) from a Hugging Face folder, LoRA adapter merged:
     python tools/evaluate.py math --model base_dir --adapter runs/x/adapter \\
         --data-dir ../shared/data/eval --suites gsm8k,svamp,aqua --limit 200 --out results/math.json
@@ -89,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mol.add_argument("--out", help="summary JSON path (generated predictions go to <stem>.predictions.jsonl)")
     mol.set_defaults(func=run_mol)
+
+    p = sub.add_parser("ppl", parents=[model_args], help="per-domain validation log-perplexity on shards")
+    p.add_argument("--shards", required=True, help="output directory of tools/shard.py")
+    p.add_argument("--split", default="val", choices=("train", "val"), help="split to score (default: val)")
+    p.add_argument("--domains", help="comma-separated domains (default: all)")
+    p.add_argument("--max-batches", type=_positive_int, help="at most this many batches per domain")
+    p.add_argument("--out", help="write the per-domain results as JSON here")
+    p.set_defaults(func=run_ppl)
     return parser
 
 
@@ -172,6 +183,42 @@ def run_mol(args: argparse.Namespace) -> int:
     if args.out:
         out = write_mol_results(metrics, args.out, records, _run_info(args))
         print(f"wrote {out}")
+    return 0
+
+
+def run_ppl(args: argparse.Namespace) -> int:
+    """``ppl`` subcommand."""
+    import json
+
+    from pipeline.evaluation.checkpoint import load_model_and_tokenizer
+    from pipeline.evaluation.perplexity import domain_log_perplexity, format_ppl_table
+
+    if not args.model:
+        raise SystemExit("ppl: --model is required")
+    model, tokenizer = load_model_and_tokenizer(
+        args.model,
+        adapter=args.adapter,
+        tokenizer=args.tokenizer,
+        base_model=args.base_model,
+        device=args.device,
+        dtype=_DTYPES[args.dtype],
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    results = domain_log_perplexity(
+        model,
+        shard_dir=args.shards,
+        pad_token_id=pad,
+        split=args.split,
+        domains=[d for d in args.domains.split(",") if d] if args.domains else None,
+        batch_size=args.batch_size,
+        max_batches=args.max_batches,
+        show_progress=not args.no_progress,
+    )
+    print(format_ppl_table(results))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"domains": results, "run": _run_info(args)}, indent=2))
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -1,0 +1,47 @@
+"""tools/evaluate.py ppl agrees with the per-domain evaluators Composer runs during training."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import train
+from pipeline.config import load_config
+from pipeline.evaluation.perplexity import domain_log_perplexity
+from tests.common.paths import REPO_ROOT
+from tests.training.conftest import tiny_overrides
+
+TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+
+
+def test_ppl_matches_training_evaluators_and_cli(dolma_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        TINY,
+        tiny_overrides(dolma_shards, run_dir, "eval_loader.subset_num_batches=-1",
+                       "algorithms.data_selection.strategy=random"),
+    )
+    trainer = train.build_trainer(cfg)
+    trainer.fit()
+    during = train.domain_val_losses(trainer)
+    ours = domain_log_perplexity(trainer.state.model.model, shard_dir=str(dolma_shards), pad_token_id=1,
+                                 batch_size=8, show_progress=False)
+    assert set(ours) == set(during)
+    for name, value in during.items():
+        assert ours[name]["log_ppl"] == pytest.approx(value, rel=1e-5)
+    trainer.close()
+
+    out = tmp_path / "ppl.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "evaluate.py"), "ppl", "--model", str(run_dir / "latest-rank0.pt"),
+         "--shards", str(dolma_shards), "--out", str(out), "--no-progress"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads(out.read_text())["domains"]
+    for name, value in during.items():
+        assert saved[name]["log_ppl"] == pytest.approx(value, rel=1e-5)
+    assert "average" in result.stdout

@@ -1,0 +1,175 @@
+"""Benchmark: training-step time of selection strategies against feature extraction alone.
+
+Example:
+    python tools/bench_step.py                  # tiny config, r = 2 and r = 8, about 5 minutes on 2 cores
+    python tools/bench_step.py --steps 20 --ratios 2,4,8
+
+For each oversampling ratio r, side by side in one run, on the tiny config (yamls/testing/
+tiny_dolma.yaml, kappa 16 sequences of 128 tokens): the median step time of partitionsel, greats,
+random and none (a real Trainer, data loading to optimizer step), the no-grad forward of the pool,
+and the feature extraction of the pool and validation batch measured alone with the same model.
+Target: partitionsel's step time minus random's is at most 1.15x the feature extraction alone,
+i.e. solving, exchanging and bookkeeping add at most 15% on top of the features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+import torch  # noqa: E402
+from composer.core import Callback, State  # noqa: E402
+from composer.loggers import Logger  # noqa: E402
+
+import shard as shard_tool  # noqa: E402
+import train  # noqa: E402
+from composer_algos.selection_algorithm import DataSelection  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.sample_corpus import write_sample_corpus  # noqa: E402
+
+STRATEGIES = ("partitionsel", "greats", "random", "none")
+
+
+class StepTimer(Callback):
+    """Wall time from asking the loader for a batch to the end of the optimizer step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def before_dataloader(self, state: State, logger: Logger) -> None:
+        self._t0 = time.perf_counter()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        self.times.append(time.perf_counter() - self._t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ratios", default="2,8", help="oversampling ratios r (default: 2,8)")
+    parser.add_argument("--steps", type=int, default=15, help="steps per run; the first 3 are warm-up (default: 15)")
+    parser.add_argument("--repeats", type=int, default=10, help="repeats of the standalone timings (default: 10)")
+    parser.add_argument("--yaml", type=Path, default=REPO / "yamls" / "testing" / "tiny_dolma.yaml")
+    args = parser.parse_args(argv)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    if args.steps < 5:
+        parser.error("--steps must be at least 5 (3 warm-up steps are dropped)")
+
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+        root = Path(tmp)
+        write_sample_corpus(root / "corpus", seed=0, scale=1.0)
+        shards = root / "shards"
+        rc = shard_tool.main(
+            ["dolma", str(root / "corpus" / "dolma" / "documents"), "--out", str(shards),
+             "--max-seq-len", "128", "--val-count", "16", "--no-progress"]
+        )
+        if rc:
+            return rc
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.steps} steps per run\n")
+        rows = []
+        for r in ratios:
+            rows.append(bench_ratio(args.yaml, shards, root / f"runs-r{r:g}", r, args.steps, args.repeats))
+        print_table(rows)
+    return 0
+
+
+def bench_ratio(yaml: Path, shards: Path, run_root: Path, r: float, steps: int, repeats: int) -> dict:
+    out: dict = {"r": r}
+    algo = None
+    for strategy in STRATEGIES:
+        cfg = load_config(
+            yaml,
+            [
+                f"variables.shard_dir={shards}",
+                f"save_folder={run_root / strategy}",
+                f"max_duration={steps}ba",
+                "eval_loader=null",
+                "python_log_level=error",
+                "console_log_interval=1000ba",
+                f"algorithms.data_selection.strategy={strategy}",
+                f"algorithms.data_selection.oversampling={r}",
+            ],
+        )
+        trainer = train.build_trainer(cfg)
+        timer = StepTimer()
+        trainer.state.callbacks.append(timer)
+        trainer.fit()
+        out[strategy] = statistics.median(timer.times[3:])
+        if strategy == "partitionsel":
+            algo = next(a for a in trainer.state.algorithms if isinstance(a, DataSelection))
+            out.update(standalone(trainer, algo, repeats))
+        trainer.close()
+        print(f"  r={r:g} {strategy:13s} {1000 * out[strategy]:8.1f} ms/step", flush=True)
+    return out
+
+
+def standalone(trainer, algo: DataSelection, repeats: int) -> dict:
+    """Time the pool's no-grad forward and the feature extraction alone, on a real pool batch."""
+    batch = next(iter(trainer.state.train_dataloader))
+    pool = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    assert algo.validation is not None and algo.extractor is not None
+    vb = algo.validation.batch_for_step(0)
+    val = {k: vb[k] for k in ("input_ids", "attention_mask", "labels")}
+    hf = trainer.state.model.model
+    optimizer = trainer.state.optimizers[0]
+
+    def forward() -> None:
+        with torch.no_grad():
+            hf(input_ids=pool["input_ids"], attention_mask=pool["attention_mask"])
+
+    def features() -> None:
+        algo.extractor.compute(pool, val, step=1, optimizer=optimizer)
+
+    def feature_path() -> None:  # what the algorithm pays: validation draw + features
+        vb2 = algo.validation.batch_for_step(1)
+        val2 = {k: vb2[k] for k in ("input_ids", "attention_mask", "labels")}
+        algo.extractor.compute(pool, val2, step=1, optimizer=optimizer)
+
+    was_training = hf.training
+    hf.eval()
+    out = {"forward": _median(forward, repeats)}
+    hf.train(was_training)
+    out["features"] = _median(features, repeats)
+    out["features_with_val_draw"] = _median(feature_path, repeats)
+    return out
+
+
+def _median(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\nmedian ms per step (r = pool / kappa):")
+    head = ["r", "none", "random", "greats", "partitionsel", "fwd(pool)", "features", "(ps-rand)/feat", "ps/rand", "feat/fwd"]
+    print("".join(f"{h:>15}" for h in head))
+    for row in rows:
+        extra = row["partitionsel"] - row["random"]
+        cells = [
+            f"{row['r']:g}",
+            *(f"{1000 * row[k]:.1f}" for k in ("none", "random", "greats", "partitionsel", "forward", "features")),
+            f"{extra / row['features']:.3f}",
+            f"{row['partitionsel'] / row['random']:.2f}",
+            f"{row['features'] / row['forward']:.2f}",
+        ]
+        print("".join(f"{c:>15}" for c in cells))
+    worst = max((r["partitionsel"] - r["random"]) / r["features"] for r in rows)
+    verdict = "PASS" if worst <= 1.15 else "FAIL"
+    print(f"\ntarget (partitionsel - random) <= 1.15 x features alone: worst {worst:.3f} -> {verdict}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
