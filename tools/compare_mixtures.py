@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         doremi_source=str(args.doremi),
         natural=natural,
         natural_source=f"token shares of the {args.split} split in {args.manifest}/manifest.json",
+        run_sources=[str(path) for _, _, path in runs],
     )
     print(format_table(names, columns))
     args.out.mkdir(parents=True, exist_ok=True)

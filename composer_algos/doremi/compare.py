@@ -92,6 +92,7 @@ def build_columns(
     doremi_source: str = "doremi",
     natural: dict[str, float] | None = None,
     natural_source: str = "manifest",
+    run_sources: Sequence[str] | None = None,
 ) -> tuple[list[str], list[MixtureColumn]]:
     """Assemble the table's domains (rows) and columns.
 
@@ -104,6 +105,7 @@ def build_columns(
         doremi_source: Where `doremi` came from (shown in messages).
         natural: Natural shares by domain (e.g. `natural_token_shares`), or None.
         natural_source: Where `natural` came from.
+        run_sources: Where each run came from (default: its label).
 
     Returns:
         `(domain_names, columns)`. Domains follow `natural` if given, else the first file, with
@@ -130,8 +132,9 @@ def build_columns(
         if isinstance(init, dict):
             columns.append(MixtureColumn("DoReMi initial", {k: float(v) for k, v in init.items()}, doremi_source))
         columns.append(MixtureColumn("DoReMi", dict(doremi.weights), doremi_source))
-    for label, f in runs:
-        columns.append(MixtureColumn(label, dict(f.weights), label))
+    sources = list(run_sources) if run_sources is not None else [label for label, _ in runs]
+    for (label, f), source in zip(runs, sources, strict=True):
+        columns.append(MixtureColumn(label, dict(f.weights), source))
     for col in columns:
         missing = [n for n in names if n not in col.weights]
         if missing:

@@ -101,7 +101,8 @@ def test_tool_writes_table_and_figures(tmp_path, capsys):
     for name in ("comparison.png", "trajectories.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
-    assert "| spam |" in (out / "comparison.md").read_text()
+    md = (out / "comparison.md").read_text()
+    assert "| spam |" in md and f"- **uniform-ish**: {tmp_path / 'rand' / 'mixture.json'}" in md
 
 
 def test_tool_requires_inputs(capsys):
