@@ -63,6 +63,11 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     domain_names = [d.name for d in manifest.domains]
     weights = data.domain_weights
     if data.domain_weights_file is not None:
+        if not os.path.isfile(data.domain_weights_file):
+            raise FileNotFoundError(
+                f"train_loader.dataset.domain_weights_file: no such file {data.domain_weights_file!r} "
+                "(for DoReMi's stage c, run the proxy stage first; it writes <run_dir>/doremi/mixture.json)"
+            )
         weights = load_domain_weights_file(data.domain_weights_file)
         log.info("stream proportions from %s: %s", data.domain_weights_file, weights)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -110,8 +110,6 @@ class DatasetConfig:
         errs = []
         if self.domain_weights is not None and self.domain_weights_file is not None:
             errs.append(f"{where}.dataset: give `domain_weights` or `domain_weights_file`, not both")
-        if self.domain_weights_file is not None and not Path(self.domain_weights_file).is_file():
-            errs.append(f"{where}.dataset.domain_weights_file: no such file {self.domain_weights_file!r}")
         if self.split not in ("train", "val"):
             errs.append(f"{where}.dataset.split must be train or val, got {self.split!r}")
         return errs
@@ -246,6 +244,12 @@ class TrainConfig:
             errs.append(f"device_train_microbatch_size must be > 0, got {mb}")
         if self.precision not in (None, "fp32", "amp_bf16", "amp_fp16", "amp_fp8"):
             errs.append(f"precision must be fp32, amp_bf16, amp_fp16 or amp_fp8 (or unset for auto), got {self.precision!r}")
+        if "doremi" in self.algorithms and "data_selection" in self.algorithms:
+            errs.append(
+                "algorithms: doremi (proxy training with Group DRO weights) and data_selection cannot run "
+                "in the same run; train the DoReMi proxy first, then use its weights via "
+                "train_loader.dataset.domain_weights_file"
+            )
         if self.device not in (None, "cpu", "gpu"):
             errs.append(f"device must be cpu or gpu (or unset for auto), got {self.device!r}")
         return errs
