@@ -16,14 +16,16 @@ For each model (random Llama, vocab 8192, sequence 128, pool 32; "small": 4 bloc
 Timing: all methods of a model are set up in one process, warmed up, then run round-robin --repeats
 times, so load changes on a shared machine hit them alike; the median and the min are reported and the
 ratios use the median. Memory: each method runs once more in its own subprocess, which reports the
-peak it added over its setup: on CPU the rise of the peak RSS (/proc/self/status VmHWM, reset through
-/proc/self/clear_refs), on CUDA torch.cuda.max_memory_allocated above the setup level.
+peak it added over its setup and warm-up: on CPU the rise of the peak RSS (/proc/self/status VmHWM,
+reset through /proc/self/clear_refs; large allocations are forced to mmap so freed memory leaves the
+RSS), on CUDA torch.cuda.max_memory_allocated above the allocated level.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -71,9 +73,12 @@ def main() -> None:
 
 def _call_worker(job: dict) -> dict | None:
     """Run `_run_worker(job)` in a fresh interpreter; None (and the error on stderr) when it fails."""
+    # glibc keeps freed heap memory, which a later run would reuse without raising the RSS; serving
+    # every allocation above 64 KiB by mmap (returned on free) makes the RSS track live tensors.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(job)],
-        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env,
     )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:

@@ -70,7 +70,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
     Args:
         model: a `PreTrainedModel`, a peft `PeftModel`, or a wrapper exposing one as `.model`
-            (Composer's `HuggingFaceModel`).
+            (Composer's `HuggingFaceModel`), possibly inside `DistributedDataParallel`.
 
     Returns:
         The model whose `forward(input_ids=..., attention_mask=...)` returns `.logits`.
@@ -80,6 +80,10 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """
     from transformers import PreTrainedModel
 
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        # Score through the wrapped module: no parameter gradient is produced, so DDP's reducer must
+        # not see this forward.
+        model = model.module
     if isinstance(model, PreTrainedModel) or is_peft_model(model):
         return model
     inner = getattr(model, "model", None)

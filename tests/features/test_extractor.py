@@ -162,3 +162,35 @@ def test_non_finite_features_raise_feature_error_naming_layers():
     with pytest.raises(FeatureError, match=r"non-finite.*model\.layers\.1\.mlp\.down_proj"):
         ex.compute(make_batch(n=3, seed=18))
     assert ex.simulated.count == 0, "a failed call must not advance the simulated-Adam state"
+
+
+def test_resample_projections_folds_in_step():
+    model = tiny_llama(seed=19)
+    batch = make_batch(n=4, seed=20)
+    fixed = GradFeatureExtractor(model, normalization="none", proj_dim=16, exact_max_numel=0, sketch_dim=8)
+    torch.testing.assert_close(fixed.compute(batch, step=0)[0], fixed.compute(batch, step=5)[0], rtol=0, atol=0)
+    moving = GradFeatureExtractor(
+        model, normalization="none", proj_dim=16, exact_max_numel=0, sketch_dim=8, resample_projections=True
+    )
+    G0, gbar0 = moving.compute(batch, batch, step=0)
+    G1, _ = moving.compute(batch, step=1)
+    assert not torch.allclose(G0, G1)
+    torch.testing.assert_close(gbar0, G0.mean(dim=0))  # pool and validation share the step's projection
+    torch.testing.assert_close(moving.compute(batch, step=0)[0], G0, rtol=0, atol=0)
+
+
+def test_ddp_wrapped_composer_model_is_unwrapped(tmp_path):
+    import torch.distributed as dist
+    from composer.models import HuggingFaceModel
+
+    model = tiny_llama(seed=21)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(HuggingFaceModel(model, tokenizer=None, use_logits=True))
+        ex = GradFeatureExtractor(wrapped, normalization="none", proj_dim=16)
+        assert ex.model is model
+        G, _ = ex.compute(make_batch(n=3, seed=22))
+        assert G.shape == (3, 16)
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
