@@ -142,7 +142,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         model=model,
         train_dataloader=train_loader,
         eval_dataloader=evaluators or None,
-        eval_interval=cfg.eval_interval,
+        eval_interval=cfg.eval_interval if evaluators else 1,
         eval_subset_num_batches=-1,
         optimizers=optimizer,
         schedulers=scheduler,
