@@ -11,16 +11,18 @@ and is looked up by name in ``STRATEGIES`` (or ``get_strategy``). Unknown or inv
 
 from __future__ import annotations
 
+from composer_algos.selection.apga import refit_apga
 from composer_algos.selection.capacities import compute_capacities, resolve_capacities
 from composer_algos.selection.colm import select_colm
 from composer_algos.selection.conflicts import conflict_fraction
 from composer_algos.selection.domain_greedy import select_id, select_iwd
 from composer_algos.selection.gradnorm import select_gradnorm
+from composer_algos.selection.gram_rows import GramRows
 from composer_algos.selection.greats import select_greats
 from composer_algos.selection.objective import build_objective, compute_gram
 from composer_algos.selection.partitionsel import PartitionSelOptions, omp_select, select_partitionsel
 from composer_algos.selection.random_select import select_random, select_random_stratified
-from composer_algos.selection.refit import refit_apga, refit_exact
+from composer_algos.selection.refit import refit_exact
 from composer_algos.selection.swap import refine_swap
 from composer_algos.selection.types import SelectionResult, StrategySpec
 
@@ -33,6 +35,7 @@ __all__ = [
     "resolve_capacities",
     "conflict_fraction",
     "compute_gram",
+    "GramRows",
     "build_objective",
     "PartitionSelOptions",
     "omp_select",

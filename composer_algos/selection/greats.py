@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from composer_algos.selection.objective import binary_utility, compute_gram
-from composer_algos.selection.refit import single_thread_on_cpu
 from composer_algos.selection.types import (
     SelectionResult,
     check_finite,
@@ -120,8 +119,6 @@ def greats_greedy(
 ) -> torch.Tensor:
     """GREATS greedy: ``k`` rounds of argmax with a running ``K 1_S`` (``O(N)`` per round, no sync).
 
-    Runs with one intra-op thread on CPU (see ``single_thread_on_cpu``).
-
     With ``capacities_C`` an example is only eligible while its domain has budget left (ties go
     to the lower pool position). Given a block-diagonal Gram, the domains do not interact, so each
     domain's pick sequence is exactly GREATS on that domain alone (the ``id`` baseline).
@@ -145,18 +142,17 @@ def greats_greedy(
     rem_C = capacities_C.clone() if capacities_C is not None else None
     minus_one = torch.full((1,), -1, dtype=torch.long, device=device)
     picks = []
-    with single_thread_on_cpu(device):
-        for _ in range(k):
-            eligible_N = open_N
-            if rem_C is not None:
-                assert domain_ids_N is not None
-                eligible_N = open_N & (rem_C.index_select(0, domain_ids_N) > 0)
-            score_N = torch.where(eligible_N, align_N - eta * penalty_N, neg_inf)
-            j1 = score_N.argmax().view(1)
-            picks.append(j1)
-            open_N[j1] = False
-            if rem_C is not None:
-                assert domain_ids_N is not None
-                rem_C.index_add_(0, domain_ids_N.index_select(0, j1), minus_one)
-            penalty_N += gram_NN.index_select(0, j1).squeeze(0)
+    for _ in range(k):
+        eligible_N = open_N
+        if rem_C is not None:
+            assert domain_ids_N is not None
+            eligible_N = open_N & (rem_C.index_select(0, domain_ids_N) > 0)
+        score_N = torch.where(eligible_N, align_N - eta * penalty_N, neg_inf)
+        j1 = score_N.argmax().view(1)
+        picks.append(j1)
+        open_N[j1] = False
+        if rem_C is not None:
+            assert domain_ids_N is not None
+            rem_C.index_add_(0, domain_ids_N.index_select(0, j1), minus_one)
+        penalty_N += gram_NN.index_select(0, j1).squeeze(0)
     return torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long, device=device)

@@ -1,28 +1,24 @@
-"""Refits of the weights on a fixed support: exact active-set NNLS (Cholesky) and the paper's APGA."""
+"""Exact refits of the weights on a fixed support: Lawson–Hanson NNLS and the incremental active-set state of OMP."""
 
 # Shape legend: N pool size, S support size, A active-set size, M buffer capacity (max support).
 #
-# Both refits maximise the scale-free Phi(v) = <v, mu> - (1/2) v^T (K + ridge I) v over v >= 0 on a
+# The refits maximise the scale-free Phi(v) = <v, mu> - (1/2) v^T (K + ridge I) v over v >= 0 on a
 # support (v = eta * w, see objective.py). K is PSD but need not be PD (duplicates, D < N): the
 # ridge keeps every Cholesky factor well defined. With ridge = 0 a candidate that is numerically
 # dependent on the active set (its Cholesky pivot vanishes) is left at weight 0.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Iterator
 
 import torch
 
+from composer_algos.selection.gram_rows import GramRows
+
 log = logging.getLogger(__name__)
 
-__all__ = ["refit_exact", "refit_apga", "default_grad_tol", "single_thread_on_cpu", "ActiveSetState", "APGAState"]
-
-# Power iteration approaches ||K||_op from below; inflate the estimate so that the APGA step
-# 1/L stays below the stability limit of Nesterov's method on quadratics (~1.33/||K||).
-_LIPSCHITZ_SAFETY = 1.05
+__all__ = ["refit_exact", "default_grad_tol", "ActiveSetState"]
 
 
 def default_grad_tol(mu_N: torch.Tensor) -> torch.Tensor:
@@ -30,25 +26,6 @@ def default_grad_tol(mu_N: torch.Tensor) -> torch.Tensor:
     eps = torch.finfo(mu_N.dtype).eps
     scale = mu_N.abs().max() if mu_N.numel() else mu_N.new_zeros(())
     return 100.0 * eps * torch.clamp(scale, min=torch.finfo(mu_N.dtype).tiny)
-
-
-@contextlib.contextmanager
-def single_thread_on_cpu(device: torch.device) -> Iterator[None]:
-    """Run the block with one intra-op thread when on CPU; restore the previous count after.
-
-    The OMP rounds and swap verifications launch many kernels on vectors of a few thousand
-    entries at most; splitting those over a thread pool costs more than the work, and on a
-    shared machine the hand-offs can cost several times more.
-    """
-    if device.type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def refit_exact(
@@ -110,89 +87,6 @@ def refit_exact(
     return v_S
 
 
-def refit_apga(
-    gram_SS: torch.Tensor,
-    mu_S: torch.Tensor,
-    *,
-    v0_S: torch.Tensor | None = None,
-    max_iters: int = 128,
-    tol: float = 0.0,
-    ridge_abs: float = 0.0,
-    lipschitz: torch.Tensor | float | None = None,
-    check_every: int = 8,
-) -> torch.Tensor:
-    """The paper's Alg. 3: accelerated projected gradient ascent on ``Phi`` over ``v >= 0``.
-
-    Nesterov momentum ``t+ = (1 + sqrt(1 + 4 t^2)) / 2``, step ``1 / L`` with ``L`` the spectral
-    norm of ``K + ridge I`` (computed exactly here when not given), projection onto ``v >= 0``.
-    The paper's vector lives in ``R^N`` with zeros off the support; restricting it to the support
-    is the same iteration at ``O(S^2)`` instead of ``O(N^2)`` per step.
-
-    Args:
-        gram_SS: ``(S, S)`` Gram block of the support.
-        mu_S: ``(S,)`` linear term on the support.
-        v0_S: optional ``(S,)`` warm start (projected onto ``v >= 0``); zeros when None.
-        max_iters: iteration cap (default 128).
-        tol: stop when the objective changed by at most ``tol * |Phi|`` over the last
-            ``check_every`` iterations; 0 (default) runs exactly ``max_iters`` iterations with no
-            host sync.
-        ridge_abs: absolute value added to the diagonal (default 0.0).
-        lipschitz: the Lipschitz constant ``L`` of the gradient; ``||K + ridge I||_op`` when None.
-        check_every: iterations between convergence checks when ``tol > 0`` (default 8).
-
-    Returns:
-        ``(S,)`` weights ``v >= 0``.
-    """
-    m = gram_SS.shape[0]
-    if m == 0:
-        return mu_S.new_zeros(0)
-    kr_SS = gram_SS + ridge_abs * torch.eye(m, dtype=gram_SS.dtype, device=gram_SS.device)
-    if lipschitz is None:
-        lipschitz = torch.linalg.eigvalsh(kr_SS)[-1]
-    v_S = mu_S.new_zeros(m) if v0_S is None else v0_S.clamp_min(0.0).to(mu_S.dtype)
-    v_S, _ = apga_iterate(kr_SS, mu_S, v_S, lipschitz, max_iters=max_iters, tol=tol, check_every=check_every)
-    return v_S
-
-
-def apga_iterate(
-    kr_SS: torch.Tensor,
-    mu_S: torch.Tensor,
-    v_S: torch.Tensor,
-    lipschitz: torch.Tensor | float,
-    *,
-    max_iters: int,
-    tol: float,
-    check_every: int = 8,
-) -> tuple[torch.Tensor, int]:
-    """APGA iterations from a feasible ``v_S`` with the ridge already in ``kr_SS``.
-
-    Four kernels per iteration (``addmv``, ``addcmul``, ``clamp_min_``, ``lerp``) and no host
-    sync unless ``tol > 0``.
-
-    Returns:
-        ``(v_S, iterations_run)``.
-    """
-    inv_l = 1.0 / torch.as_tensor(lipschitz, dtype=mu_S.dtype, device=mu_S.device)
-    w_S = v_S.clone()
-    y_S = v_S.clone()
-    t = 1.0
-    last_phi = None
-    it = 0
-    for it in range(1, max_iters + 1):
-        grad_S = torch.addmv(mu_S, kr_SS, y_S, alpha=-1.0)
-        w_new = torch.addcmul(y_S, grad_S, inv_l).clamp_min_(0.0)
-        t_next = 0.5 * (1.0 + math.sqrt(1.0 + 4.0 * t * t))
-        # y = w+ + ((t - 1) / t+) (w+ - w) written as one lerp from w towards w+.
-        y_S = torch.lerp(w_S, w_new, 1.0 + (t - 1.0) / t_next)
-        w_S, t = w_new, t_next
-        if tol > 0 and it % check_every == 0:
-            phi = torch.dot(w_S, mu_S) - 0.5 * torch.dot(w_S, kr_SS @ w_S)
-            if last_phi is not None and bool((phi - last_phi).abs() <= tol * phi.abs()):
-                break
-            last_phi = phi
-    return w_S, it
-
-
 class ActiveSetState:
     """Exact refit state that OMP grows one element at a time (inverse-Cholesky updates).
 
@@ -214,7 +108,7 @@ class ActiveSetState:
     the rounding the updates accumulate.
 
     Args:
-        gram_NN: ``(N, N)`` Gram matrix (no ridge).
+        gram: the Gram rows (no ridge); the row of each added element must be available.
         mu_N: ``(N,)`` linear term.
         capacity: the most elements that will be selected (buffer size ``M``).
         ridge_abs: absolute ridge added to the diagonal of ``K_AA``.
@@ -223,22 +117,23 @@ class ActiveSetState:
 
     def __init__(
         self,
-        gram_NN: torch.Tensor,
+        gram: GramRows,
         mu_N: torch.Tensor,
         capacity: int,
         ridge_abs: float,
         grad_tol: torch.Tensor,
     ) -> None:
-        n = gram_NN.shape[0]
-        dev, dt = gram_NN.device, gram_NN.dtype
-        self.gram_NN = gram_NN
+        n = gram.n
+        dev, dt = mu_N.device, mu_N.dtype
+        # Rows of K (row i valid once ensured; every selected element's row is) and diag(K).
+        self.gram_NN = gram.gram_NN
         self.mu_N = mu_N
         self.ridge_abs = float(ridge_abs)
         self.grad_tol = grad_tol
         self.grad_tol_f = float(grad_tol)
         # Schur complements at or below this (relative to K_jj) mean j depends on the active set.
         self.pivot_tol = 64.0 * torch.finfo(dt).eps
-        self.diag_ridge_N = torch.diagonal(gram_NN) + self.ridge_abs
+        self.diag_ridge_N = gram.diag_N + self.ridge_abs
         cap1 = capacity + 1
         self.rows_MN = torch.zeros(cap1, n, dtype=dt, device=dev)  # K rows of active elements
         self.wneg_MM = torch.zeros(cap1, cap1, dtype=dt, device=dev)  # -L^{-1}, lower triangular
@@ -393,109 +288,6 @@ class ActiveSetState:
         v_A = self.v_M[: self.a]
         mu_A = self.mu_N[act_A]
         return 0.5 * (torch.dot(v_A, mu_A) + torch.dot(v_A, self.grad_N[act_A]))
-
-
-class APGAState:
-    """APGA refit state that OMP grows one element at a time (the paper's Alg. 3 refit).
-
-    Keeps the Gram block ``K_SS + ridge I`` of the selected set, the K rows of the selected
-    elements and a power-iteration vector for the step size: ``||K_SS||_op`` is re-estimated each
-    round by ``power_iters`` warm-started iterations and inflated by 5% (power iteration approaches
-    the norm from below); the estimate never decreases since adding a row and column cannot lower
-    the top eigenvalue. Each refit is warm-started from the previous weights with ``w_j = 0``.
-
-    Args:
-        gram_NN: ``(N, N)`` Gram matrix (no ridge).
-        mu_N: ``(N,)`` linear term.
-        capacity: the most elements that will be selected.
-        ridge_abs: absolute ridge added to the diagonal.
-        max_iters: APGA iteration cap per refit.
-        tol: APGA relative-improvement tolerance (0 runs every iteration).
-        power_iters: power iterations per round for the step size (default 8).
-    """
-
-    def __init__(
-        self,
-        gram_NN: torch.Tensor,
-        mu_N: torch.Tensor,
-        capacity: int,
-        ridge_abs: float,
-        max_iters: int,
-        tol: float,
-        power_iters: int = 8,
-    ) -> None:
-        n = gram_NN.shape[0]
-        dev, dt = gram_NN.device, gram_NN.dtype
-        self.gram_NN = gram_NN
-        self.mu_N = mu_N
-        self.ridge_abs = float(ridge_abs)
-        self.max_iters = max_iters
-        self.tol = tol
-        self.power_iters = power_iters
-        self.kr_MM = torch.zeros(capacity, capacity, dtype=dt, device=dev)
-        self.rows_MN = torch.zeros(capacity, n, dtype=dt, device=dev)
-        self.mu_M = torch.zeros(capacity, dtype=dt, device=dev)
-        self.v_M = torch.zeros(capacity, dtype=dt, device=dev)
-        self.u_M = torch.zeros(capacity, dtype=dt, device=dev)
-        self.lip = torch.zeros((), dtype=dt, device=dev)
-        self.sel_M = torch.zeros(capacity, dtype=torch.long, device=dev)
-        self.grad_N = mu_N.clone()
-        self.m = 0
-        self.iterations = 0
-
-    def add(self, j1: torch.Tensor, g_j: torch.Tensor | None = None) -> None:
-        """Select pool element ``j1`` (shape ``(1,)`` int64) and run APGA on the new support.
-
-        Args:
-            j1: the element to add.
-            g_j: unused (the exact state's shortcut); accepted for a uniform interface.
-        """
-        m = self.m
-        row_N = self.gram_NN.index_select(0, j1).squeeze(0)
-        self.sel_M[m : m + 1] = j1
-        self.rows_MN[m] = row_N
-        k_S = row_N.index_select(0, self.sel_M[: m + 1])
-        self.kr_MM[m, : m + 1] = k_S
-        self.kr_MM[: m + 1, m] = k_S
-        self.kr_MM[m, m] += self.ridge_abs
-        self.mu_M[m] = self.mu_N.index_select(0, j1).squeeze(0)
-        self.m = m + 1
-        kr_SS = self.kr_MM[: m + 1, : m + 1]
-        # Warm-started power iteration for ||K_SS||_op; the new coordinate starts at the mean.
-        self.u_M[m] = 1.0 if m == 0 else self.u_M[:m].mean()
-        u_S = self.u_M[: m + 1]
-        u_S = u_S / torch.linalg.vector_norm(u_S).clamp_min(torch.finfo(u_S.dtype).tiny)
-        est = self.lip
-        for _ in range(self.power_iters):
-            ku_S = kr_SS @ u_S
-            est = torch.linalg.vector_norm(ku_S)
-            u_S = ku_S / est.clamp_min(torch.finfo(u_S.dtype).tiny)
-        self.u_M[: m + 1] = u_S
-        self.lip = torch.maximum(self.lip, est)
-        v_S, its = apga_iterate(
-            kr_SS,
-            self.mu_M[: m + 1],
-            self.v_M[: m + 1],
-            _LIPSCHITZ_SAFETY * self.lip.clamp_min(torch.finfo(u_S.dtype).tiny),
-            max_iters=self.max_iters,
-            tol=self.tol,
-        )
-        self.iterations += its
-        self.v_M[: m + 1] = v_S
-        self.grad_N = torch.addmv(self.mu_N, self.rows_MN[: m + 1].T, v_S, alpha=-1.0)
-
-    def weights_on(self, idx_S: torch.Tensor) -> torch.Tensor:
-        """The current ``v`` at pool positions ``idx_S`` (all must be selected)."""
-        v_N = self.mu_N.new_zeros(self.mu_N.shape[0])
-        v_N[self.sel_M[: self.m]] = self.v_M[: self.m]
-        return v_N[idx_S]
-
-    def scaled_objective(self) -> torch.Tensor:
-        """``Phi(v)`` with the true ``K`` (no ridge) at the current APGA weights."""
-        v_S = self.v_M[: self.m]
-        sel_S = self.sel_M[: self.m]
-        gram_SS = self.rows_MN[: self.m].index_select(1, sel_S)
-        return torch.dot(v_S, self.mu_M[: self.m]) - 0.5 * torch.dot(v_S, gram_SS @ v_S)
 
 
 def _solve_passive(

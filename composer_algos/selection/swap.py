@@ -10,7 +10,9 @@ import time
 
 import torch
 
-from composer_algos.selection.refit import default_grad_tol, refit_exact, single_thread_on_cpu
+from composer_algos.selection.gram_rows import GramRows, as_gram_rows
+from composer_algos.selection.refit import default_grad_tol, refit_exact
+from composer_algos.selection.threads import single_thread_on_cpu
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +20,7 @@ __all__ = ["refine_swap", "estimate_swap_gains"]
 
 
 def refine_swap(
-    gram_NN: torch.Tensor,
+    gram: torch.Tensor | GramRows,
     mu_N: torch.Tensor,
     domain_ids_N: torch.Tensor,
     sel_S: torch.Tensor,
@@ -29,6 +31,7 @@ def refine_swap(
     max_checks: int = 16,
     time_budget_s: float | None = None,
     grad_tol: torch.Tensor | None = None,
+    cpu_single_thread: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Local search over same-domain swaps, with closed-form estimates and exact verification.
 
@@ -46,11 +49,11 @@ def refine_swap(
     estimates are upper bounds of the true gains, so a round whose candidates all have
     non-positive estimates proves a local optimum.
 
-    On CPU the small-kernel parts (the verifications) run with one intra-op thread; the estimate
-    GEMM keeps the caller's thread count.
+    With a lazy ``GramRows`` only the rows of the selected elements and of the verified
+    candidates are read (the candidates' missing rows are computed in one GEMM per round).
 
     Args:
-        gram_NN: ``(N, N)`` Gram matrix (no ridge).
+        gram: ``(N, N)`` Gram matrix (no ridge), or its ``GramRows``.
         mu_N: ``(N,)`` linear term.
         domain_ids_N: ``(N,)`` int64 domain ids.
         sel_S: ``(S,)`` current selection.
@@ -60,14 +63,19 @@ def refine_swap(
         max_checks: candidate swaps verified per round (default 16).
         time_budget_s: optional wall-clock budget (makes the result machine-dependent).
         grad_tol: KKT tolerance of the refits (default ``default_grad_tol(mu_N)``).
+        cpu_single_thread: run the verifications with one intra-op thread on CPU (process-wide,
+            restored afterwards; see ``single_thread_on_cpu``); the estimate GEMM keeps the
+            caller's thread count. Default False.
 
     Returns:
         ``(sel_S, v_S, phi, info)`` with the scale-free objective ``Phi`` (true K, no ridge) and
         ``info`` holding ``swaps`` and ``swap_rounds``.
     """
-    n = gram_NN.shape[0]
+    rows = as_gram_rows(gram)
+    gram_NN = rows.gram_NN
+    n = rows.n
     k = sel_S.shape[0]
-    device = gram_NN.device
+    device = mu_N.device
     tol = default_grad_tol(mu_N) if grad_tol is None else grad_tol
     rel_tol = 100.0 * torch.finfo(mu_N.dtype).eps
     start = time.perf_counter()
@@ -79,21 +87,24 @@ def refine_swap(
         if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
             break
         rounds += 1
-        with single_thread_on_cpu(device):
-            state = _SwapState(gram_NN, mu_N, sel_S, v_S, ridge_abs, float(tol))
+        with single_thread_on_cpu(device, cpu_single_thread):
+            state = _SwapState(rows, mu_N, sel_S, v_S, ridge_abs, float(tol))
         if not state.ok:
             log.warning("refine_swap: singular active Gram block (ridge %g); stopping the swap search", ridge_abs)
             break
         unsel_U, est_US = estimate_swap_gains(
-            gram_NN, mu_N, domain_ids_N, sel_S, v_S, ridge_abs=ridge_abs, p_AA=state.p_AA
+            rows, mu_N, domain_ids_N, sel_S, v_S, ridge_abs=ridge_abs, p_AA=state.p_AA
         )
         top = torch.topk(est_US.flatten(), min(max_checks, est_US.numel()))
         moved_i: set[int] = set()
         moved_u: set[int] = set()
         made = 0
         unsel = unsel_U.tolist()
-        with single_thread_on_cpu(device):
-            for est, flat in zip(top.values.tolist(), top.indices.tolist()):
+        top_values, top_indices = top.values.tolist(), top.indices.tolist()
+        # The K rows of every candidate that may be verified, in one batch.
+        rows.ensure([unsel[flat // k] for est, flat in zip(top_values, top_indices) if math.isfinite(est)])
+        with single_thread_on_cpu(device, cpu_single_thread):
+            for est, flat in zip(top_values, top_indices):
                 if not math.isfinite(est) or est <= rel_tol * abs(state.phi):
                     break
                 u, i = divmod(flat, k)
@@ -121,7 +132,7 @@ def refine_swap(
 
 
 def estimate_swap_gains(
-    gram_NN: torch.Tensor,
+    gram: torch.Tensor | GramRows,
     mu_N: torch.Tensor,
     domain_ids_N: torch.Tensor,
     sel_S: torch.Tensor,
@@ -140,7 +151,7 @@ def estimate_swap_gains(
     ``A - i + j`` is positive, an upper bound otherwise when ``A = S``. ``O(U A^2)``.
 
     Args:
-        gram_NN: ``(N, N)`` Gram matrix.
+        gram: ``(N, N)`` Gram matrix, or its ``GramRows`` (the selected rows must be available).
         mu_N: ``(N,)`` linear term.
         domain_ids_N: ``(N,)`` domain ids.
         sel_S: ``(S,)`` selection.
@@ -152,7 +163,9 @@ def estimate_swap_gains(
         ``(unsel_U, est_US)``: the unselected pool positions and the estimated gain of swapping
         ``unsel_U[u]`` in for ``sel_S[i]`` (``-inf`` across domains).
     """
-    n = gram_NN.shape[0]
+    rows = as_gram_rows(gram)
+    gram_NN = rows.gram_NN
+    n = rows.n
     dt = gram_NN.dtype
     unsel_mask_N = torch.ones(n, dtype=torch.bool, device=gram_NN.device)
     unsel_mask_N[sel_S] = False
@@ -161,7 +174,7 @@ def estimate_swap_gains(
     act_A = sel_S[ia_A]
     v_A = v_S[ia_A]
     a = act_A.shape[0]
-    diag_U = torch.diagonal(gram_NN)[unsel_U] + ridge_abs
+    diag_U = rows.diag_N[unsel_U] + ridge_abs
     # K_UA via whole rows of A (contiguous copies; K is symmetric), then the U columns.
     k_UA = gram_NN.index_select(0, act_A).index_select(1, unsel_U).T
     grad_U = mu_N[unsel_U] - k_UA @ v_A
@@ -198,14 +211,15 @@ class _SwapState:
 
     def __init__(
         self,
-        gram_NN: torch.Tensor,
+        gram: GramRows,
         mu_N: torch.Tensor,
         sel_S: torch.Tensor,
         v_S: torch.Tensor,
         ridge: float,
         tol: float,
     ) -> None:
-        self.gram_NN = gram_NN
+        self.gram_NN = gram.gram_NN
+        self.diag_N = gram.diag_N
         self.mu_N = mu_N
         self.ridge = ridge
         self.tol = tol
@@ -250,7 +264,7 @@ class _SwapState:
         gram, mu = self.gram_NN, self.mu_N
         k_A = gram[j].index_select(0, act)
         b_A = self.p_AA @ k_A
-        k_jj = float(gram[j, j]) + self.ridge
+        k_jj = float(self.diag_N[j]) + self.ridge
         if i_pos in self.act_pos:
             p = self.act_pos.index(i_pos)
             p_col = self.p_AA[:, p]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from fractions import Fraction
 
 import torch
@@ -14,6 +15,8 @@ __all__ = [
     "brute_force_matroid_opt",
     "unconstrained_phi",
     "omp_greedy_loop",
+    "apga_pool_loop",
+    "omp_apga_pool_loop",
     "greats_loop",
     "largest_remainder_loop",
 ]
@@ -120,6 +123,42 @@ def omp_greedy_loop(gram, mu, domain_ids, capacities, kappa):
         _, v_t = brute_force_refit(gram, mu, selected)
         v = v_t.tolist()
     return selected, v
+
+
+def apga_pool_loop(kr, mu, support, w0, lipschitz, iters):
+    """The paper's Alg. 3 written out element by element on the whole pool vector.
+
+    `kr` is K + ridge I (nested lists or a tensor), `support` a set of pool positions, `w0` the
+    start (a list over the pool). Projection onto {w >= 0, supp(w) in support}.
+    """
+    n = len(mu)
+    w = [float(x) for x in w0]
+    y = list(w)
+    t = 1.0
+    for _ in range(iters):
+        grad = [float(mu[i]) - sum(float(kr[i][l]) * y[l] for l in range(n)) for i in range(n)]
+        w_plus = [max(0.0, y[i] + grad[i] / lipschitz) if i in support else 0.0 for i in range(n)]
+        t_plus = (1.0 + math.sqrt(1.0 + 4.0 * t * t)) / 2.0
+        y = [w_plus[i] + (t - 1.0) / t_plus * (w_plus[i] - w[i]) for i in range(n)]
+        w, t = w_plus, t_plus
+    return w
+
+
+def omp_apga_pool_loop(gram, mu, domain_ids, capacities, kappa, lipschitz, iters, ridge=0.0):
+    """Greedy OMP (argmax of mu - K w over feasible elements) with the loop Alg. 3 refit, warm-started."""
+    n = gram.shape[0]
+    dom = domain_ids.tolist()
+    rem = capacities.tolist()
+    kr = [[float(gram[i, j]) + (ridge if i == j else 0.0) for j in range(n)] for i in range(n)]
+    w = [0.0] * n
+    selected = []
+    for _ in range(kappa):
+        grad = [float(mu[i]) - sum(float(gram[i, l]) * w[l] for l in range(n)) for i in range(n)]
+        best = max((i for i in range(n) if i not in selected and rem[dom[i]] > 0), key=lambda i: (grad[i], -i))
+        selected.append(best)
+        rem[dom[best]] -= 1
+        w = apga_pool_loop(kr, mu, set(selected), w, lipschitz, iters)
+    return selected, w
 
 
 def greats_loop(gram, align, eta, kappa, domain_ids=None, capacities=None):

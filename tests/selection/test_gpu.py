@@ -20,7 +20,10 @@ def cuda():
     return torch.device("cuda")
 
 
-@pytest.mark.parametrize("options", [{}, {"refine": "swap"}, {"refit": "apga"}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"refine": "swap"}, {"refit": "apga"}, {"refit": "apga_pool"}, {"gram_rows": "lazy", "refine": "swap"}],
+)
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_matches_cpu(cuda, name, options):
     if options and name not in ("partitionsel", "iwd"):

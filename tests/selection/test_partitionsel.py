@@ -148,10 +148,11 @@ def test_greedy_does_not_consume_the_generator():
     assert torch.equal(gen.get_state(), before)
 
 
+@pytest.mark.parametrize("refit", ["apga", "apga_pool"])
 @pytest.mark.parametrize("seed", range(3))
-def test_apga_refit_reaches_the_exact_objective_on_its_support(seed):
+def test_apga_refit_reaches_the_exact_objective_on_its_support(seed, refit):
     features, val_feature, dom = make_instance(seed, 40)
-    res = _run(features, val_feature, dom, 3, 10, refit="apga", apga_max_iters=2000, ridge=0.0)
+    res = _run(features, val_feature, dom, 3, 10, refit=refit, apga_max_iters=2000, ridge=0.0)
     gram, mu, _ = build_objective(features, val_feature, ETA)
     phi_ref, _ = brute_force_refit(gram, mu, res.indices.tolist())
     assert abs(float(res.info["objective_scaled"]) - phi_ref) <= 1e-7 * phi_ref
@@ -159,10 +160,11 @@ def test_apga_refit_reaches_the_exact_objective_on_its_support(seed):
     assert float(exact.objective) >= float(res.objective) * (1 - 1e-7)
 
 
-def test_apga_tolerance_stops_early():
+@pytest.mark.parametrize("refit", ["apga", "apga_pool"])
+def test_apga_tolerance_stops_early(refit):
     features, val_feature, dom = make_instance(0, 40)
-    full = _run(features, val_feature, dom, 3, 10, refit="apga", apga_max_iters=500, apga_tol=0.0)
-    early = _run(features, val_feature, dom, 3, 10, refit="apga", apga_max_iters=500, apga_tol=1e-6)
+    full = _run(features, val_feature, dom, 3, 10, refit=refit, apga_max_iters=500, apga_tol=0.0)
+    early = _run(features, val_feature, dom, 3, 10, refit=refit, apga_max_iters=500, apga_tol=1e-6)
     assert int(full.info["apga_iterations"]) == 10 * 500
     assert int(early.info["apga_iterations"]) < 10 * 500
 
@@ -252,6 +254,9 @@ def test_user_capacities_with_slack_are_respected():
         (dict(swap_max_rounds=1.5), "`swap_max_rounds`"),
         (dict(swap_time_budget_s=0), "`swap_time_budget_s`"),
         (dict(max_iter=3), r"unknown option\(s\) \['max_iter'\]"),
+        (dict(gram_rows="half"), "`gram_rows` must be one of"),
+        (dict(gram_batch_rows=0), "`gram_batch_rows` must be an int >= 1"),
+        (dict(cpu_single_thread="yes"), "`cpu_single_thread` must be a bool"),
     ],
 )
 def test_bad_options_raise(options, match):
@@ -281,12 +286,63 @@ def test_singular_pool_with_duplicates_float32():
     assert res.indices.unique().numel() == 15
 
 
-def test_thread_count_is_restored_after_the_single_threaded_rounds():
+def test_default_leaves_the_thread_count_alone(monkeypatch):
+    # A library call must not change process-wide state unless asked to.
+    features, val_feature, dom = make_instance(0, 30)
+
+    def refuse(n):
+        raise AssertionError(f"torch.set_num_threads({n}) called without cpu_single_thread")
+
+    monkeypatch.setattr(torch, "set_num_threads", refuse)
+    _run(features, val_feature, dom, 3, 8, refine="swap")
+    from composer_algos.selection import select_greats
+
+    select_greats(features=features, val_feature=val_feature, domain_ids=dom, num_domains=3, kappa=8, eta=ETA, generator=None)
+
+
+def test_cpu_single_thread_option_restores_the_thread_count(monkeypatch):
     features, val_feature, dom = make_instance(0, 30)
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
     try:
-        _run(features, val_feature, dom, 3, 8, refine="swap")
+        real(2)
+        plain = _run(features, val_feature, dom, 3, 8, refine="swap")
+        single = _run(features, val_feature, dom, 3, 8, refine="swap", cpu_single_thread=True)
         assert torch.get_num_threads() == 2
+        assert 1 in calls and calls[-1] == 2
+        assert single.indices.tolist() == plain.indices.tolist()
     finally:
-        torch.set_num_threads(before)
+        real(before)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"refine": "swap"}, {"pick": "randomized"}, {"refit": "apga"}, {"refine": "swap", "ridge": 0.0}],
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_lazy_gram_rows_give_the_full_gram_result(seed, options):
+    # Only the rows the solver reads are computed, in speculative batches; the result must not change.
+    features, val_feature, dom = make_instance(seed, 160, dim=48, num_domains=4)
+    kw = dict(features=features, val_feature=val_feature, domain_ids=dom, num_domains=4, kappa=20, eta=ETA, **options)
+    full = select_partitionsel(generator=torch.Generator().manual_seed(seed), gram_rows="full", **kw)
+    lazy = select_partitionsel(
+        generator=torch.Generator().manual_seed(seed), gram_rows="lazy", gram_batch_rows=8, **kw
+    )
+    assert lazy.indices.tolist() == full.indices.tolist()
+    torch.testing.assert_close(lazy.weights, full.weights, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(lazy.objective, full.objective, rtol=1e-12, atol=0)
+    computed = int(lazy.info["gram_rows_computed"])
+    assert 20 <= computed < 160, f"lazy Gram computed {computed} of 160 rows"
+    assert "gram_rows_computed" not in full.info
+
+
+def test_auto_gram_rows_is_lazy_only_for_small_budgets_on_cpu():
+    features, val_feature, dom = make_instance(0, 240, dim=16, num_domains=3)
+    assert "gram_rows_computed" in _run(features, val_feature, dom, 3, 40).info
+    assert "gram_rows_computed" not in _run(features, val_feature, dom, 3, 41).info
+    assert "gram_rows_computed" not in _run(features, val_feature, dom, 3, 40, refit="apga_pool", apga_max_iters=2).info
+    gram = features @ features.T
+    given = _run(features, val_feature, dom, 3, 40, gram=gram, gram_rows="lazy")
+    assert "gram_rows_computed" not in given.info, "a given Gram is used as is"

@@ -1,13 +1,19 @@
-"""Refits: exact active-set NNLS and APGA against brute force; the incremental OMP state against refit_exact."""
+"""Refits: exact NNLS and both APGAs against brute force and loop references; the incremental OMP states."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from composer_algos.selection import omp_select, refit_apga, refit_exact
+from composer_algos.selection import GramRows, omp_select, refit_apga, refit_exact
+from composer_algos.selection.apga import LIPSCHITZ_SAFETY, estimate_spectral_norm
 from composer_algos.selection.objective import build_objective
-from tests.selection.reference import brute_force_refit, make_instance, objective_terms
+from tests.selection.reference import (
+    brute_force_refit,
+    make_instance,
+    objective_terms,
+    omp_apga_pool_loop,
+)
 
 ETA = 0.5
 
@@ -144,3 +150,73 @@ def test_apga_omp_state_tracks_exact_with_enough_iterations():
     v_ref = refit_exact(gram[sel][:, sel], mu[sel])
     torch.testing.assert_close(v, v_ref, rtol=0, atol=1e-6)
     assert int(info["apga_iterations"]) == 10 * 3000
+
+
+@pytest.mark.parametrize("refit", ["apga", "apga_pool"])
+def test_apga_omp_states_reach_the_exact_optimum_when_run_to_tolerance(refit):
+    features, val_feature, dom = make_instance(5, 30)
+    gram, mu, _ = build_objective(features, val_feature, eta=ETA)
+    caps = torch.tensor([4, 4, 4])
+    sel, v, phi, info = omp_select(gram, mu, dom, caps, 10, refit=refit, apga_max_iters=5000)
+    # The same pick sequence as the exact refit, and the exact NNLS optimum on the support.
+    sel_exact, v_exact, phi_exact, _ = omp_select(gram, mu, dom, caps, 10)
+    assert sel.tolist() == sel_exact.tolist()
+    phi_ref, v_ref = brute_force_refit(gram, mu, sel.tolist())
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=1e-9)
+    assert abs(float(phi) - phi_ref) <= 1e-12 * phi_ref
+    # With a tolerance it stops early, still at the optimum in objective.
+    sel_t, _, phi_t, info_t = omp_select(gram, mu, dom, caps, 10, refit=refit, apga_max_iters=5000, apga_tol=1e-13)
+    assert sel_t.tolist() == sel_exact.tolist()
+    assert abs(float(phi_t) - phi_ref) <= 1e-10 * phi_ref
+    assert int(info_t["apga_iterations"]) < 10 * 5000
+
+
+@pytest.mark.parametrize("ridge", [0.0, 1e-3])
+@pytest.mark.parametrize("seed", range(3))
+def test_apga_pool_matches_the_loop_alg3_on_the_full_pool_vector(seed, ridge):
+    # Few iterations, so the iterates are far from converged and every detail of Alg. 3 counts:
+    # momentum, projection onto the support, warm start, the step from ||K + ridge I||.
+    features, val_feature, dom = make_instance(seed, 10, num_domains=2)
+    gram, mu, _ = build_objective(features, val_feature, eta=ETA)
+    caps = torch.tensor([2, 2])
+    lip = float(estimate_spectral_norm(gram + ridge * torch.eye(10, dtype=torch.float64)))
+    ref_sel, ref_w = omp_apga_pool_loop(gram, mu, dom, caps, 4, lip, iters=5, ridge=ridge)
+    sel, v, phi, info = omp_select(gram, mu, dom, caps, 4, refit="apga_pool", apga_max_iters=5, ridge_abs=ridge)
+    assert sel.tolist() == ref_sel
+    ref_v = torch.tensor([ref_w[i] for i in ref_sel], dtype=torch.float64)
+    torch.testing.assert_close(v, ref_v, rtol=1e-12, atol=1e-14)
+    assert int(info["apga_iterations"]) == 4 * 5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_spectral_norm_estimate_is_an_inflated_norm(seed):
+    features, _, _ = make_instance(seed, 40)
+    gram = features @ features.T
+    true = float(torch.linalg.eigvalsh(gram)[-1])
+    est = float(estimate_spectral_norm(gram))
+    assert true <= est <= LIPSCHITZ_SAFETY * true * (1 + 1e-12)
+
+
+def test_lazy_gram_rows_equal_the_gram_and_prefetch_by_priority():
+    features, _, _ = make_instance(0, 20, dim=8)
+    gram = features @ features.T
+    rows = GramRows(features_ND=features, batch_rows=6)
+    assert rows.lazy and not rows.has(3)
+    torch.testing.assert_close(rows.diag_N, torch.diagonal(gram), rtol=1e-12, atol=0)
+    priority = torch.full((20,), float("-inf"), dtype=torch.float64)
+    priority[[5, 7, 11, 3]] = torch.tensor([1.0, 3.0, 2.0, 10.0], dtype=torch.float64)
+    rows.ensure([3], priority)
+    # Row 3 (requested; its high priority must not count twice), then every finite priority;
+    # the batch has room for 5 more, but -inf elements never come along.
+    assert [i for i in range(20) if rows.has(i)] == [3, 5, 7, 11]
+    assert rows.rows_computed == 4 and rows.batches == 1
+    for i in (3, 5, 7, 11):
+        torch.testing.assert_close(rows.gram_NN[i], gram[i], rtol=1e-12, atol=1e-14)
+    rows.ensure([7, 11], priority)  # already there: no work
+    assert rows.rows_computed == 4 and rows.batches == 1
+    small = GramRows(features_ND=features, batch_rows=2)
+    small.ensure([0], priority)
+    assert [i for i in range(20) if small.has(i)] == [0, 3], "the single best priority fills the batch"
+    torch.testing.assert_close(rows.full(), gram, rtol=1e-12, atol=1e-14)
+    assert all(rows.has(i) for i in range(20))
+    assert not GramRows(gram_NN=gram).lazy
