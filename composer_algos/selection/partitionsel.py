@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from composer_algos.selection.active_set import ActiveSetState
 from composer_algos.selection.apga import APGAPoolState, APGAState
 from composer_algos.selection.capacities import resolve_capacities
 from composer_algos.selection.gram_rows import GramRows, as_gram_rows
 from composer_algos.selection.objective import build_objective
-from composer_algos.selection.refit import ActiveSetState, default_grad_tol
+from composer_algos.selection.refit import default_grad_tol
 from composer_algos.selection.swap import refine_swap
 from composer_algos.selection.threads import single_thread_on_cpu
 from composer_algos.selection.types import (
@@ -385,6 +386,8 @@ def _omp_rounds(
     info: dict[str, torch.Tensor] = {}
     if isinstance(state, ActiveSetState):
         info["slow_refits"] = torch.tensor(state.slow_refits, device=device)
+        info["weight_drops"] = torch.tensor(state.drops, device=device)
+        info["weight_reentries"] = torch.tensor(state.reentries, device=device)
     else:
         info["apga_iterations"] = torch.tensor(state.iterations, device=device)
     return sel_S, v_S, state.scaled_objective(), info

@@ -104,8 +104,8 @@ def brute_force_matroid_opt(gram, mu, domain_ids, capacities):
     return best
 
 
-def omp_greedy_loop(gram, mu, domain_ids, capacities, kappa):
-    """Greedy OMP with a brute-force refit and per-candidate Python loops (the reference)."""
+def omp_greedy_loop(gram, mu, domain_ids, capacities, kappa, ridge=0.0):
+    """Greedy OMP with a brute-force refit (with `ridge` on the diagonal) and per-candidate Python loops."""
     n = gram.shape[0]
     dom = domain_ids.tolist()
     rem = capacities.tolist()
@@ -120,7 +120,7 @@ def omp_greedy_loop(gram, mu, domain_ids, capacities, kappa):
                 best_j, best_g = i, g
         selected.append(best_j)
         rem[dom[best_j]] -= 1
-        _, v_t = brute_force_refit(gram, mu, selected)
+        _, v_t = brute_force_refit(gram, mu, selected, ridge)
         v = v_t.tolist()
     return selected, v
 

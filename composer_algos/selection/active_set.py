@@ -1,0 +1,353 @@
+"""The exact refit of greedy OMP: an incremental active-set NNLS state grown one element per round."""
+
+# Shape legend: N pool size, S selected count, A active-set size, M slot capacity, W slots in use.
+#
+# Maximises the scale-free Phi(v) = <v, mu> - (1/2) v^T (K + ridge I) v over v >= 0 with supp(v)
+# in S (v = eta * w, see objective.py). The active set A (positive weights) lives in SLOTS: slot h
+# holds one active element, its K row, its weight and row/column h of P = (K_AA + ridge I)^{-1}.
+# Free slots (never used, or freed when a weight dropped to zero) have zero P row/column and zero
+# weight, so every kernel runs over the first W slots without gathering the active ones, and the
+# next element to enter reuses a free slot. Entering and leaving are rank-one updates of P.
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from composer_algos.selection.gram_rows import GramRows
+from composer_algos.selection.refit import refit_exact
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ActiveSetState"]
+
+
+class ActiveSetState:
+    """Exact NNLS refit state that OMP grows one element at a time (Lawson–Hanson on a rank-one inverse).
+
+    Keeps the active set ``A`` (positive weights) of the selected set ``S``, the inverse
+    ``P = (K_AA + ridge I)^{-1}``, the K rows of the active elements, the optimal ``v_A`` and the
+    gradient ``grad = mu - K_{:,A} v_A`` over the pool.
+
+    ``add(j)`` selects ``j``. With ``q = P k_Aj``, the Schur complement ``s = K_jj + ridge - k_Aj.q``
+    gives in closed form the unconstrained optimum on ``A + j``: ``z_j = grad_j / s``,
+    ``z_A = v_A - z_j q``, the new gradient ``grad - z_j (K_{:,j} - K_{:,A} q)`` and the new inverse
+    ``P + [q; -1][q; -1]^T / s``: two matrix-vector products, one rank-one update and about 15
+    small kernels, ONE host sync per round (which also returns ``j``, so the selection and the
+    slots are tracked on the host). When some ``z_A`` is not positive, Lawson–Hanson steps from
+    the current ``v`` towards ``z`` until the first weight reaches zero, removes that element
+    (``P - P_{:,p} P_{p,:} / P_pp``, ``z - z_p P_{:,p} / P_pp``) and repeats, one sync per removal;
+    selected elements at weight zero whose gradient turns positive re-enter the same way. Every
+    step is ``O(N A)`` or ``O(A^2)``. ``refit_exact`` (a warm-started Lawson–Hanson with fresh
+    Cholesky factors, ``O(A^3)``) is the fallback for a numerically dependent column (Schur
+    complement below ``64 eps K_jj``, only possible with a tiny ridge) and for iteration caps.
+    ``finalize()`` re-solves the final active system with a fresh Cholesky factor, removing the
+    rounding the rank-one updates accumulate.
+
+    Args:
+        gram: the Gram rows (no ridge); the row of each added element must be available.
+        mu_N: ``(N,)`` linear term.
+        capacity: the most elements that will be selected (``M - 1`` slots).
+        ridge_abs: absolute ridge added to the diagonal of ``K_AA``.
+        grad_tol: 0-dim tensor, gradients at or below it count as zero.
+    """
+
+    def __init__(
+        self,
+        gram: GramRows,
+        mu_N: torch.Tensor,
+        capacity: int,
+        ridge_abs: float,
+        grad_tol: torch.Tensor,
+    ) -> None:
+        n = gram.n
+        dev, dt = mu_N.device, mu_N.dtype
+        # Rows of K (row i valid once ensured; every selected element's row is) and diag(K).
+        self.gram_NN = gram.gram_NN
+        self.mu_N = mu_N
+        self.ridge_abs = float(ridge_abs)
+        self.ridge_1 = torch.full((1,), self.ridge_abs, dtype=dt, device=dev)
+        self.on_cpu = dev.type == "cpu"
+        self.grad_tol = grad_tol
+        self.grad_tol_f = float(grad_tol)
+        # Schur complements at or below this (relative to K_jj) mean j depends on the active set.
+        self.pivot_tol = 64.0 * torch.finfo(dt).eps
+        self.diag_host = gram.diag_N.tolist()  # for the pivot test after the round's sync
+        cap1 = capacity + 1
+        self.cap1 = cap1
+        self.rows_MN = torch.zeros(cap1, n, dtype=dt, device=dev)  # K rows by slot
+        self.rows_NM = self.rows_MN.T
+        self.p_MM = torch.zeros(cap1, cap1, dtype=dt, device=dev)  # (K_AA + ridge I)^{-1} by slot
+        # Weights by slot. z_M is the scratch that becomes v_M. Invariant: both are exactly 0 on
+        # free and unused slots, and so is q = P k there (zero P rows), so z = v - z_j qext is too.
+        self.v_M = torch.zeros(cap1, dtype=dt, device=dev)
+        self.z_M = torch.zeros(cap1, dtype=dt, device=dev)
+        self.qext_M = torch.zeros(cap1, dtype=dt, device=dev)
+        self.qext_1M = self.qext_M.view(1, cap1)
+        # Small problems run every kernel over all slots: at M N <= 2^16 the extra multiply-adds
+        # cost less than slicing the buffers anew each round (a few microseconds per view).
+        self.full_width = cap1 * n <= 1 << 16
+        self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.grad_N = mu_N.clone()
+        self.grad_scratch_N = torch.empty_like(mu_N)
+        self.inactive_N = torch.zeros(n, dtype=torch.bool, device=dev)  # selected at weight 0
+        self.sel: list[int] = []  # selection order (host)
+        self.slot_of: dict[int, int] = {}  # active element -> slot (host)
+        self.elem: list[int] = [0] * cap1  # element of each slot (stale on free slots; host)
+        self.free: list[int] = []  # free slots below `hi`
+        self.hi = 0  # slots in use: [0, hi)
+        self.m = 0  # selected count
+        self.num_inactive = 0
+        self.slow_refits = 0
+        self.drops = 0
+        self.reentries = 0
+        self._kkt_cap = 3 * cap1 + 10
+
+    @property
+    def act(self) -> list[int]:
+        """The active elements (host), in slot order."""
+        return [e for e, _ in sorted(self.slot_of.items(), key=lambda item: item[1])]
+
+    @property
+    def sel_M(self) -> torch.Tensor:
+        """The selection in pick order as a device tensor."""
+        return torch.tensor(self.sel, dtype=torch.long, device=self.mu_N.device)
+
+    def add(self, j1: torch.Tensor, g_j: torch.Tensor | None = None) -> int:
+        """Select pool element ``j1`` (shape ``(1,)`` int64) and refit exactly on the new support.
+
+        Args:
+            j1: the element to add.
+            g_j: optional ``(1,)`` ``grad_N[j]`` (saves a gather when the caller has it).
+
+        Returns:
+            ``j`` as a Python int (it travels with the round's one host sync).
+        """
+        j, needs_kkt = self._enter(j1, g_j, new=True)
+        if needs_kkt:
+            self._restore_kkt()
+        return j
+
+    def _views(
+        self, w: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``rows_WN``, its transpose, ``P_WW``, ``qext_1W``, ``qext_W``, ``v_W``, ``z_W`` over ``w`` slots."""
+        if w == self.cap1:
+            return self.rows_MN, self.rows_NM, self.p_MM, self.qext_1M, self.qext_M, self.v_M, self.z_M
+        return (
+            self.rows_MN[:w],
+            self.rows_NM[:, :w],
+            self.p_MM[:w, :w],
+            self.qext_1M[:, :w],
+            self.qext_M[:w],
+            self.v_M[:w],
+            self.z_M[:w],
+        )
+
+    def _slot(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached one-slot views ``rows_MN[h:h+1]`` and ``qext_M[h:h+1]``."""
+        views = self._slot_views.get(h)
+        if views is None:
+            views = (self.rows_MN[h : h + 1], self.qext_M[h : h + 1])
+            self._slot_views[h] = views
+        return views
+
+    def _enter(self, j1: torch.Tensor, g_j: torch.Tensor | None, *, new: bool) -> tuple[int, bool]:
+        """Try to make ``j1`` active; returns ``(j, whether inactive elements must be re-checked)``."""
+        h = self.free[-1] if self.free else self.hi
+        w = self.cap1 if self.full_width else max(self.hi, h + 1)
+        rows_WN, rows_NW, p_WW, qext_1W, qext_W, v_W, z_W = self._views(w)
+        rows_h1, qext_h1 = self._slot(h)
+        torch.index_select(self.gram_NN, 0, j1, out=rows_h1)
+        # K_Aj is column j of the slot rows (K is symmetric); q^T = k^T P (P is symmetric). Free
+        # slots (h among them) have zero P rows, so q vanishes there whatever their rows hold.
+        torch.mm(rows_WN.index_select(1, j1).view(1, w), p_WW, out=qext_1W)
+        qext_h1.fill_(-1.0)
+        # t = K_{:,W} qext = K_{:,A} q - K_{:,j}: t_j = k.q - K_jj gives the Schur complement, and
+        # grad - z_j (K_{:,j} - K_{:,A} q) = grad + z_j t is the gradient at the new optimum.
+        t_N = torch.mv(rows_NW, qext_W)
+        schur = torch.sub(self.ridge_1, t_N.index_select(0, j1))
+        if g_j is None:
+            g_j = self.grad_N.index_select(0, j1)
+        z_j = g_j / schur
+        torch.addcmul(v_W, qext_W, z_j, value=-1.0, out=z_W)
+        torch.addcmul(self.grad_N, t_N, z_j, out=self.grad_scratch_N)
+        # Free slots hold z = 0 exactly and z_j > 0 whenever j enters, so min z < 0 means an active
+        # weight went negative.
+        parts = [g_j, schur, z_W.amin(0, keepdim=True)]
+        if self.num_inactive > 0:
+            # Selected elements at weight 0 must keep a non-positive gradient (KKT).
+            viol = ((self.grad_scratch_N > self.grad_tol) & self.inactive_N).any()
+            parts.append(viol.view(1).to(g_j.dtype))
+        if not self.on_cpu:
+            # j travels with the round's one sync (on CPU reading it costs less than converting it).
+            parts.append(j1.to(g_j.dtype))
+        flags = torch.cat(parts).tolist()
+        g_f, schur_f, zmin_f = flags[:3]
+        j = int(flags[-1]) if not self.on_cpu else int(j1)
+        viol_f = flags[3] if self.num_inactive > 0 else 0.0
+        if new:
+            self.sel.append(j)
+            self.m += 1
+        if not g_f > self.grad_tol_f:
+            # Non-positive gradient: the current v stays optimal on S + j with w_j = 0. Slot h
+            # stays free; its scratch weight must read 0 when a later round swaps z_M in.
+            self.z_M[h] = 0.0
+            self._mark_inactive(j1)
+            return j, False
+        if not schur_f > self.pivot_tol * self.diag_host[j]:
+            self._mark_inactive(j1)
+            self._slow_refit()
+            return j, False
+        # Enter j at slot h: P <- P + qext qext^T / s.
+        p_WW.addr_(qext_W, qext_W, alpha=1.0 / schur_f)
+        self.elem[h] = j
+        self.slot_of[j] = h
+        if self.free:
+            self.free.pop()
+        self.hi = max(self.hi, h + 1)
+        if not zmin_f < 0:
+            self.v_M, self.z_M = self.z_M, self.v_M
+            self.grad_N, self.grad_scratch_N = self.grad_scratch_N, self.grad_N
+            return j, viol_f != 0
+        self._drop_until_positive(w)
+        return j, True
+
+    def _drop_until_positive(self, w: int) -> None:
+        """Lawson–Hanson inner loop from the feasible ``v_M`` towards the unconstrained ``z_M``."""
+        _, rows_NW, p_WW, _, _, x_W, z_W = self._views(w)
+        tiny = torch.finfo(x_W.dtype).tiny
+        inf = torch.full_like(x_W, float("inf"))
+        for _ in range(w + 1):
+            # Free slots hold x = z = 0 exactly, so only active slots can have z < 0.
+            neg_W = z_W < 0
+            ratio_W = torch.where(neg_W, x_W / (x_W - z_W).clamp_min(tiny), inf)
+            alpha, p1 = torch.min(ratio_W, 0, keepdim=True)
+            p_col_W = p_WW.index_select(1, p1).view(-1)  # a copy: P changes below
+            p_pp = p_col_W.index_select(0, p1)
+            flags = torch.cat([neg_W.any().view(1).to(x_W.dtype), p1.to(x_W.dtype), p_pp]).tolist()
+            if flags[0] == 0:
+                break
+            p, p_pp_f = int(flags[1]), flags[2]
+            # Step to the first zero, then drop slot p: the optimum and inverse on A - p.
+            x_W.lerp_(z_W, alpha.clamp(0.0, 1.0))
+            z_W.addcmul_(p_col_W, z_W.index_select(0, p1) / p_pp, value=-1.0)
+            p_WW.addr_(p_col_W, p_col_W, alpha=-1.0 / p_pp_f)
+            p_WW[p].zero_()
+            p_WW[:, p].zero_()
+            x_W[p] = 0.0
+            z_W[p] = 0.0
+            self._free_slot(p)
+        else:
+            log.warning("ActiveSetState: Lawson–Hanson inner loop did not settle; refitting from scratch")
+            self._slow_refit()
+            return
+        self.v_M, self.z_M = self.z_M, self.v_M
+        self.z_M.zero_()
+        self.grad_N = torch.addmv(self.mu_N, rows_NW, self.v_M[:w], alpha=-1.0)
+
+    def _restore_kkt(self) -> None:
+        """Re-enter selected zero-weight elements whose gradient is positive (Lawson–Hanson outer loop)."""
+        neg_inf = torch.full_like(self.grad_N, float("-inf"))
+        for _ in range(self._kkt_cap):
+            if self.num_inactive == 0:
+                return
+            g_i, i1 = torch.max(torch.where(self.inactive_N, self.grad_N, neg_inf), 0, keepdim=True)
+            g_f, i_f = torch.cat([g_i, i1.to(g_i.dtype)]).tolist()
+            if not g_f > self.grad_tol_f:
+                return
+            self.inactive_N.index_fill_(0, i1, False)
+            self.num_inactive -= 1
+            self.reentries += 1
+            self._enter(i1, g_i, new=False)
+        log.warning("ActiveSetState: KKT restoration hit its cap; refitting from scratch")
+        self._slow_refit()
+
+    def _free_slot(self, p: int) -> None:
+        """Mark slot ``p`` free and its element selected-at-zero."""
+        e = self.elem[p]
+        del self.slot_of[e]
+        self.free.append(p)
+        self.inactive_N[e] = True
+        self.num_inactive += 1
+        self.drops += 1
+
+    def _mark_inactive(self, j1: torch.Tensor) -> None:
+        """Record a selected element that stays at weight 0."""
+        self.inactive_N.index_fill_(0, j1, True)
+        self.num_inactive += 1
+
+    def finalize(self) -> None:
+        """Re-solve the active system with a fresh Cholesky factor; full refit if a weight flips."""
+        if not self.slot_of:
+            return
+        act = self.act
+        slots_A = torch.tensor([self.slot_of[e] for e in act], dtype=torch.long, device=self.mu_N.device)
+        act_A = torch.tensor(act, dtype=torch.long, device=self.mu_N.device)
+        rows_AN = self.rows_MN.index_select(0, slots_A)
+        kr_AA = rows_AN.index_select(1, act_A)
+        kr_AA = kr_AA + self.ridge_abs * torch.eye(len(act), dtype=kr_AA.dtype, device=kr_AA.device)
+        chol_AA, info = torch.linalg.cholesky_ex(kr_AA)
+        v_A = torch.cholesky_solve(self.mu_N[act_A].unsqueeze(1), chol_AA).squeeze(1)
+        grad_N = torch.addmv(self.mu_N, rows_AN.T, v_A, alpha=-1.0)
+        ok = (info == 0) & (v_A > 0).all() & ~((grad_N > self.grad_tol) & self.inactive_N).any()
+        if bool(ok):
+            self.v_M.index_copy_(0, slots_A, v_A)
+            self.grad_N = grad_N
+        else:
+            self._slow_refit()
+
+    def _slow_refit(self) -> None:
+        """Full Lawson–Hanson on ``S`` from the current ``v``, then rebuild the slots."""
+        self.slow_refits += 1
+        sel_S = self.sel_M
+        v_S = self.weights_on(sel_S)
+        gram_SS = self.gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)]
+        v_S = refit_exact(gram_SS, self.mu_N[sel_S], ridge_abs=self.ridge_abs, v0_S=v_S, grad_tol=self.grad_tol)
+        self._rebuild(sel_S[v_S > 0])
+
+    def _rebuild(self, act_A: torch.Tensor) -> None:
+        """Refactor ``K_AA + ridge I`` for a new active set in slots ``0..A-1`` and re-solve on it."""
+        a = act_A.shape[0]
+        act = act_A.tolist()
+        self.slot_of = {e: s for s, e in enumerate(act)}
+        self.free = []
+        self.hi = a
+        self.elem = act + [0] * (self.cap1 - a)
+        self.p_MM.zero_()
+        self.v_M.zero_()
+        self.z_M.zero_()
+        self.inactive_N.zero_()
+        self.inactive_N[self.sel_M] = True
+        self.inactive_N[act_A] = False
+        self.num_inactive = self.m - a
+        self.rows_MN[:a] = self.gram_NN.index_select(0, act_A)
+        if a == 0:
+            self.grad_N = self.mu_N.clone()
+            return
+        kr_AA = self.rows_MN[:a].index_select(1, act_A)
+        kr_AA = kr_AA + self.ridge_abs * torch.eye(a, dtype=kr_AA.dtype, device=kr_AA.device)
+        chol_AA, info = torch.linalg.cholesky_ex(kr_AA)
+        if int(info) != 0:
+            raise RuntimeError(f"ActiveSetState: active Gram block lost definiteness (info={int(info)})")
+        self.p_MM[:a, :a] = torch.cholesky_inverse(chol_AA)
+        self.v_M[:a] = torch.cholesky_solve(self.mu_N[act_A].unsqueeze(1), chol_AA).squeeze(1)
+        self.grad_N = torch.addmv(self.mu_N, self.rows_MN[:a].T, self.v_M[:a], alpha=-1.0)
+
+    def weights_on(self, idx_S: torch.Tensor) -> torch.Tensor:
+        """The current ``v`` at pool positions ``idx_S`` (zero for inactive ones)."""
+        v_N = self.mu_N.new_zeros(self.mu_N.shape[0])
+        # Free slots hold weight 0, so adding every slot's weight at its element is exact.
+        v_N.index_add_(0, self._elem_tensor(), self.v_M[: self.hi])
+        return v_N[idx_S]
+
+    def _elem_tensor(self) -> torch.Tensor:
+        """The element of each used slot as a device tensor."""
+        return torch.tensor(self.elem[: self.hi], dtype=torch.long, device=self.mu_N.device)
+
+    def scaled_objective(self) -> torch.Tensor:
+        """``Phi(v)`` with the true ``K`` (no ridge), from ``K_AA v_A = mu_A - grad_A`` (ridge aside)."""
+        elem_W = self._elem_tensor()
+        v_W = self.v_M[: self.hi]
+        return 0.5 * (torch.dot(v_W, self.mu_N[elem_W]) + torch.dot(v_W, self.grad_N[elem_W]))
