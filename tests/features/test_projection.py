@@ -61,7 +61,7 @@ def test_unbiased_over_seeds():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 777, generator=gen, dtype=torch.float64)
     gram = x @ x.T
-    grams = torch.stack([(lambda y: y @ y.T)(fjlt_project(x, 64, seed=s)) for s in range(400)])
+    grams = torch.stack([(lambda y: y @ y.T)(fjlt_project(x, 64, seed=s)) for s in range(150)])
     err = ((grams.mean(0) - gram).norm() / gram.norm()).item()
     single = ((grams[0] - gram).norm() / gram.norm()).item()
     assert err < 0.05 and err < single / 5, f"seed-averaged error {err:.3f}, single-seed {single:.3f}"
