@@ -27,7 +27,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check . || true
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf build *.egg-info .pytest_cache demo_out

@@ -380,7 +380,9 @@ class DataSelection(Algorithm):
             )
             return feats, gbar, False
         except FeatureError as e:
-            warnings.warn(f"data_selection step {step}: {e}; falling back to random selection within capacities")
+            warnings.warn(
+                f"data_selection step {step}: {e}; falling back to random selection within capacities", stacklevel=2
+            )
             return None, None, True
 
     def _is_active(self, state: State, step: int) -> bool:

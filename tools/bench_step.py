@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+import shard as shard_tool  # noqa: E402
 import torch  # noqa: E402
 from composer.core import Callback, State  # noqa: E402
 from composer.loggers import Logger  # noqa: E402
 
-import shard as shard_tool  # noqa: E402
 import train  # noqa: E402
 from composer_algos.selection_algorithm import DataSelection  # noqa: E402
 from pipeline.config import load_config  # noqa: E402

@@ -10,6 +10,9 @@ only `algorithms.data_selection.strategy` and the seed change. Extra `key=value`
 `--` are passed to every run (e.g. `-- optimizer.lr=1e-3`). Runs already finished in `--out`
 are reused unless `--rerun`.
 
+`--jobs N` runs N trainings at a time (on CPU each with cores/N threads, which is much faster
+than N processes fighting over every core).
+
 Writes OUT/comparison.md, OUT/comparison.json and OUT/curves.png: per-domain validation
 log-perplexity at the last evaluation (mean +- std over seeds), their average, wall time and
 the share of it spent selecting (features + solve + exchange).
@@ -21,6 +24,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -46,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-interval", type=int, default=None, help="evaluate every N steps (default: steps/5)")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--rerun", action="store_true", help="rerun runs that already have results")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at a time (default 1); on CPU each gets cores/jobs threads (OMP_NUM_THREADS), on GPUs "
+        "give each job its own device with CUDA_VISIBLE_DEVICES in --gpus",
+    )
+    parser.add_argument("--gpus", default=None, help="comma-separated GPU ids handed out to jobs in turn")
     args = parser.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in STRATEGIES]
@@ -59,14 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--yaml: no such file {args.yaml}")
     eval_interval = args.eval_interval or max(1, args.steps // 5)
 
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    gpus = [g for g in (args.gpus or "").split(",") if g]
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = [(s, seed) for s in strategies for seed in seeds]
-    for i, (strategy, seed) in enumerate(runs, 1):
+    todo = []
+    for strategy, seed in [(s, seed) for s in strategies for seed in seeds]:
         run_dir = args.out / f"{strategy}-seed{seed}"
         if (run_dir / "eval_results.json").exists() and not args.rerun:
-            print(f"[{i}/{len(runs)}] {run_dir.name}: already done, reusing", flush=True)
+            print(f"{run_dir.name}: already done, reusing", flush=True)
             continue
-        print(f"[{i}/{len(runs)}] {run_dir.name}: training {args.steps} steps", flush=True)
         cmd = [
             sys.executable,
             str(REPO / "train.py"),
@@ -84,15 +98,42 @@ def main(argv: list[str] | None = None) -> int:
             f"run_name={args.out.name}-{strategy}-seed{seed}",
             *extra,
         ]
-        t0 = time.perf_counter()
-        log_path = run_dir.with_suffix(".log")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "w") as log:
-            rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-        if rc != 0:
-            print(f"  failed (exit {rc}); see {log_path}", flush=True)
-            return rc
-        print(f"  done in {time.perf_counter() - t0:.0f}s", flush=True)
+        todo.append((run_dir, cmd))
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    running: list[tuple[Path, subprocess.Popen, float, object]] = []
+    started = 0
+    failed = []
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            run_dir, cmd = todo.pop(0)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            env = dict(os.environ)
+            if args.jobs > 1:
+                env["OMP_NUM_THREADS"] = str(threads)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[started % len(gpus)]
+            log = open(run_dir.with_suffix(".log"), "w")
+            started += 1
+            print(f"[{started}] {run_dir.name}: training {args.steps} steps (log {log.name})", flush=True)
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running.append((run_dir, proc, time.perf_counter(), log))
+            if args.jobs > 1:
+                _wait_until_training(run_dir, proc)
+        time.sleep(1)
+        for item in list(running):
+            run_dir, proc, t0, log = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            if proc.returncode:
+                failed.append(run_dir.name)
+                print(f"  {run_dir.name} failed (exit {proc.returncode}); see {log.name}", flush=True)
+            else:
+                print(f"  {run_dir.name} done in {time.perf_counter() - t0:.0f}s", flush=True)
+    if failed:
+        print(f"failed runs: {failed}")
+        return 1
 
     table = collect(args.out, strategies, seeds)
     md = format_markdown(table, args.steps)
@@ -102,6 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     plot_curves(args.out, strategies, seeds, args.out / "curves.png")
     print(f"\nwrote {args.out / 'comparison.md'}, comparison.json and curves.png")
     return 0
+
+
+def _wait_until_training(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    """Wait until a run has built its datasets (its first step is logged) before starting another.
+
+    Streaming registers each dataset in a machine-wide shared-memory namespace; two processes
+    registering at the same instant can collide, so starts are staggered.
+    """
+    t0 = time.perf_counter()
+    while proc.poll() is None and time.perf_counter() - t0 < timeout_s:
+        if (run_dir / "mixture_steps.csv").exists():
+            return
+        time.sleep(1)
 
 
 def collect(out: Path, strategies: list[str], seeds: list[int]) -> dict:

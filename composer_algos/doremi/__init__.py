@@ -4,9 +4,9 @@ from composer_algos.doremi.algorithm import DoReMi
 from composer_algos.doremi.callback import MIXTURE_CSV, MIXTURE_JSON, DoReMiMixtureWriter
 from composer_algos.doremi.core import (
     clipped_excess_sums,
-    doremi_update,
     domain_sums,
     domain_token_counts,
+    doremi_update,
     excess_per_domain,
     per_token_losses,
     resolve_initial_weights,

@@ -17,9 +17,9 @@ from composer.utils import dist
 
 from composer_algos.doremi.core import (
     clipped_excess_sums,
-    doremi_update,
     domain_sums,
     domain_token_counts,
+    doremi_update,
     excess_per_domain,
     per_token_losses,
     resolve_initial_weights,

@@ -111,7 +111,7 @@ def _load_arrays(paths: list[Path]) -> dict[str, list[dict]]:
 def _check_finetune_output(out: Path, arrays: dict[str, list[dict]], domain_of, keep, tokenizer) -> None:
     manifest = load_manifest(out)
     seen = collections.Counter()
-    for (domain, split), samples in read_output(out).items():
+    for (domain, _split), samples in read_output(out).items():
         for s in samples:
             display, loc = s["record"].rsplit(":", 1)
             rec = arrays[display][int(loc)]

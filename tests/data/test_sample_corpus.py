@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.sample_corpus import generate_dolma_documents, generate_metamathqa, generate_mol_instructions, write_sample_corpus
+from pipeline.sample_corpus import (
+    generate_dolma_documents,
+    generate_metamathqa,
+    generate_mol_instructions,
+    write_sample_corpus,
+)
 from tests.data.conftest import SCALE
 
 PAPER_SHARES = {  # MetaMathQA type shares in the paper's figure (percent)

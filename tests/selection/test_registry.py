@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_algos.selection import STRATEGIES, SelectionResult, compute_capacities, conflict_fraction, get_strategy
+from composer_algos.selection import (
+    STRATEGIES,
+    SelectionResult,
+    compute_capacities,
+    conflict_fraction,
+    get_strategy,
+)
 from tests.selection.reference import make_instance
 
 NAMES = ["partitionsel", "greats", "id", "iwd", "gradnorm", "colm", "random", "random_stratified"]
