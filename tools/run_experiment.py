@@ -6,7 +6,10 @@ Example:
         --seeds 1,2 --steps 200 --out demo_out/experiments/demo
 
 Every run uses the same shards, model, number of steps and kappa (`global_train_batch_size`);
-only `algorithms.data_selection.strategy` and the seed change. Extra `key=value` arguments after
+only `algorithms.data_selection.strategy` and the seed change. The seed sets the model's
+initialisation and the selection and validation draws; the data order stays the yaml's
+`train_loader.dataset.shuffle_seed`, so every strategy chooses from the same sequence of pools
+(pass `-- train_loader.dataset.shuffle_seed=N` to vary it too). Extra `key=value` arguments after
 `--` are passed to every run (e.g. `-- optimizer.lr=1e-3`). Runs already finished in `--out`
 are reused unless `--rerun`.
 
