@@ -69,6 +69,12 @@ class ActiveSetState:
         self.ridge_abs = float(ridge_abs)
         self.ridge_1 = torch.full((1,), self.ridge_abs, dtype=dt, device=dev)
         self.on_cpu = dev.type == "cpu"
+        self.out_dtype = dt
+        # float32 inverse updates lose about eps * cond(K_AA) digits. A Schur complement below
+        # 1e4 eps K_jj (cond above ~1e3, as with more picks than feature dimensions, or near
+        # duplicates) moves the state to float64 for the rest of the call (see _promote).
+        self.promote_tol = 1e4 * torch.finfo(dt).eps if dt == torch.float32 else 0.0
+        self.promoted = False
         self.grad_tol = grad_tol
         self.grad_tol_f = float(grad_tol)
         # Schur complements at or below this (relative to K_jj) mean j depends on the active set.
@@ -159,7 +165,10 @@ class ActiveSetState:
         w = self.cap1 if self.full_width else max(self.hi, h + 1)
         rows_WN, rows_NW, p_WW, qext_1W, qext_W, v_W, z_W = self._views(w)
         rows_h1, qext_h1 = self._slot(h)
-        torch.index_select(self.gram_NN, 0, j1, out=rows_h1)
+        if self.promoted:
+            rows_h1.copy_(self.gram_NN.index_select(0, j1))
+        else:
+            torch.index_select(self.gram_NN, 0, j1, out=rows_h1)
         # K_Aj is column j of the slot rows (K is symmetric); q^T = k^T P (P is symmetric). Free
         # slots (h among them) have zero P rows, so q vanishes there whatever their rows hold.
         torch.mm(rows_WN.index_select(1, j1).view(1, w), p_WW, out=qext_1W)
@@ -187,6 +196,9 @@ class ActiveSetState:
         g_f, schur_f, zmin_f = flags[:3]
         j = int(flags[-1]) if not self.on_cpu else int(j1)
         viol_f = flags[3] if self.num_inactive > 0 else 0.0
+        if g_f > self.grad_tol_f and schur_f < self.promote_tol * self.diag_host[j] and not self.promoted:
+            self._promote()
+            return self._enter(j1, None, new=new)
         if new:
             self.sel.append(j)
             self.m += 1
@@ -303,7 +315,7 @@ class ActiveSetState:
         self.slow_refits += 1
         sel_S = self.sel_M
         v_S = self.weights_on(sel_S)
-        gram_SS = self.gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)]
+        gram_SS = self.gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)].to(self.mu_N.dtype)
         v_S = refit_exact(gram_SS, self.mu_N[sel_S], ridge_abs=self.ridge_abs, v0_S=v_S, grad_tol=self.grad_tol)
         self._rebuild(sel_S[v_S > 0])
 
@@ -340,7 +352,7 @@ class ActiveSetState:
         v_N = self.mu_N.new_zeros(self.mu_N.shape[0])
         # Free slots hold weight 0, so adding every slot's weight at its element is exact.
         v_N.index_add_(0, self._elem_tensor(), self.v_M[: self.hi])
-        return v_N[idx_S]
+        return v_N[idx_S].to(self.out_dtype)
 
     def _elem_tensor(self) -> torch.Tensor:
         """The element of each used slot as a device tensor."""
@@ -350,4 +362,30 @@ class ActiveSetState:
         """``Phi(v)`` with the true ``K`` (no ridge), from ``K_AA v_A = mu_A - grad_A`` (ridge aside)."""
         elem_W = self._elem_tensor()
         v_W = self.v_M[: self.hi]
-        return 0.5 * (torch.dot(v_W, self.mu_N[elem_W]) + torch.dot(v_W, self.grad_N[elem_W]))
+        phi = 0.5 * (torch.dot(v_W, self.mu_N[elem_W]) + torch.dot(v_W, self.grad_N[elem_W]))
+        return phi.to(self.out_dtype)
+
+    def _promote(self) -> None:
+        """Move the state to float64 and refit exactly on the current selection (once per call).
+
+        The K rows keep their float32 values (the problem is what it is); the inverse, weights and
+        gradient are recomputed in float64 from a fresh Cholesky factor, so the float32 rounding
+        accumulated so far is dropped as well.
+        """
+        dt = torch.float64
+        self.promoted = True
+        self.pivot_tol = 64.0 * torch.finfo(dt).eps
+        self.mu_N = self.mu_N.to(dt)
+        self.rows_MN = self.rows_MN.to(dt)
+        self.rows_NM = self.rows_MN.T
+        self.p_MM = self.p_MM.to(dt)
+        self.v_M = self.v_M.to(dt)
+        self.z_M = self.z_M.to(dt)
+        self.qext_M = self.qext_M.to(dt)
+        self.qext_1M = self.qext_M.view(1, -1)
+        self.grad_N = self.grad_N.to(dt)
+        self.grad_scratch_N = self.grad_scratch_N.to(dt)
+        self.ridge_1 = self.ridge_1.to(dt)
+        self._slot_views = {}
+        log.debug("ActiveSetState: ill-conditioned active set; continuing in float64")
+        self._slow_refit()

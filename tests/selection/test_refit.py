@@ -239,3 +239,21 @@ def test_incremental_drops_and_reentries_match_the_loop_omp(seed, dim):
     assert sel.tolist() == ref_sel
     torch.testing.assert_close(v, torch.tensor(ref_v, dtype=torch.float64), rtol=1e-9, atol=1e-12)
     assert int(info["slow_refits"]) == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_float32_ill_conditioned_selection_moves_to_float64_and_stays_exact(seed):
+    # More picks than feature dimensions: K_SS is singular up to the ridge (cond ~ 1e6), beyond what
+    # float32 rank-one inverse updates can carry. The state switches to float64 once, and the result
+    # is the exact NNLS optimum of the float32 problem on its support.
+    features, val_feature, dom = make_instance(seed, 120, dim=8, num_domains=3, dtype=torch.float32)
+    gram, mu, _ = build_objective(features, val_feature, eta=ETA)
+    ridge = 1e-6 * float(gram.diagonal().mean())
+    caps = torch.bincount(dom, minlength=3)
+    sel, v, phi, info = omp_select(gram, mu, dom, caps, 30, ridge_abs=ridge)
+    assert v.dtype == torch.float32 and phi.dtype == torch.float32
+    assert int(info["slow_refits"]) == 1, "one refit at the switch, no thrashing after it"
+    g64, mu64 = gram.double()[sel][:, sel], mu.double()[sel]
+    v_ref = refit_exact(g64, mu64, ridge_abs=ridge)
+    phi_ref = float(v_ref @ mu64 - 0.5 * v_ref @ g64 @ v_ref)
+    assert abs(float(phi) - phi_ref) <= 1e-5 * abs(phi_ref)
