@@ -35,7 +35,7 @@ class ActiveSetState:
     ``z_A = v_A - z_j q``, the new gradient ``grad - z_j (K_{:,j} - K_{:,A} q)`` and the new inverse
     ``P + [q; -1][q; -1]^T / s``: two matrix-vector products, one rank-one update and about 15
     small kernels, ONE host sync per round (which also returns ``j``, so the selection and the
-    slots are tracked on the host). When some ``z_A`` is not positive, Lawson–Hanson steps from
+    slots are tracked on the host). When some ``z_A`` is negative, Lawson–Hanson steps from
     the current ``v`` towards ``z`` until the first weight reaches zero, removes that element
     (``P - P_{:,p} P_{p,:} / P_pp``, ``z - z_p P_{:,p} / P_pp``) and repeats, one sync per removal;
     selected elements at weight zero whose gradient turns positive re-enter the same way. Every
@@ -43,7 +43,9 @@ class ActiveSetState:
     Cholesky factors, ``O(A^3)``) is the fallback for a numerically dependent column (Schur
     complement below ``64 eps K_jj``, only possible with a tiny ridge) and for iteration caps.
     ``finalize()`` re-solves the final active system with a fresh Cholesky factor, removing the
-    rounding the rank-one updates accumulate.
+    rounding the rank-one updates accumulate. In float32 the updates lose about
+    ``eps * cond(K_AA)`` of accuracy, so a Schur complement below ``1e4 eps K_jj`` moves the state to
+    float64 for the rest of the call (``_promote``; results are returned in the input dtype).
 
     Args:
         gram: the Gram rows (no ridge); the row of each added element must be available.

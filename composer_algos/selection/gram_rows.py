@@ -35,7 +35,7 @@ class GramRows:
     Args:
         gram_NN: a precomputed full ``(N, N)`` Gram (then ``features_ND`` is ignored), or None.
         features_ND: ``(N, D)`` features to compute rows from when ``gram_NN`` is None.
-        batch_rows: rows computed per GEMM when a requested row is missing (default 16): the
+        batch_rows: rows computed per GEMM when a requested row is missing (default 32): the
             missing rows plus the best-scoring candidates without a row.
     """
 
@@ -44,7 +44,7 @@ class GramRows:
         gram_NN: torch.Tensor | None = None,
         features_ND: torch.Tensor | None = None,
         *,
-        batch_rows: int = 16,
+        batch_rows: int = 32,
     ) -> None:
         if gram_NN is not None:
             self.gram_NN = gram_NN

@@ -340,9 +340,9 @@ def test_lazy_gram_rows_give_the_full_gram_result(seed, options):
 
 def test_auto_gram_rows_is_lazy_only_for_small_budgets_on_cpu():
     features, val_feature, dom = make_instance(0, 240, dim=16, num_domains=3)
-    assert "gram_rows_computed" in _run(features, val_feature, dom, 3, 40).info
-    assert "gram_rows_computed" not in _run(features, val_feature, dom, 3, 41).info
-    assert "gram_rows_computed" not in _run(features, val_feature, dom, 3, 40, refit="apga_pool", apga_max_iters=2).info
+    assert "gram_rows_computed" in _run(features, val_feature, dom, 3, 30).info
+    assert "gram_rows_computed" not in _run(features, val_feature, dom, 3, 31).info
+    assert "gram_rows_computed" not in _run(features, val_feature, dom, 3, 30, refit="apga_pool", apga_max_iters=2).info
     gram = features @ features.T
-    given = _run(features, val_feature, dom, 3, 40, gram=gram, gram_rows="lazy")
+    given = _run(features, val_feature, dom, 3, 30, gram=gram, gram_rows="lazy")
     assert "gram_rows_computed" not in given.info, "a given Gram is used as is"
