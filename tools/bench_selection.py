@@ -12,10 +12,11 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
 - ``exact + swap``: the exact refit followed by the swap refinement (its extra time reported).
 
 Reports each variant's objective with its relative difference to ``exact``, and the time ratio
-of each APGA variant to ``exact``. Every figure is given as wall time and as process CPU time; on
-a shared machine the wall time includes waiting for a core, and with one thread the CPU time is
-the better estimate of the time on an idle machine. The slow ``apga_pool`` runs are timed
-without a warm-up (``--pool-repeats`` runs, 1 by default: about a minute at n=2048).
+of each APGA variant to ``exact``. The timed runs of all variants are taken round-robin, so a
+machine whose speed drifts (shared cores) slows them alike. Every figure is given as wall time
+and as process CPU time; on a shared machine the wall time includes waiting for a core, and with
+one thread the CPU time is the better estimate of the time on an idle machine. At n=2048 the slow
+``apga_pool`` is run once without a warm-up (``--pool-repeats``; 35-90 s on the development VM).
 
 Example:
     .venv/bin/python tools/bench_selection.py
@@ -51,16 +52,27 @@ def make_instance(n: int, dim: int, num_domains: int, seed: int = 0):
     return features, val_feature, domain_ids
 
 
-def time_call(fn, repeats: int, warmup: bool = True) -> tuple[float, float, object]:
-    """Median wall and process-CPU time of ``fn()`` over ``repeats`` runs (after one warm-up run)."""
-    out = fn() if warmup else None
-    walls, cpus = [], []
-    for _ in range(repeats):
-        wall0, cpu0 = time.perf_counter(), time.process_time()
-        out = fn()
-        cpus.append(time.process_time() - cpu0)
-        walls.append(time.perf_counter() - wall0)
-    return statistics.median(walls), statistics.median(cpus), out
+def time_interleaved(fns: dict, repeats: dict, warmup: dict) -> dict:
+    """Median wall and process-CPU time of each ``fns[name]()``, the runs taken round-robin.
+
+    On a machine whose speed drifts (shared cores, other jobs), interleaving exposes every variant
+    to the same conditions, so the ratios stay meaningful even when the absolute times move.
+
+    Returns:
+        ``name -> (median wall s, median cpu s, last output)``.
+    """
+    outs = {name: fn() if warmup[name] else None for name, fn in fns.items()}
+    walls: dict = {name: [] for name in fns}
+    cpus: dict = {name: [] for name in fns}
+    for r in range(max(repeats.values())):
+        for name, fn in fns.items():
+            if r >= repeats[name]:
+                continue
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            outs[name] = fn()
+            cpus[name].append(time.process_time() - cpu0)
+            walls[name].append(time.perf_counter() - wall0)
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name]), outs[name]) for name in fns}
 
 
 def _fmt(wall: float, cpu: float) -> str:
@@ -71,7 +83,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of exact and exact+swap (median)")
     parser.add_argument("--apga-repeats", type=int, default=3, help="timed runs of the support APGA")
-    parser.add_argument("--pool-repeats", type=int, default=1, help="timed runs of the full-pool APGA (no warm-up)")
+    parser.add_argument(
+        "--pool-repeats",
+        type=int,
+        default=None,
+        help="timed runs of the full-pool APGA (default 3 with a warm-up for n <= 512, else 1 without)",
+    )
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     parser.add_argument(
@@ -100,19 +117,27 @@ def main() -> None:
             cpu_single_thread=args.cpu_single_thread,
         )
         apga = dict(apga_max_iters=APGA_ITERS, apga_tol=0.0)
-        w_gram, c_gram, _ = time_call(lambda: compute_gram(features), args.repeats)
-        w_ex, c_ex, res_ex = time_call(lambda: select_partitionsel(**common, refit="exact"), args.repeats)
-        w_sw, c_sw, res_sw = time_call(
-            lambda: select_partitionsel(**common, refit="exact", refine="swap"), args.repeats
-        )
-        w_ap, c_ap, res_ap = time_call(
-            lambda: select_partitionsel(**common, refit="apga", **apga), args.apga_repeats
-        )
+        small = case["n"] <= 512
+        fns = {
+            "gram": lambda: compute_gram(features),
+            "exact": lambda: select_partitionsel(**common, refit="exact"),
+            "swap": lambda: select_partitionsel(**common, refit="exact", refine="swap"),
+            "apga": lambda: select_partitionsel(**common, refit="apga", **apga),
+        }
+        repeats = {"gram": args.repeats, "exact": args.repeats, "swap": args.repeats, "apga": args.apga_repeats}
+        warmup = dict.fromkeys(fns, True)
+        if not args.skip_pool:
+            fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)
+            repeats["pool"] = args.pool_repeats if args.pool_repeats is not None else (3 if small else 1)
+            warmup["pool"] = small
+        timed = time_interleaved(fns, repeats, warmup)
+        w_gram, c_gram, _ = timed["gram"]
+        w_ex, c_ex, res_ex = timed["exact"]
+        w_sw, c_sw, res_sw = timed["swap"]
+        w_ap, c_ap, res_ap = timed["apga"]
         rows = [("exact", w_ex, c_ex, res_ex), ("apga (support) x128", w_ap, c_ap, res_ap)]
         if not args.skip_pool:
-            w_po, c_po, res_po = time_call(
-                lambda: select_partitionsel(**common, refit="apga_pool", **apga), args.pool_repeats, warmup=False
-            )
+            w_po, c_po, res_po = timed["pool"]
             rows.append(("apga_pool (paper) x128", w_po, c_po, res_po))
         rows.append(("exact + swap", w_sw, c_sw, res_sw))
         f_ex = float(res_ex.objective)
