@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=15, help="steps per run; the first 3 are warm-up (default: 15)")
     parser.add_argument("--repeats", type=int, default=10, help="repeats of the standalone timings (default: 10)")
     parser.add_argument("--yaml", type=Path, default=REPO / "yamls" / "testing" / "tiny_dolma.yaml")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's; 1 is steadier on a busy machine)"
+    )
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     ratios = [float(r) for r in args.ratios.split(",")]
     if args.steps < 5:
         parser.error("--steps must be at least 5 (3 warm-up steps are dropped)")
