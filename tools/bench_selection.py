@@ -124,7 +124,12 @@ def main() -> None:
             "swap": lambda: select_partitionsel(**common, refit="exact", refine="swap"),
             "apga": lambda: select_partitionsel(**common, refit="apga", **apga),
         }
-        repeats = {"gram": args.repeats, "exact": args.repeats, "swap": args.repeats, "apga": args.apga_repeats}
+        repeats = {
+            "gram": args.repeats,
+            "exact": args.repeats,
+            "swap": args.repeats,
+            "apga": args.apga_repeats,
+        }
         warmup = dict.fromkeys(fns, True)
         if not args.skip_pool:
             fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)

@@ -139,7 +139,9 @@ class ActiveSetState:
 
     def _views(
         self, w: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+    ]:
         """``rows_WN``, its transpose, ``P_WW``, ``qext_1W``, ``qext_W``, ``v_W``, ``z_W`` over ``w`` slots."""
         if w == self.cap1:
             return self.rows_MN, self.rows_NM, self.p_MM, self.qext_1M, self.qext_M, self.v_M, self.z_M
@@ -318,7 +320,9 @@ class ActiveSetState:
         sel_S = self.sel_M
         v_S = self.weights_on(sel_S)
         gram_SS = self.gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)].to(self.mu_N.dtype)
-        v_S = refit_exact(gram_SS, self.mu_N[sel_S], ridge_abs=self.ridge_abs, v0_S=v_S, grad_tol=self.grad_tol)
+        v_S = refit_exact(
+            gram_SS, self.mu_N[sel_S], ridge_abs=self.ridge_abs, v0_S=v_S, grad_tol=self.grad_tol
+        )
         self._rebuild(sel_S[v_S > 0])
 
     def _rebuild(self, act_A: torch.Tensor) -> None:

@@ -96,7 +96,9 @@ class GramRows:
         extra = self.batch_rows - len(missing)
         if scores_N is not None and extra > 0:
             missing_t = torch.tensor(missing, dtype=torch.long, device=scores_N.device)
-            masked_N = scores_N.masked_fill(self._have_N, float("-inf")).index_fill_(0, missing_t, float("-inf"))
+            masked_N = scores_N.masked_fill(self._have_N, float("-inf")).index_fill_(
+                0, missing_t, float("-inf")
+            )
             top = torch.topk(masked_N, min(extra, self.n))
             # One sync: the speculative candidates and whether their scores are finite.
             cand = torch.stack([top.indices.to(masked_N.dtype), top.values]).tolist()
