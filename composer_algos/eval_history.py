@@ -47,14 +47,14 @@ class EvalHistory(Callback):
         self._t0 = time.perf_counter()
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        from composer_algos.selection_algorithm import DataSelection
+        from composer_algos.selection_algorithm import find_data_selection
 
-        for algo in state.algorithms:
-            if isinstance(algo, DataSelection):
-                m = algo.last_stats.get("metrics", {})
-                self._selection_s += sum(
-                    float(m.get(f"selection/{k}", 0.0)) for k in ("time_features_s", "time_solve_s", "time_exchange_s")
-                )
+        algo = find_data_selection(state)
+        if algo is not None:
+            m = algo.last_stats.get("metrics", {})
+            self._selection_s += sum(
+                float(m.get(f"selection/{k}", 0.0)) for k in ("time_features_s", "time_solve_s", "time_exchange_s")
+            )
 
     def eval_end(self, state: State, logger: Logger) -> None:
         label = state.dataloader_label or ""

@@ -109,6 +109,16 @@ def exchange_examples(
     recv_rows = moving_owner[recv_mask_moving] * max(max_out, 1) + slot_in_sender[recv_mask_moving]
     assert int(incoming.sum()) == recv_rows.numel()
 
+    # One all-gather for the sequence widths of every 2-D per-example field (same key order on all ranks).
+    seq_keys = [
+        k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == n_local
+    ]
+    widths: dict[str, int] = {}
+    if world_size > 1 and max_out > 0 and seq_keys:
+        mine = torch.tensor([batch[k].shape[1] for k in seq_keys], device=owner_K.device)
+        widest = torch.stack(dist.all_gather(mine)).amax(0).tolist()
+        widths = dict(zip(seq_keys, widest))
+
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n_local:
@@ -117,10 +127,7 @@ def exchange_examples(
                 out[key] = kept
                 continue
             pad_value = IGNORE_PAD.get(key, 0)
-            width = None
-            if value.dim() >= 2:
-                width_t = torch.tensor([value.shape[1]], device=owner_K.device)
-                width = int(torch.cat(dist.all_gather(width_t)).max())
+            width = widths.get(key)
             block = value[send_idx.to(value.device)]
             block = _pad_to(block, max_out, width, pad_value)
             gathered = torch.cat(dist.all_gather(block.contiguous()), dim=0)

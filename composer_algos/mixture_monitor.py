@@ -15,6 +15,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from composer_algos.mixture_io import MixtureCSVWriter, write_mixture_json
+from composer_algos.selection_algorithm import find_data_selection
 
 log = logging.getLogger(__name__)
 
@@ -186,18 +187,10 @@ class MixtureMonitor(Callback):
 
 
 def _selection_stats(state: State) -> dict[str, Any]:
-    from composer_algos.selection_algorithm import DataSelection
-
-    for algo in state.algorithms:
-        if isinstance(algo, DataSelection):
-            return algo.last_stats
-    return {}
+    algo = find_data_selection(state)
+    return algo.last_stats if algo is not None else {}
 
 
 def _method_name(state: State) -> str:
-    from composer_algos.selection_algorithm import DataSelection
-
-    for algo in state.algorithms:
-        if isinstance(algo, DataSelection):
-            return algo.strategy
-    return "natural"
+    algo = find_data_selection(state)
+    return algo.strategy if algo is not None else "natural"

@@ -24,7 +24,7 @@ from composer_algos.validation_source import ValidationSource, _mix
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DataSelection", "SELECTION_STRATEGIES"]
+__all__ = ["DataSelection", "SELECTION_STRATEGIES", "find_data_selection"]
 
 # Strategies the algorithm accepts: the selection registry's plus "none" (train on the whole pool).
 SELECTION_STRATEGIES = (
@@ -423,6 +423,11 @@ class DataSelection(Algorithm):
             "pool_counts_local": pool_local_C,
             "metrics": metrics,
         }
+
+
+def find_data_selection(state: State) -> DataSelection | None:
+    """The run's `DataSelection` algorithm, or None when the run selects nothing."""
+    return next((a for a in state.algorithms if isinstance(a, DataSelection)), None)
 
 
 def _subset(batch: Mapping[str, Any], idx: torch.Tensor, n: int) -> dict[str, Any]:
