@@ -1,4 +1,4 @@
-"""Per-domain capacities of the partition matroid: proportional (largest remainder) or fixed fractions."""
+"""Per-domain capacities of the partition matroid: proportional or fixed fractions, rounded without bias."""
 
 # Shape legend: N pool size, C domains.
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 
@@ -14,31 +15,49 @@ log = logging.getLogger(__name__)
 
 __all__ = ["compute_capacities", "resolve_capacities"]
 
+# The offset u of systematic rounding is drawn on a grid of this many points when the quotas'
+# common denominator is larger (float fractions): E[cap_c] is then quota_c within 2**-62.
+_MAX_GRID = 2**62
+
 
 def compute_capacities(
     pool_counts: torch.Tensor,
     kappa: int,
     fractions: torch.Tensor | Sequence[float] | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Split the budget ``min(kappa, n)`` over the domains of a pool.
 
-    Proportional (``fractions=None``, the paper's "uniform constraints"): domain ``c`` gets
-    ``k * n_c / n`` rounded by largest remainder, so the capacities sum to ``k = min(kappa, n)``
-    and never exceed ``n_c`` (the exact quotas already satisfy ``k n_c / n <= n_c``). Ties between
-    equal remainders go to the larger domain, then to the lower domain index.
+    Proportional (``fractions=None``, the paper's "uniform constraints"): domain ``c`` has the
+    exact quota ``q_c = k * n_c / n``, ``k = min(kappa, n)``. Fixed fractions: domain ``c`` has the
+    quota ``k * fractions[c]``; a domain whose quota exceeds what the pool holds is capped at
+    ``n_c`` and the freed budget is spread over the other domains with a positive fraction, again
+    proportionally (water-filling). A domain with fraction 0 never receives capacity.
 
-    Fixed fractions: domain ``c`` gets ``k * fractions[c]`` by largest remainder; a domain whose
-    share exceeds what the pool holds is capped at ``n_c`` and the freed capacity is spread over
-    the other domains with a positive fraction, again proportionally (water-filling). A domain with
-    fraction 0 never receives capacity.
+    Rounding. With a ``generator`` (what training uses), the quotas are rounded by systematic
+    randomized rounding: the domains are put in a random order, one offset ``u`` is drawn, and
+    domain ``c`` gets ``floor(S_c + u) - floor(S_c - q_c + u)`` where ``S_c`` is the running sum of
+    the quotas in that order. Every capacity is ``floor(q_c)`` or ``ceil(q_c)``, they sum to ``k``,
+    and ``E[cap_c] = q_c`` exactly, so over many steps each domain's share of the selection equals
+    its share of the pools. Without a generator the rounding is deterministic largest remainder
+    with ties to the larger domain, then the lower index (fractions: the lower index). That is
+    biased: with a pool of ``2 kappa`` every odd ``n_c`` has remainder 0.5 and the larger domains
+    win every tie, so small domains get less than their pool share step after step. Keep it only
+    to reproduce old runs.
+
+    The capacities never exceed ``n_c``: the exact quotas satisfy ``q_c <= n_c`` and ``n_c`` is an
+    integer, so ``ceil(q_c) <= n_c`` too.
 
     Edge cases: a domain absent from the pool gets 0; ``kappa >= n`` gives every domain ``n_c``
-    (proportional) and ``kappa = 0`` gives zeros; a single domain gets ``min(kappa, n)``.
+    (proportional) and ``kappa = 0`` gives zeros; a single domain gets ``min(kappa, n)``. Domains
+    with integer quotas consume no randomness beyond the one permutation and offset per call.
 
     Args:
         pool_counts: ``(C,)`` non-negative integer counts of each domain in the pool.
         kappa: the budget, an int >= 0.
         fractions: optional ``(C,)`` non-negative finite fractions summing to 1 (within 1e-6).
+        generator: the (CPU) generator of the step, for unbiased rounding; None (default) for the
+            deterministic, biased largest remainder.
 
     Returns:
         ``(C,)`` int64 capacities on ``pool_counts.device``, summing to ``min(kappa, n)``.
@@ -51,13 +70,21 @@ def compute_capacities(
         raise ValueError(f"`pool_counts` must be a 1-D integer tensor, got {pool_counts!r}")
     if isinstance(kappa, bool) or not isinstance(kappa, int) or kappa < 0:
         raise ValueError(f"`kappa` must be an int >= 0, got {kappa!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"`generator` must be a torch.Generator or None, got {generator!r}")
     counts = [int(c) for c in pool_counts.tolist()]
     if any(c < 0 for c in counts):
         raise ValueError(f"`pool_counts` must be >= 0, got {counts}")
     num_domains = len(counts)
     n = sum(counts)
     k = min(kappa, n)
-    if fractions is None:
+    if generator is not None:
+        if fractions is None:
+            quotas = [Fraction(k * c, n) if n else Fraction(0) for c in counts]
+        else:
+            quotas = _water_fill(counts, k, _check_fractions(fractions, num_domains))
+        caps = _systematic_round(quotas, k, generator)
+    elif fractions is None:
         caps = _proportional(counts, k)
     else:
         caps = _from_fractions(counts, k, _check_fractions(fractions, num_domains))
@@ -71,6 +98,7 @@ def resolve_capacities(
     domain_ids_N: torch.Tensor,
     num_domains: int,
     k: int,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """The capacities a strategy works with: proportional ones, or the caller's clipped to the pool.
 
@@ -80,6 +108,8 @@ def resolve_capacities(
         domain_ids_N: ``(N,)`` int64 domain ids.
         num_domains: ``C``.
         k: the number of examples to select, ``min(kappa, n)``.
+        generator: for unbiased rounding of proportional ones (see ``compute_capacities``); None
+            (default) for the deterministic largest remainder.
 
     Returns:
         ``(C,)`` int64 capacities, each at most the domain's pool count, summing to at least ``k``.
@@ -89,7 +119,7 @@ def resolve_capacities(
     """
     counts_C = torch.bincount(domain_ids_N, minlength=num_domains)
     if capacities is None:
-        return compute_capacities(counts_C, k)
+        return compute_capacities(counts_C, k, generator=generator)
     caps_C = torch.minimum(capacities.to(counts_C.device), counts_C)
     room = int(caps_C.sum())
     if room < k:
@@ -137,17 +167,68 @@ def _check_fractions(fractions: torch.Tensor | Sequence[float], num_domains: int
     return [f / total for f in values]
 
 
-def _from_fractions(counts: list[int], k: int, fractions: list[float]) -> list[int]:
-    """Water-filling: apportion ``k`` by ``fractions``, capping at ``counts`` and re-spreading."""
-    num_domains = len(counts)
+def _systematic_round(quotas: list[Fraction], k: int, generator: torch.Generator) -> list[int]:
+    """Round quotas summing to the integer ``k``: floor or ceil each, sum ``k``, ``E[cap_c] = q_c``."""
+    num_domains = len(quotas)
+    if num_domains == 0:
+        return []
+    grid = math.lcm(*(q.denominator for q in quotas))
+    grid = min(grid, _MAX_GRID)
+    device = generator.device
+    # The order only decorrelates which domains round up together; the marginals hold for any order.
+    order = torch.randperm(num_domains, generator=generator, device=device).tolist()
+    # u uniform on {0, 1/grid, ..., (grid-1)/grid}: when grid is a common denominator of the
+    # running sums S, P(floor(S + u) = floor(S) + 1) = frac(S) exactly, hence E[floor(S + u)] = S.
+    u = Fraction(int(torch.randint(0, grid, (1,), generator=generator, device=device)), grid)
+    caps = [0] * num_domains
+    running, prev = Fraction(0), 0
+    for c in order:
+        running += quotas[c]
+        cur = math.floor(running + u)
+        caps[c] = cur - prev
+        prev = cur
+    assert running == k, (quotas, k)
+    return caps
+
+
+def _water_fill(counts: list[int], k: int, fractions: list[float]) -> list[Fraction]:
+    """Exact quotas for ``fractions``: ``k f_c``, capped at ``counts`` with the excess re-spread."""
+    _check_room(counts, k, fractions)
+    weights = [Fraction(f) for f in fractions]
+    quotas = [Fraction(0)] * len(counts)
+    open_ = [c for c in range(len(counts)) if weights[c] > 0]
+    remaining = Fraction(k)
+    while open_:
+        total = sum(weights[c] for c in open_)
+        over = [c for c in open_ if remaining * weights[c] / total > counts[c]]
+        if not over:
+            for c in open_:
+                quotas[c] = remaining * weights[c] / total
+            break
+        # The room check guarantees some open domain can absorb the rest, so this loop ends.
+        for c in over:
+            quotas[c] = Fraction(counts[c])
+            remaining -= counts[c]
+        open_ = [c for c in open_ if c not in over]
+    return quotas
+
+
+def _check_room(counts: list[int], k: int, fractions: list[float]) -> None:
+    """Raise when the domains with a positive fraction hold fewer than ``k`` examples."""
     room = sum(c for c, f in zip(counts, fractions) if f > 0)
     if room < k:
-        wanted = [c for c in range(num_domains) if fractions[c] > 0]
+        wanted = [c for c in range(len(counts)) if fractions[c] > 0]
         raise ValueError(
             f"`fractions` {fractions} put all their mass on domains {wanted}, which hold only {room} "
             f"examples of this pool (counts {counts}), but {k} must be selected; give the other "
             "domains a positive fraction or lower kappa"
         )
+
+
+def _from_fractions(counts: list[int], k: int, fractions: list[float]) -> list[int]:
+    """Water-filling: apportion ``k`` by ``fractions``, capping at ``counts`` and re-spreading."""
+    num_domains = len(counts)
+    _check_room(counts, k, fractions)
     caps = [0] * num_domains
     open_ = [c for c in range(num_domains) if fractions[c] > 0]
     while k - sum(caps) > 0:

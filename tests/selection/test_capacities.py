@@ -108,3 +108,147 @@ def test_resolve_clips_to_pool_and_rejects_too_small():
     with pytest.raises(ValueError, match="admit only 3 examples"):
         resolve_capacities("x", torch.tensor([5, 0, 1]), dom, 3, 4)
     assert resolve_capacities("x", None, dom, 3, 3).tolist() == _caps([2, 1, 3], 3)
+
+
+# ---------------------------------------------------------------- unbiased (randomized) rounding
+# The issue's shape: 10 domains, pool 32 = 2 kappa, so every odd count has remainder exactly 0.5.
+_ISSUE_COUNTS = [9, 7, 5, 3, 3, 1, 1, 1, 1, 1]
+_ISSUE_PROBS = [0.25, 0.2, 0.15, 0.1, 0.1, 0.06, 0.05, 0.04, 0.03, 0.02]
+
+
+def _long_run(pool_counts_fn, kappa, steps, fractions=None):
+    """Sum of capacities and of exact quotas over ``steps`` seeded steps (the algorithm's per-step generator)."""
+    caps_sum, quota_sum = None, None
+    for step in range(steps):
+        counts = pool_counts_fn(step)
+        caps = compute_capacities(
+            torch.tensor(counts), kappa, fractions, generator=torch.Generator().manual_seed(1000 + step)
+        )
+        n = sum(counts)
+        k = min(kappa, n)
+        quota = torch.tensor([k * c / n for c in counts], dtype=torch.float64)
+        caps_sum = caps.double() if caps_sum is None else caps_sum + caps.double()
+        quota_sum = quota if quota_sum is None else quota_sum + quota
+    return caps_sum, quota_sum
+
+
+def _assert_unbiased(caps_sum, quota_sum, steps):
+    # Each step's rounding error cap_c - q_c lies in (-1, 1) with mean 0 and variance <= 1/4, so the
+    # sum over `steps` independent steps has standard error <= sqrt(steps) / 2. Allow 5 of them.
+    tol = 5 * 0.5 * steps**0.5
+    err = (caps_sum - quota_sum).abs()
+    assert (err <= tol).all(), (
+        f"long-run capacity - quota per domain {(caps_sum - quota_sum).tolist()} > {tol:.1f}"
+    )
+
+
+def test_unbiased_long_run_share_equals_pool_share_fixed_odd_counts():
+    steps = 2000
+    caps_sum, quota_sum = _long_run(lambda step: _ISSUE_COUNTS, 16, steps)
+    _assert_unbiased(caps_sum, quota_sum, steps)
+    # In shares: every domain, the smallest (1 of 32) included, gets its pool share within 10%.
+    share = caps_sum / caps_sum.sum()
+    pool_share = torch.tensor(_ISSUE_COUNTS, dtype=torch.float64) / sum(_ISSUE_COUNTS)
+    torch.testing.assert_close(share / pool_share, torch.ones(10, dtype=torch.float64), atol=0.1, rtol=0)
+
+
+def test_unbiased_long_run_share_equals_pool_share_random_pools():
+    # Pools of 32 drawn from a skewed mixture each step, as a real loader delivers them.
+    steps = 2000
+    probs = torch.tensor(_ISSUE_PROBS)
+
+    def pool(step):
+        gen = torch.Generator().manual_seed(step)
+        return torch.bincount(
+            torch.multinomial(probs, 32, replacement=True, generator=gen), minlength=10
+        ).tolist()
+
+    caps_sum, quota_sum = _long_run(pool, 16, steps)
+    _assert_unbiased(caps_sum, quota_sum, steps)
+
+
+def test_deterministic_rounding_is_the_biased_legacy():
+    # Documents why training passes a generator: without one, the 0.5 ties all go to larger domains.
+    caps = _caps(_ISSUE_COUNTS, 16)
+    assert caps == [5, 4, 3, 2, 2, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_unbiased_invariants_floor_or_ceil_sum_and_pool_limit(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_domains = int(torch.randint(1, 9, (1,), generator=gen))
+    counts = torch.randint(0, 30, (num_domains,), generator=gen).tolist()
+    kappa = int(torch.randint(0, sum(counts) + 5, (1,), generator=gen))
+    caps = compute_capacities(torch.tensor(counts), kappa, generator=gen).tolist()
+    n, k = sum(counts), min(kappa, sum(counts))
+    assert sum(caps) == k
+    for cap, c in zip(caps, counts):
+        lo = k * c // n if n else 0
+        hi = -(-k * c // n) if n else 0
+        assert lo <= cap <= hi and 0 <= cap <= c, (caps, counts, kappa)
+
+
+def test_unbiased_edge_cases_match_the_exact_answers():
+    gen = torch.Generator().manual_seed(0)
+    for counts, kappa, expected in [
+        ([4, 0, 6], 50, [4, 0, 6]),
+        ([4, 0, 6], 0, [0, 0, 0]),
+        ([7], 3, [3]),
+        ([0, 0], 3, [0, 0]),
+        ([2, 4, 6], 6, [1, 2, 3]),  # integer quotas: no rounding
+    ]:
+        assert compute_capacities(torch.tensor(counts), kappa, generator=gen).tolist() == expected
+
+
+def test_unbiased_is_deterministic_per_seed_and_varies_across_seeds():
+    results = {
+        tuple(
+            compute_capacities(
+                torch.tensor(_ISSUE_COUNTS), 16, generator=torch.Generator().manual_seed(s)
+            ).tolist()
+        )
+        for s in range(20)
+    }
+    again = compute_capacities(torch.tensor(_ISSUE_COUNTS), 16, generator=torch.Generator().manual_seed(3))
+    assert (
+        again.tolist()
+        == compute_capacities(
+            torch.tensor(_ISSUE_COUNTS), 16, generator=torch.Generator().manual_seed(3)
+        ).tolist()
+    )
+    assert len(results) > 1
+
+
+def test_unbiased_fractions_long_run_and_water_filling():
+    # Domain 0 wants 0.6 * 7 = 4.2 but holds 2: the 2.2 freed go to domains 1 and 2 in ratio 3:1,
+    # so the exact quotas are (2, 3.75, 1.25); the rounding keeps their means and never exceeds 2.
+    steps = 2000
+    total = torch.zeros(3, dtype=torch.float64)
+    for step in range(steps):
+        caps = compute_capacities(
+            torch.tensor([2, 20, 20]), 7, [0.6, 0.3, 0.1], generator=torch.Generator().manual_seed(step)
+        )
+        assert caps[0] == 2 and caps.sum() == 7 and caps[1] in (3, 4) and caps[2] in (1, 2)
+        total += caps.double()
+    expected = torch.tensor([2.0, 3.75, 1.25], dtype=torch.float64) * steps
+    assert ((total - expected).abs() <= 5 * 0.5 * steps**0.5).all(), (total / steps).tolist()
+    # A zero fraction never receives capacity, whatever the draw.
+    for s in range(20):
+        caps = compute_capacities(
+            torch.tensor([5, 5, 5]), 7, [0.5, 0.5, 0.0], generator=torch.Generator().manual_seed(s)
+        )
+        assert caps[2] == 0 and sorted(caps[:2].tolist()) == [3, 4]
+
+
+def test_bad_generator_raises():
+    with pytest.raises(ValueError, match="generator"):
+        compute_capacities(torch.tensor([3, 3]), 2, generator=7)
+
+
+def test_resolve_passes_the_generator_to_proportional_ones():
+    dom = torch.tensor([0] * 9 + [1] * 7 + [2] * 5 + [3] * 3 + [4] * 3 + [5, 6, 7, 8, 9])
+    draws = {
+        tuple(resolve_capacities("x", None, dom, 10, 16, generator=torch.Generator().manual_seed(s)).tolist())
+        for s in range(20)
+    }
+    assert any(d[5:] != (0, 0, 0, 0, 0) for d in draws)
