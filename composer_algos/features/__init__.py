@@ -7,7 +7,7 @@ from composer_algos.features.capture import (
     scoring_mode,
     truncated_graph,
 )
-from composer_algos.features.extractor import FeatureError, GradFeatureExtractor
+from composer_algos.features.extractor import PRECONDITION_SIDES, FeatureError, GradFeatureExtractor, spearman
 from composer_algos.features.normalize import NORMALIZATIONS, SimulatedAdam
 from composer_algos.features.projection import apply_fjlt, fjlt_project, make_fjlt_plan
 from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
@@ -17,6 +17,7 @@ __all__ = [
     "FeatureError",
     "GradFeatureExtractor",
     "NORMALIZATIONS",
+    "PRECONDITION_SIDES",
     "SimulatedAdam",
     "TargetLayer",
     "apply_fjlt",
@@ -31,6 +32,7 @@ __all__ = [
     "scoring_mode",
     "sketch_layer_grads",
     "sketch_matrices",
+    "spearman",
     "truncated_graph",
     "unwrap_model",
 ]

@@ -26,7 +26,16 @@ from composer_algos.features.targets import TargetLayer, choose_cut_module, reso
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FeatureError", "GradFeatureExtractor"]
+__all__ = ["FeatureError", "GradFeatureExtractor", "PRECONDITION_SIDES", "spearman"]
+
+# Where the optimizer's Adam preconditioner P = 1 / (sqrt(v_hat) + eps) is applied, as the power of P
+# on the (pool, validation) side. The first-order effect of an Adam step on the selected examples on
+# the validation loss is -lr g_val^T P sum_i g_i, so the score <x_i, xbar> must carry P once:
+# `pool` (P g_i against raw g_val, as LESS does) or `split` (P^1/2 on both sides, same scores, and a
+# Gram K = G P G^T that measures redundancy in the preconditioned metric). `both` divides both sides
+# by sqrt(v_hat) + eps, scoring g_i^T P^2 g_val; it is kept only to reproduce runs made before it was
+# found to be wrong (docs/features.md).
+PRECONDITION_SIDES = {"pool": (1.0, 0.0), "split": (0.5, 0.5), "both": (1.0, 1.0)}
 
 
 class FeatureError(RuntimeError):
@@ -66,6 +75,11 @@ class GradFeatureExtractor:
         normalization: "none" | "unit" | "adam_optimizer" (default) | "adam_simulated".
         adam_betas: betas of the simulated filter (the optimizer's own betas are read from it).
         adam_eps: epsilon of both Adam normalisations.
+        precondition: where `adam_optimizer` applies P = 1/(sqrt(v_hat)+eps): "pool" (default: the
+            pool's features carry P, the validation feature is raw, so <x_i, xbar> = g_i^T P g_val,
+            the first-order effect of an Adam step), "split" (P^1/2 on both sides: same scores, Gram
+            in the preconditioned metric) or "both" (P on both sides, scoring g_i^T P^2 g_val: wrong,
+            kept to reproduce older runs). `normalization_in_use` names it, e.g. "adam_optimizer/pool".
         proj_dim: compressed width; None uses the model's hidden size, 0 keeps the raw features. A
             value at least the raw width also keeps them raw.
         chunk_size: examples per forward, bounding activation and logits memory.
@@ -89,6 +103,7 @@ class GradFeatureExtractor:
         normalization: str = "adam_optimizer",
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
+        precondition: str = "pool",
         proj_dim: int | None = None,
         chunk_size: int = 16,
         seed: int = 0,
@@ -108,6 +123,8 @@ class GradFeatureExtractor:
             problems.append(f"`adam_betas` must lie in [0, 1), got {adam_betas}")
         if adam_eps <= 0:
             problems.append(f"`adam_eps` must be > 0, got {adam_eps}")
+        if precondition not in PRECONDITION_SIDES:
+            problems.append(f"`precondition` must be one of {list(PRECONDITION_SIDES)}, got {precondition!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -123,6 +140,7 @@ class GradFeatureExtractor:
         self.k_out, self.k_in = k_out, k_in
         self.normalization = normalization
         self.adam_eps = adam_eps
+        self.precondition = precondition
         self.chunk_size = chunk_size
         self.seed = seed
         self.resample_projections = resample_projections
@@ -183,10 +201,11 @@ class GradFeatureExtractor:
         bad_rows = []  # per-call tensors; one host sync at the end
         try:
             with scoring_mode(self.model):
-                G_nd = self._features(pool_batch, device, step, preconditioners, bad_rows, accumulate=use_sim)
+                pool_pre, val_pre = _split_preconditioners(preconditioners, self.precondition)
+                G_nd = self._features(pool_batch, device, step, pool_pre, bad_rows, accumulate=use_sim)
                 gbar_d = None
                 if val_batch is not None:
-                    V_nd = self._features(val_batch, device, step, preconditioners, bad_rows, accumulate=False)
+                    V_nd = self._features(val_batch, device, step, val_pre, bad_rows, accumulate=False)
                     gbar_d = V_nd.mean(dim=0)
             self._check(G_nd, gbar_d, bad_rows)
         except BaseException:
@@ -196,6 +215,50 @@ class GradFeatureExtractor:
             self.simulated.commit()
         G_nd = G_nd.float()
         return G_nd, (gbar_d.float() if gbar_d is not None else None)
+
+    def fidelity(
+        self,
+        pool_batch: Mapping[str, torch.Tensor],
+        val_batch: Mapping[str, torch.Tensor],
+        *,
+        step: int = 0,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> dict[str, float]:
+        """How faithfully the compressed features rank and relate the pool, against uncompressed ones.
+
+        Computes the features twice on the same batches, with the configured `proj_dim` and with
+        none (same targets, sketches and normalisation), and compares the validation scores
+        `<x_i, xbar>` (Spearman rank correlation) and the Grams `X X^T` (relative Frobenius error).
+        Nothing is committed: the simulated-Adam state is left as found. Use it to choose `proj_dim`
+        (docs/features.md); it costs two feature passes.
+
+        Returns:
+            `{"score_spearman", "gram_rel_error", "proj_dim", "raw_dim"}`; a `proj_dim` of 0 (no
+            compression) gives Spearman 1 and error 0.
+        """
+        device = next(self.model.parameters()).device
+        pre = self._adam_preconditioners(optimizer)
+        pool_pre, val_pre = _split_preconditioners(pre, self.precondition)
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        saved = self.proj_dim
+        try:
+            with scoring_mode(self.model):
+                for width in (saved, 0):
+                    self.proj_dim = width
+                    G = self._features(pool_batch, device, step, pool_pre, [], accumulate=False).double()
+                    V = self._features(val_batch, device, step, val_pre, [], accumulate=False).double()
+                    out.append((G, V.mean(dim=0)))
+        finally:
+            self.proj_dim = saved
+            self.simulated.discard()
+        (G_c, g_c), (G_r, g_r) = out
+        K_c, K_r = G_c @ G_c.T, G_r @ G_r.T
+        return {
+            "score_spearman": spearman(G_c @ g_c, G_r @ g_r),
+            "gram_rel_error": float((K_c - K_r).norm() / K_r.norm().clamp_min(1e-300)),
+            "proj_dim": float(saved),
+            "raw_dim": float(sum(self._raw_dims)),
+        }
 
     def state_dict(self) -> dict:
         """Checkpointable state (the simulated-Adam moments and the settings that shape the features)."""
@@ -299,7 +362,7 @@ class GradFeatureExtractor:
                 )
             self.normalization_in_use = "none"
             return None
-        self.normalization_in_use = "adam_optimizer"
+        self.normalization_in_use = f"adam_optimizer/{self.precondition}"
         return [
             factored_adam_scales(v, self.adam_eps) if t.sketched else (exact_adam_scale(v, self.adam_eps),)
             for t, v in zip(self.targets, v_hats)  # type: ignore[arg-type]
@@ -360,3 +423,45 @@ class GradFeatureExtractor:
                 raise FeatureError("the validation mean feature gbar is non-finite")
             if not gbar_nonzero:
                 raise FeatureError("the validation mean feature gbar is all zero (no validation target tokens?)")
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman rank correlation of two 1-D tensors (average ranks for ties); nan for constant input."""
+    ra, rb = _ranks(a.detach().double().cpu()), _ranks(b.detach().double().cpu())
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = float(ra.norm() * rb.norm())
+    return float(ra @ rb) / denom if denom > 0 else float("nan")
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks 0..n-1 with ties given their average rank."""
+    order = torch.argsort(x, stable=True)
+    ranks = torch.empty_like(x)
+    ranks[order] = torch.arange(x.numel(), dtype=x.dtype)
+    uniq, inverse = torch.unique(x, return_inverse=True)
+    if uniq.numel() < x.numel():
+        sums = torch.zeros(uniq.numel(), dtype=x.dtype).index_add_(0, inverse, ranks)
+        counts = torch.zeros(uniq.numel(), dtype=x.dtype).index_add_(0, inverse, torch.ones_like(x))
+        ranks = (sums / counts)[inverse]
+    return ranks
+
+
+def _split_preconditioners(
+    pre: list[tuple[torch.Tensor, ...]] | None, side: str
+) -> tuple[list[tuple[torch.Tensor, ...]] | None, list[tuple[torch.Tensor, ...]] | None]:
+    """The (pool, validation) preconditioners: each target's scales raised to that side's power of P.
+
+    Exact layers carry one elementwise scale, sketched layers the factored `(s_out, s_in)`; raising
+    every factor to the power `e` raises their product (the approximated P) to `e`. Power 0 is None.
+    """
+    if pre is None:
+        return None, None
+    out: list[list[tuple[torch.Tensor, ...]] | None] = []
+    for power in PRECONDITION_SIDES[side]:
+        if power == 0:
+            out.append(None)
+        elif power == 1:
+            out.append(pre)
+        else:
+            out.append([tuple(s.pow(power) for s in scales) for scales in pre])
+    return out[0], out[1]

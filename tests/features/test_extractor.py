@@ -194,3 +194,24 @@ def test_ddp_wrapped_composer_model_is_unwrapped(tmp_path):
         assert all(p.grad is None for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_spearman_matches_hand_computed_ranks():
+    from composer_algos.features import spearman
+
+    # ranks a: [0, 2, 1, 3]; ranks b: [0, 1, 2, 3]; d = [0, 1, -1, 0] -> 1 - 6 * 2 / (4 * 15) = 0.8
+    assert spearman(torch.tensor([1.0, 5.0, 3.0, 9.0]), torch.tensor([2.0, 3.0, 4.0, 5.0])) == pytest.approx(0.8)
+    # ties get their average rank: [0.5, 0.5, 2] against [0, 1, 2] -> Pearson of ranks = sqrt(3) / 2
+    assert spearman(torch.tensor([1.0, 1.0, 2.0]), torch.tensor([1.0, 2.0, 3.0])) == pytest.approx(3**0.5 / 2)
+
+
+def test_fidelity_is_exact_uncompressed_and_falls_with_width():
+    model = tiny_llama(seed=3)
+    pool, val = make_batch(n=24, seed=4), make_batch(n=3, seed=5)
+    raw = GradFeatureExtractor(model, normalization="none", proj_dim=0).fidelity(pool, val)
+    assert raw["score_spearman"] == pytest.approx(1.0) and raw["gram_rel_error"] == pytest.approx(0.0, abs=1e-12)
+    narrow = [GradFeatureExtractor(model, normalization="none", proj_dim=4, seed=s).fidelity(pool, val) for s in range(6)]
+    wide = [GradFeatureExtractor(model, normalization="none", proj_dim=1024, seed=s).fidelity(pool, val) for s in range(6)]
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    assert mean(wide, "score_spearman") > mean(narrow, "score_spearman")
+    assert mean(wide, "gram_rel_error") < mean(narrow, "gram_rel_error")

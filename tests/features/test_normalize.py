@@ -49,7 +49,7 @@ def test_adam_optimizer_exact_is_elementwise_preconditioning():
 
     _train_steps(model, opt, 2)
     G, _ = ex.compute(batch, optimizer=opt)
-    assert ex.normalization_in_use == "adam_optimizer"
+    assert ex.normalization_in_use == "adam_optimizer/pool"
     raw = per_example_grads(model, batch, ex.targets, mode="exact")
     expected = []
     for t in ex.targets:
@@ -57,6 +57,33 @@ def test_adam_optimizer_exact_is_elementwise_preconditioning():
         v_hat = st["exp_avg_sq"] / (1 - 0.999 ** st["step"])
         expected.append(raw[t.name] / (v_hat.sqrt() + 1e-8).reshape(-1))
     torch.testing.assert_close(G, torch.cat(expected, dim=1).float())
+
+
+@pytest.mark.parametrize("side, power", [("pool", 1.0), ("split", 1.0), ("both", 2.0)])
+def test_precondition_side_sets_the_power_of_p_in_the_scores(side, power):
+    """<x_i, xbar> = g_i^T P^power g_val: P once for `pool` and `split`, squared only for `both`."""
+    model = tiny_llama(seed=1, dtype=torch.float64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _train_steps(model, opt, 2)
+    pool, val = make_batch(n=5, seed=2), make_batch(n=3, seed=9)
+    ex = GradFeatureExtractor(
+        model, normalization="adam_optimizer", precondition=side, proj_dim=0, target_modules=["v_proj", "up_proj"]
+    )
+    G, gbar = ex.compute(pool, val, optimizer=opt)
+    assert ex.normalization_in_use == f"adam_optimizer/{side}"
+    raw_pool = per_example_grads(model, pool, ex.targets, mode="exact")
+    raw_val = per_example_grads(model, val, ex.targets, mode="exact")
+    expected = torch.zeros(5, dtype=torch.float64)
+    for t in ex.targets:
+        st = opt.state[t.module.weight]
+        P = 1.0 / ((st["exp_avg_sq"] / (1 - 0.999 ** st["step"])).sqrt() + 1e-8).reshape(-1)
+        expected += raw_pool[t.name] @ (P**power * raw_val[t.name].mean(dim=0))
+    torch.testing.assert_close((G.double() @ gbar.double()), expected, rtol=1e-4, atol=0)
+
+
+def test_precondition_side_is_validated():
+    with pytest.raises(ValueError, match="precondition"):
+        GradFeatureExtractor(tiny_llama(seed=0), precondition="twice")
 
 
 def test_factored_scales_exact_for_rank_one_second_moment():
@@ -88,7 +115,7 @@ def test_adam_optimizer_sketch_uses_factored_preconditioner():
         "exp_avg_sq": torch.outer(r, c) * 1e-3,
     }
     G, _ = ex.compute(batch, optimizer=opt)
-    assert ex.normalization_in_use == "adam_optimizer"
+    assert ex.normalization_in_use == "adam_optimizer/pool"
     # Reference: the full per-example gradient, preconditioned elementwise (v is rank one, so the
     # factored fit is exact), then sketched with the extractor's seeded projections.
     grads = per_example_grads(model, batch, ex.targets, mode="exact")[t.name].reshape(4, t.d_out, t.d_in)
