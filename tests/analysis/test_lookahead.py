@@ -34,7 +34,7 @@ def _setup(seed: int = 0):
     evalset = _batch(torch.stack([pattern.roll(i) for i in range(4)]), torch.zeros(4, dtype=torch.long))
     guide = _batch(torch.stack([pattern.roll(i + 4) for i in range(2)]), torch.zeros(2, dtype=torch.long))
     pools, copies = [], []
-    for p in range(3):
+    for _ in range(3):
         rows = torch.randint(0, 128, (16, 16), generator=gen)
         where = torch.randperm(16, generator=gen)[:4]
         rows[where] = evalset["input_ids"]  # the pool holds copies of the evaluation examples
