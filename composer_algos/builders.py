@@ -28,6 +28,7 @@ ALGORITHMS: dict[str, str] = {
 CALLBACKS: dict[str, str] = {
     "mixture_monitor": "composer_algos.mixture_monitor:MixtureMonitor",
     "eval_history": "composer_algos.eval_history:EvalHistory",
+    "train_budget": "composer_algos.train_budget:TrainTimeBudget",
     "speed_monitor": "composer.callbacks:SpeedMonitor",
     "lr_monitor": "composer.callbacks:LRMonitor",
     "memory_monitor": "composer.callbacks:MemoryMonitor",
