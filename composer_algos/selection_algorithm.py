@@ -299,7 +299,7 @@ class DataSelection(Algorithm):
         if spec.uses_capacities:
             from composer_algos.selection import compute_capacities
 
-            capacities = compute_capacities(pool_counts_C, kappa, self._fractions)
+            capacities = compute_capacities(pool_counts_C, kappa, self._fractions, generator=gen)
         options = dict(self.strategy_options.get(strategy, {})) if strategy == self.strategy else {}
         result = spec.fn(
             features=feats_ND,
