@@ -1,0 +1,269 @@
+"""tools/run_experiment.py: the run queue, the budget commands, and the paired and selection reports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from composer_algos.mixture_io import write_mixture_json
+from tests.common.paths import REPO_ROOT
+
+TOOL = REPO_ROOT / "tools" / "run_experiment.py"
+TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+NAMES = ["a", "b"]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("run_experiment", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _FakeProc:
+    returncode = 0
+
+    def poll(self):
+        return 0
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    """Replace train.py processes by a stub that records the command and environment and writes results."""
+    tool = _tool()
+    launched: list[tuple[list[str], dict[str, str]]] = []
+
+    def popen(cmd, cwd=None, stdout=None, stderr=None, env=None):
+        launched.append((cmd, env))
+        run_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("save_folder="))
+        from pathlib import Path
+
+        Path(run_dir, "eval_results.json").write_text(
+            json.dumps(
+                {
+                    "val_cross_entropy": {"a": 1.0},
+                    "val_cross_entropy_mean": 1.0,
+                    "wall_time_s": 1.0,
+                    "selection_time_s": 0.0,
+                    "steps": 3,
+                }
+            )
+        )
+        return _FakeProc()
+
+    monkeypatch.setattr(tool.subprocess, "Popen", popen)
+    monkeypatch.setattr(tool.time, "sleep", lambda s: None)
+    monkeypatch.setattr(tool, "plot_curves", lambda *a, **k: None)
+    return tool, launched
+
+
+def _arg(cmd, key):
+    return next(a.split("=", 1)[1] for a in cmd if a.startswith(key + "="))
+
+
+def test_queue_is_seed_major_and_every_run_gets_omp_threads(fake_training, tmp_path, monkeypatch):
+    tool, launched = fake_training
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    rc = tool.main(
+        [
+            "--yaml",
+            str(TINY),
+            "--shard-dir",
+            "s",
+            "--strategies",
+            "random,partitionsel",
+            "--seeds",
+            "1,2",
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path / "exp"),
+        ]
+    )
+    assert rc == 0
+    order = [(_arg(c, "algorithms.data_selection.strategy"), _arg(c, "seed")) for c, _ in launched]
+    assert order == [("random", "1"), ("partitionsel", "1"), ("random", "2"), ("partitionsel", "2")]
+    for _, env in launched:  # --jobs 1 included
+        assert int(env["OMP_NUM_THREADS"]) >= 1
+
+
+def test_run_env_divides_cores_among_jobs():
+    tool = _tool()
+    assert tool.run_env({}, jobs=1, cores=8)["OMP_NUM_THREADS"] == "8"
+    assert tool.run_env({}, jobs=3, cores=8)["OMP_NUM_THREADS"] == "2"
+    assert tool.run_env({}, jobs=16, cores=8)["OMP_NUM_THREADS"] == "1"
+    assert tool.run_env({"X": "1"}, jobs=2, cores=8, gpu="3") == {
+        "X": "1",
+        "OMP_NUM_THREADS": "4",
+        "CUDA_VISIBLE_DEVICES": "3",
+    }
+
+
+def test_budget_commands(fake_training, tmp_path):
+    tool, launched = fake_training
+    rc = tool.main(
+        [
+            "--yaml",
+            str(TINY),
+            "--shard-dir",
+            "s",
+            "--strategies",
+            "random",
+            "--seeds",
+            "1",
+            "--budget-seconds",
+            "7.5",
+            "--log-selected-ids",
+            "--out",
+            str(tmp_path / "exp"),
+        ]
+    )
+    assert rc == 0
+    ((cmd, _),) = launched
+    assert _arg(cmd, "callbacks.train_budget.budget_seconds") == "7.5"
+    assert _arg(cmd, "callbacks.mixture_monitor.log_selected_ids") == "true"
+    cap = int(_arg(cmd, "max_duration").removesuffix("ba"))
+    assert cap >= 100_000  # the budget, not the step cap, ends the run
+    assert "training-time budget of 7.5 s" in (tmp_path / "exp" / "comparison.md").read_text()
+
+
+def test_needs_steps_or_budget(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _tool().main(["--yaml", str(TINY), "--shard-dir", "s", "--out", str(tmp_path)])
+    assert "--budget-seconds" in capsys.readouterr().err
+
+
+def _fake_run(out, strategy, seed, avg, doms, mixture, pools_sel, conflict=None):
+    run = out / f"{strategy}-seed{seed}"
+    run.mkdir(parents=True)
+    (run / "eval_results.json").write_text(
+        json.dumps(
+            {
+                "val_cross_entropy": dict(zip(NAMES, doms)),
+                "val_cross_entropy_mean": avg,
+                "wall_time_s": 10.0,
+                "selection_time_s": 1.0,
+                "steps": 4,
+            }
+        )
+    )
+    (run / "train_budget.json").write_text(
+        json.dumps({"budget_seconds": 5.0, "train_time_s": 5.2, "steps": 4, "stopped_by_budget": True})
+    )
+    write_mixture_json(
+        run / "mixture.json",
+        method=strategy,
+        domain_names=NAMES,
+        weights=mixture,
+        steps=2,
+        natural=[0.25, 0.75],
+    )
+    (run / "selected_ids.jsonl").write_text(
+        "".join(
+            json.dumps({"step": i, "pool": p, "selected": s}) + "\n" for i, (p, s) in enumerate(pools_sel)
+        )
+    )
+    rows = "step,conflict_fraction\n" + "".join(
+        f"{i},{'' if conflict is None else conflict}\n" for i in range(2)
+    )
+    (run / "selection_log.csv").write_text(rows)
+
+
+def test_paired_and_selection_report_from_finished_runs(tmp_path, capsys):
+    out = tmp_path / "exp"
+    pools = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for seed, (b, s) in enumerate([(2.0, 1.9), (2.5, 2.2), (3.0, 2.8)], start=1):
+        _fake_run(
+            out, "random", seed, b, [b - 0.5, b + 0.5], [0.25, 0.75], [(pools[0], [0, 1]), (pools[1], [4, 5])]
+        )
+        _fake_run(
+            out,
+            "partitionsel",
+            seed,
+            s,
+            [s - 0.5, s + 0.5],
+            [0.5, 0.5],
+            [(pools[0], [1, 2]), (pools[1], [4, 5])],
+            conflict=0.25,
+        )
+    rc = _tool().main(
+        [
+            "--yaml",
+            str(TINY),
+            "--shard-dir",
+            "s",
+            "--strategies",
+            "random,partitionsel",
+            "--seeds",
+            "1,2,3",
+            "--budget-seconds",
+            "5",
+            "--paired-baseline",
+            "random",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    paired = json.loads((out / "paired.json").read_text())
+    avg = paired["strategies"]["partitionsel"]["average"]
+    # Hand-computed: differences -0.1, -0.3, -0.2; mean -0.2; sd 0.1; t(0.975, 2) = 4.302653
+    half = 4.302653 * 0.1 / math.sqrt(3)
+    assert avg["differences"] == pytest.approx([-0.1, -0.3, -0.2])
+    assert (avg["mean"], avg["ci_low"], avg["ci_high"]) == pytest.approx(
+        (-0.2, -0.2 - half, -0.2 + half), abs=1e-5
+    )
+    assert paired["strategies"]["partitionsel"]["domains"]["a"]["mean"] == pytest.approx(-0.2)
+    printed = capsys.readouterr().out
+    assert "partitionsel - random" in printed and (out / "paired.md").read_text().strip() in printed
+
+    sel = json.loads((out / "selection.json").read_text())
+    ps = sel["strategies"]["partitionsel"]
+    # step 0: {1,2} vs {0,1} -> 1/3; step 1: identical -> 1
+    assert ps["pools_identical"] is True and ps["mean_jaccard"] == pytest.approx(2 / 3)
+    assert ps["conflict_fraction"] == pytest.approx(0.25)
+    assert sel["natural"] == pytest.approx({"a": 0.25, "b": 0.75})
+    assert ps["induced_mixture"] == pytest.approx({"a": 0.5, "b": 0.5})
+    assert ps["tv_vs_natural"] == pytest.approx(0.25)
+    md = (out / "selection.md").read_text()
+    assert "yes (seeds 1, 2, 3)" in md and "0.6667" in md
+    table = json.loads((out / "comparison.json").read_text())
+    assert table["strategies"]["random"]["train_time_s"]["mean"] == pytest.approx(5.2)
+
+
+def test_selection_report_flags_different_pools(tmp_path):
+    out = tmp_path / "exp"
+    _fake_run(out, "random", 1, 2.0, [1.0, 3.0], [0.5, 0.5], [([0, 1, 2, 3], [0, 1])])
+    _fake_run(out, "greats", 1, 2.0, [1.0, 3.0], [0.5, 0.5], [([0, 1, 2, 9], [0, 1])])
+    sel = _tool().selection_report(out, ["random", "greats"], [1])
+    assert sel["strategies"]["greats"]["pools_identical"] is False
+    assert "NO: first differing step per seed 1: 0" in _tool().format_selection_markdown(sel)
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    code = (
+        "import runpy, sys, time\n"
+        f"sys.argv = [{str(TOOL)!r}, '--help']\n"
+        "t0 = time.perf_counter()\n"
+        "try:\n"
+        f"    runpy.run_path({str(TOOL)!r}, run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in ('torch', 'composer', 'matplotlib', 'streaming', 'numpy') if m in sys.modules))\n"
+    )
+    t0 = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+    )
+    elapsed = time.perf_counter() - t0
+    assert result.returncode == 0, result.stderr
+    assert "--budget-seconds" in result.stdout and "--paired-baseline" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert elapsed < 2.0, f"--help took {elapsed:.2f}s"
