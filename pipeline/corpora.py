@@ -31,6 +31,7 @@ __all__ = [
     "list_input_files",
     "load_domain_map",
     "make_corpus_spec",
+    "describe_json_error",
     "parse_record",
 ]
 
@@ -51,7 +52,8 @@ class RecordError(ValueError):
     Args:
         problem: What is wrong, e.g. "missing field 'text'".
         domain: The record's domain when it could be determined, else None.
-        record: The parsed record or the raw line text, for the rejects file.
+        record: The parsed record, the raw line text, or (invalid UTF-8) the raw line bytes, for the
+            rejects file.
     """
 
     def __init__(self, problem: str, domain: str | None = None, record: Any = None) -> None:
@@ -118,12 +120,15 @@ class InputFile:
         display: Short name used in errors and provenance (relative to the given directory).
         dir_domain: The domain implied by the file's directory (see `CorpusSpec.domain_from`).
         hub_split: For a hub dataset, the split to load; None for files.
+        split: "val" for a file whose records all form the validation split (`--val-file`);
+            None when each record's split is decided by the validation rule.
     """
 
     path: str
     display: str
     dir_domain: str
     hub_split: str | None = None
+    split: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,11 +139,17 @@ class RawRecord:
         line: 1-based line number where the record starts.
         loc: Provenance position: the line number for JSON Lines, the 0-based index for arrays.
         payload: The line's bytes (JSON Lines) or the decoded element (arrays, hub rows).
+        element: The 0-based element index in a JSON array (or hub dataset row), else None.
     """
 
     line: int
     loc: int
     payload: Any
+    element: int | None = None
+
+    def where(self, display: str) -> str:
+        """`file:line`, plus the element index for array records (a MetaMathQA file is one line)."""
+        return f"{display}:{self.line}" if self.element is None else f"{display}:{self.line}: element {self.element}"
 
 
 @dataclass(frozen=True)
@@ -365,20 +376,20 @@ def parse_record(spec: CorpusSpec, raw: RawRecord, dir_domain: str) -> ParsedRec
 
     Raises:
         RecordError: Invalid UTF-8, malformed JSON, not an object, a missing or non-string
-            field, empty text, or an unmapped domain.
+            field, a field holding a lone surrogate (`"\\ud800"` is valid JSON but not text),
+            empty text, or an unmapped domain.
     """
     obj = raw.payload
     if isinstance(obj, bytes):
         try:
             line = obj.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise RecordError(
-                f"invalid UTF-8 at byte {exc.start} of the line", _domain_if_dir(spec, dir_domain), obj.decode("utf-8", "replace")
-            ) from None
+            # The record is the raw bytes: the rejects file keeps them (base64) beside a readable form.
+            raise RecordError(f"invalid UTF-8 at byte {exc.start} of the line", _domain_if_dir(spec, dir_domain), obj) from None
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise RecordError(f"malformed JSON ({exc.msg} at column {exc.colno})", _domain_if_dir(spec, dir_domain), line) from None
+            raise RecordError(f"malformed JSON ({describe_json_error(exc)})", _domain_if_dir(spec, dir_domain), line) from None
     if not isinstance(obj, dict):
         raise RecordError(f"record is a JSON {type(obj).__name__}, expected an object", _domain_if_dir(spec, dir_domain), obj)
 
@@ -412,6 +423,12 @@ def parse_record(spec: CorpusSpec, raw: RawRecord, dir_domain: str) -> ParsedRec
     if not text.strip():
         raise RecordError(f"empty text in field {spec.text_field!r}", domain, obj)
     return ParsedRecord(domain=domain, split=split_label, text=text, obj=obj)
+
+
+def describe_json_error(exc: json.JSONDecodeError) -> str:
+    """`json`'s message with its column: "Expecting value at column 3", "Unterminated string starting at column 9"."""
+    # Some of json's messages end in "at" and expect the position to follow.
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,10 +492,10 @@ def _iter_json_array(file: InputFile, data: bytes) -> Iterator[RawRecord]:
                 element, end = decoder.raw_decode(text, pos)
             except json.JSONDecodeError as exc:
                 raise CorpusError(
-                    f"{file.display}:{exc.lineno}: malformed JSON in array element {index} ({exc.msg}); a JSON array "
-                    "cannot be read past an error, even with --on-error skip: fix or remove the file"
+                    f"{file.display}:{exc.lineno}: malformed JSON in array element {index} ({describe_json_error(exc)}); a JSON "
+                    "array cannot be read past an error, even with --on-error skip: fix or remove the file"
                 ) from None
-            yield RawRecord(line=line_at(pos), loc=index, payload=element)
+            yield RawRecord(line=line_at(pos), loc=index, payload=element, element=index)
             index += 1
             pos = _WS.match(text, end).end()
             sep = text[pos : pos + 1]
@@ -502,7 +519,7 @@ def _iter_hub(file: InputFile) -> Iterator[RawRecord]:
     except Exception as exc:  # offline, unknown name, gated: all mean the same to the user
         raise CorpusError(f"{file.display}: hub dataset could not be loaded ({type(exc).__name__}: {exc})") from exc
     for index, row in enumerate(dataset):
-        yield RawRecord(line=index + 1, loc=index, payload=dict(row))  # type: ignore[arg-type]
+        yield RawRecord(line=index + 1, loc=index, payload=dict(row), element=index)  # type: ignore[arg-type]
 
 
 def _check_domain_map(mapping: Any, source: str) -> None:
@@ -553,4 +570,13 @@ def _get_str(obj: dict, path: str, domain: str | None, required: bool) -> str:
         return ""
     if not isinstance(value, str):
         raise RecordError(f"field {path!r} must be a string, got {type(value).__name__} {str(value)[:40]!r}", domain, obj)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # JSON's "\ud800" escapes decode to half a surrogate pair, which no tokenizer or UTF-8 file accepts.
+        raise RecordError(
+            f"field {path!r} holds a lone surrogate {value[exc.start]!r} at character {exc.start}: not valid Unicode text",
+            domain,
+            obj,
+        ) from None
     return value

@@ -76,11 +76,16 @@ class DomainInfo:
 
 @dataclass
 class InputInfo:
-    """One input file: its path as given, sha256 of its bytes (None for hub datasets), records read."""
+    """One input file: its path as given, sha256 of its bytes (None for hub datasets), records read.
+
+    `split` is "val" for a file whose records all went to the validation split (`--val-file`),
+    None when the validation rule split its records.
+    """
 
     path: str
     sha256: str | None
     records: int
+    split: str | None = None
 
 
 @dataclass
@@ -298,6 +303,7 @@ def manifest_from_dict(obj: Any, source: str = "manifest") -> Manifest:
                 path=get(inp, "path", (str,), where),
                 sha256=get(inp, "sha256", (str,), where, optional=True),
                 records=get(inp, "records", (int,), where),
+                split=get(inp, "split", (str,), where, optional=True),
             )
         )
 
@@ -364,8 +370,9 @@ def verify_output(path: str | Path, check_inputs: bool = False) -> list[str]:
     every sample decodes with Streaming's reader; token ids lie in `[0, vocab_size)`; pretrain
     samples are `max_seq_len` long except the last of a split, finetune samples fit in
     `max_seq_len` with a non-empty response; the sample and token totals match the manifest.
-    Also: no MDS directory is missing from or extra to the manifest, and `rejects.jsonl` holds
-    one line per rejected record when it exists.
+    Also: the manifest lists at least one domain with training samples (an output without data
+    is a problem), no MDS directory is missing from or extra to the manifest, and
+    `rejects.jsonl` holds one line per rejected record when it exists.
 
     Args:
         path: The output directory.
@@ -386,6 +393,11 @@ def verify_output(path: str | Path, check_inputs: bool = False) -> list[str]:
     except ValueError as exc:
         return [str(exc)]
     problems: list[str] = []
+    if not any(d.splits["train"].samples > 0 for d in manifest.domains):
+        problems.append(
+            f"{root / MANIFEST_NAME}: no data: {len(manifest.domains)} domains and no training samples "
+            "(were the inputs empty, or every record rejected?); re-shard with inputs that hold valid records"
+        )
     columns = {"input_ids"} if manifest.mode == "pretrain" else {"prompt_ids", "response_ids", "record"}
     expected_dirs = {(split, d.dir) for d in manifest.domains for split in SPLITS if d.splits[split].samples > 0}
     for split in SPLITS:

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import base64
 import collections
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -13,18 +15,16 @@ import multiprocessing
 import os
 import re
 import shutil
-import struct
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from streaming import MDSWriter
-from streaming.base.format.mds.encodings import NDArray
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
@@ -51,6 +51,12 @@ from pipeline.manifest import (
 from pipeline.prompts import render_prompt, resolve_prompt_template
 from pipeline.tokenizer import load_tokenizer
 
+if TYPE_CHECKING:
+    from streaming import MDSWriter
+
+# Streaming (which imports torch, seconds) and transformers are imported when a run starts, not
+# at import, so that `tools/shard.py --help` stays fast.
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -69,7 +75,7 @@ __all__ = [
 ]
 
 MODES = ("pretrain", "finetune")
-TRUNCATIONS = ("left_prompt", "right", "skip")
+TRUNCATIONS = ("left_prompt", "right", "left_prompt_right", "skip")
 ON_ERROR = ("stop", "skip")
 COMPRESSION = "zstd"
 HASHES = ["sha1", "xxh64"]
@@ -97,11 +103,17 @@ class ShardOptions:
         truncation: Finetune policy for examples longer than `max_seq_len`: "left_prompt" (default;
             drop prompt tokens from the left, keep the whole response; drop the example when the
             response leaves no room for a prompt token), "right" (cut prompt + response on the
-            right; drop the example when no response token is left) or "skip" (drop it).
+            right; drop the example when no response token is left), "left_prompt_right" (drop
+            prompt tokens from the left; when the response is too long as well, the prompt keeps
+            its last `max_seq_len // 2` tokens and the response is cut on the right; drops nothing)
+            or "skip" (drop it).
         val_fraction: Hold out each record of a domain with this probability (by a seeded hash of
             its content, so duplicates share a split), or None.
         val_count: Hold out exactly this many records per domain (the smallest hashes), or None.
             A domain always keeps at least one training record.
+        val_inputs: Files or directories whose records all form the validation split (an existing
+            train/test pair); the split filter does not apply to them. Excludes `val_fraction`
+            and `val_count`; every domain they hold must also occur in the training inputs.
         seed: Seed of the validation split (default 0).
         workers: Tokenizer processes (default 1); each uses one thread. Output does not depend on it.
         on_error: "stop" (default: raise `ShardError` naming file:line) or "skip" (write the bad
@@ -124,6 +136,7 @@ class ShardOptions:
     truncation: str = "left_prompt"
     val_fraction: float | None = None
     val_count: int | None = None
+    val_inputs: list[str | Path] | None = None
     seed: int = 0
     workers: int = 1
     on_error: str = "stop"
@@ -143,6 +156,12 @@ class ShardOptions:
             problems.append(f"`truncation` must be one of {list(TRUNCATIONS)}, got {self.truncation!r}")
         if self.val_fraction is not None and self.val_count is not None:
             problems.append(f"`val_fraction` ({self.val_fraction}) and `val_count` ({self.val_count}) are mutually exclusive; give one")
+        if self.val_inputs is not None and (self.val_fraction is not None or self.val_count is not None):
+            problems.append(
+                f"`val_inputs` ({[str(v) for v in self.val_inputs]}) and `val_fraction`/`val_count` are mutually exclusive; give one"
+            )
+        if self.val_inputs is not None and not self.val_inputs:
+            problems.append("`val_inputs` must name at least one file or directory, got an empty list")
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             problems.append(f"`val_fraction` must be in (0, 1), got {self.val_fraction}")
         if self.val_count is not None and (not isinstance(self.val_count, int) or self.val_count < 1):
@@ -199,7 +218,7 @@ def truncate_example(prompt_T: np.ndarray, response_T: np.ndarray, max_seq_len: 
         prompt_T: Prompt token ids.
         response_T: Response token ids (EOS included).
         max_seq_len: The cap on their total length.
-        policy: "left_prompt", "right" or "skip" (see `ShardOptions.truncation`).
+        policy: "left_prompt", "right", "left_prompt_right" or "skip" (see `ShardOptions.truncation`).
 
     Returns:
         (prompt, response, truncated), or None when the policy drops the example.
@@ -215,6 +234,10 @@ def truncate_example(prompt_T: np.ndarray, response_T: np.ndarray, max_seq_len: 
         if keep >= 1:
             return prompt_T, response_T[:keep], True
         return None
+    if policy == "left_prompt_right":
+        # The prompt's end (next to the response) matters most; a long response keeps its start.
+        n_prompt = min(len(prompt_T), max(max_seq_len - len(response_T), max_seq_len // 2))
+        return prompt_T[len(prompt_T) - n_prompt :], response_T[: max_seq_len - n_prompt], True
     return None
 
 
@@ -223,6 +246,9 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
 
     Layout: `OUT/manifest.json`, `OUT/train/<domain dir>/`, `OUT/val/<domain dir>/` (domains
     with validation records) and, with `on_error="skip"` and rejects, `OUT/rejects.jsonl`.
+    The output is built in `.OUT.tmp-<pid>-<random>` beside OUT; a run that was killed leaves
+    that directory behind, and the next run into OUT removes it (with a warning) unless the
+    process that made it is still running.
     Records are read in input order by this process, tokenized by `options.workers` processes
     in chunks, and written back in input order, so the output is identical for any number of
     workers. Pretraining concatenates each record's tokens plus EOS within a domain and split
@@ -239,7 +265,9 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
 
     Raises:
         ValueError: On invalid options or inputs, or an existing output without `overwrite`.
-        ShardError: On a bad record under `on_error="stop"`, or an unreadable input file.
+        ShardError: On a bad record under `on_error="stop"`, an unreadable input file, an output
+            with no records (empty inputs, every record rejected or filtered), or a domain found
+            only in `val_inputs`.
     """
     start = time.perf_counter()
     mode = options.mode or spec.default_mode
@@ -250,8 +278,9 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
         )
     template = options.prompt_template or ("none" if spec.format == "jsonl" else "alpaca")
     out = Path(options.out)
+    _remove_leftovers(out)
     _check_output(out, options.overwrite)
-    files = list_input_files(inputs, allow_hub=spec.format == "metamathqa")
+    files = _list_files(inputs, options.val_inputs, allow_hub=spec.format == "metamathqa")
     tokenizer = load_tokenizer(options.tokenizer)
     if not tokenizer.is_fast:
         raise ValueError(f"`tokenizer` {options.tokenizer!r} has no fast (Rust) implementation; sharding needs one")
@@ -267,15 +296,17 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
         seed=options.seed,
         keep_records=options.on_error == "skip",
         needs_hash=options.val_fraction is not None or options.val_count is not None,
+        val_spec=dataclasses.replace(spec, split=None),
     )
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    # The pid in the name lets a later run tell a dead run's leftovers from a running one's.
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
     try:
         # One thread per worker (the in-process one included), so --workers N means N cores.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         writer = _CorpusWriter(tmp, mode, options, tokenizer.eos_token_id)
-        inputs_info = [InputInfo(path=f.path, sha256=_sha256(f), records=0) for f in files]
+        inputs_info = [InputInfo(path=f.path, sha256=_sha256(f), records=0, split=f.split) for f in files]
         bar = tqdm(desc="sharding", unit="rec", disable=not options.progress, dynamic_ncols=True)
         chunk_results = _run_chunks(files, config, options)
         try:
@@ -289,6 +320,7 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
             bar.close()
             writer.close_rejects()
         domains = writer.finish()
+        _check_written(spec, files, inputs_info, domains, writer)
         manifest = Manifest(
             format_version=FORMAT_VERSION,
             mode=mode,
@@ -332,7 +364,8 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
 
 
 def format_summary(result: ShardResult) -> str:
-    """A per-domain table: records in, written train/val, rejected, truncated, samples, tokens; then totals and tokens/s."""
+    """A per-domain table: records in, written train/val, rejected, truncated, samples, tokens; then totals, tokens/s,
+    and last, per domain, the records lost (rejected, truncated), so that a skew between domains shows."""
     m = result.manifest
     head = f"{'domain':32s} {'in':>8s} {'train':>8s} {'val':>7s} {'rejected':>8s} {'trunc':>6s} {'samples':>15s} {'tokens':>21s}"
     lines = [head, "-" * len(head)]
@@ -357,6 +390,15 @@ def format_summary(result: ShardResult) -> str:
         f"{result.tokens_written} tokens in {result.seconds:.1f}s: {result.tokens_per_s:,.0f} tokens/s "
         f"({read / max(result.seconds, 1e-9):,.0f} records/s); (L) = dropped by the truncation policy"
     )
+    losses = [
+        f"{d.name} {d.rejected}/{d.input_records} rejected ({100 * d.rejected / max(d.input_records, 1):.1f}%"
+        + (f", {d.too_long} too long" if d.too_long else "")
+        + f"), {d.truncated} truncated"
+        for d in m.domains
+    ]
+    if m.rejected_other:
+        losses.append(f"(no domain written) {m.rejected_other} rejected")
+    lines.append("records lost per domain: " + "; ".join(losses))
     return "\n".join(lines)
 
 
@@ -376,9 +418,16 @@ class _WorkerConfig:
     seed: int
     keep_records: bool
     needs_hash: bool  # only the validation split uses the content hash
+    val_spec: CorpusSpec  # `spec` without the split filter, for `val_inputs` files
 
 
 _WORKER: dict[str, Any] = {}
+
+
+def _init_pool_worker(config: _WorkerConfig) -> None:
+    """`_init_worker` in a pool process, which leaves Ctrl-C to the main process (it stops the pool)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(config)
 
 
 def _init_worker(config: _WorkerConfig) -> None:
@@ -390,23 +439,24 @@ def _init_worker(config: _WorkerConfig) -> None:
     _WORKER.update(config=config, backend=backend, eos=config.eos_id)
 
 
-def _process_chunk(chunk: tuple[str, str, list[RawRecord]]) -> list[tuple]:
-    """Turn a chunk of raw records into result tuples, in order.
+def _process_chunk(chunk: tuple[str, str, list[RawRecord], bool]) -> list[tuple]:
+    """Turn a chunk of raw records (of a validation input when its last item is True) into result tuples, in order.
 
     Results: ("ok", line, loc, domain, hash, ids_T | (prompt_T, response_T), truncated),
-    ("err", line, loc, domain | None, problem, record), ("drop", ...same as err),
+    ("err", line, element | None, domain | None, problem, record), ("drop", ...same as err),
     ("filtered", line, loc).
     """
     config: _WorkerConfig = _WORKER["config"]
     backend, eos = _WORKER["backend"], _WORKER["eos"]
-    _, dir_domain, raws = chunk
+    _, dir_domain, raws, is_val = chunk
+    spec = config.val_spec if is_val else config.spec
     results: list[tuple | None] = [None] * len(raws)
     parsed: list[tuple[int, ParsedRecord]] = []
     for i, raw in enumerate(raws):
         try:
-            rec = parse_record(config.spec, raw, dir_domain)
+            rec = parse_record(spec, raw, dir_domain)
         except RecordError as exc:
-            results[i] = ("err", raw.line, raw.loc, exc.domain, exc.problem, exc.record if config.keep_records else None)
+            results[i] = ("err", raw.line, raw.element, exc.domain, exc.problem, exc.record if config.keep_records else None)
             continue
         if rec is None:
             results[i] = ("filtered", raw.line, raw.loc)
@@ -441,7 +491,7 @@ def _process_chunk(chunk: tuple[str, str, list[RawRecord]]) -> list[tuple]:
                     f"too long for max_seq_len {config.max_seq_len} (prompt {len(prompt_T)} + response {len(response_T)} tokens; "
                     f"truncation={config.truncation})"
                 )
-                results[i] = ("drop", raws[i].line, raws[i].loc, rec.domain, problem, rec.obj if config.keep_records else None)
+                results[i] = ("drop", raws[i].line, raws[i].element, rec.domain, problem, rec.obj if config.keep_records else None)
                 continue
             results[i] = (
                 "ok", raws[i].line, raws[i].loc, rec.domain, h, (fitted[0], fitted[1]), fitted[2]
@@ -471,19 +521,20 @@ def _content_hashes(config: _WorkerConfig, records: list[ParsedRecord]) -> list[
 # Main side: read, dispatch in order with a bounded window, assign splits, pack, write.
 
 
-def _iter_chunks(files: list[InputFile], chunk_records: int) -> Iterator[tuple[int, tuple[str, str, list[RawRecord]]]]:
+def _iter_chunks(files: list[InputFile], chunk_records: int) -> Iterator[tuple[int, tuple[str, str, list[RawRecord], bool]]]:
     for file_idx, file in enumerate(files):
         batch: list[RawRecord] = []
+        is_val = file.split == "val"
         try:
             for raw in iter_raw_records(file):
                 batch.append(raw)
                 if len(batch) >= chunk_records:
-                    yield file_idx, (file.display, file.dir_domain, batch)
+                    yield file_idx, (file.display, file.dir_domain, batch, is_val)
                     batch = []
         except CorpusError as exc:
             raise ShardError(str(exc)) from exc
         if batch:
-            yield file_idx, (file.display, file.dir_domain, batch)
+            yield file_idx, (file.display, file.dir_domain, batch, is_val)
 
 
 def _run_chunks(files: list[InputFile], config: _WorkerConfig, options: ShardOptions) -> Iterator[tuple[int, int, list[tuple]]]:
@@ -495,7 +546,7 @@ def _run_chunks(files: list[InputFile], config: _WorkerConfig, options: ShardOpt
             yield file_idx, len(chunk[2]), _process_chunk(chunk)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(options.workers, initializer=_init_worker, initargs=(config,)) as pool:
+    with multiprocessing.get_context(method).Pool(options.workers, initializer=_init_pool_worker, initargs=(config,)) as pool:
         yield from _ordered_window(pool.apply_async, chunks, window=4 * options.workers)
 
 
@@ -554,6 +605,7 @@ class _CorpusWriter:
         self.threshold = None if options.val_fraction is None else int(options.val_fraction * 2**64)
         self.rejects_file = None
         self.rejects_written = 0
+        self.first_reject: str | None = None  # "file:line: problem" of the first record not written
 
     # -- records ------------------------------------------------------------------------------
 
@@ -565,14 +617,21 @@ class _CorpusWriter:
                 state = self._domain(domain)
                 state.input_records += 1
                 state.truncated += int(truncated)
-                self._assign(state, _Held(h, self.seq, file.display, loc, payload))
+                item = _Held(h, self.seq, file.display, loc, payload)
+                if file.split == "val":
+                    self._write(state, "val", item)
+                else:
+                    self._assign(state, item)
                 self.seq += 1
             elif kind == "filtered":
                 self.filtered_out += 1
             else:
-                _, line, _, domain, problem, record = res
+                _, line, element, domain, problem, record = res
+                where = RawRecord(line=line, loc=0, payload=None, element=element).where(file.display)
                 if kind == "err" and self.options.on_error == "stop":
-                    raise ShardError(f"{file.display}:{line}: {problem} (pass --on-error skip to write bad records to {REJECTS_NAME} and go on)")
+                    raise ShardError(f"{where}: {problem} (pass --on-error skip to write bad records to {REJECTS_NAME} and go on)")
+                if self.first_reject is None:
+                    self.first_reject = f"{where}: {problem}"
                 if domain is None:
                     self.rejected_other += 1
                 else:
@@ -581,7 +640,7 @@ class _CorpusWriter:
                     state.rejected += 1
                     state.too_long += int(kind == "drop")
                 if self.options.on_error == "skip":
-                    self._write_reject(file.display, line, domain, problem, record)
+                    self._write_reject(file.display, line, element, domain, problem, record)
 
     def _domain(self, name: str) -> _DomainState:
         state = self.domains.get(name)
@@ -613,10 +672,12 @@ class _CorpusWriter:
     def _writer(self, state: _DomainState, split: str) -> MDSWriter:
         writer = state.writers.get(split)
         if writer is None:
+            from pipeline.mds_writer import FastMDSWriter  # imports Streaming, and so torch: seconds
+
             path = self.root / _STAGING / split / state.key
             # max_workers=1: each writer owns a thread pool (used for remote uploads only); keep it small,
             # since a corpus may have hundreds of domain x split writers open at once.
-            writer = state.writers[split] = _FastMDSWriter(
+            writer = state.writers[split] = FastMDSWriter(
                 out=str(path), columns=self.columns, compression=COMPRESSION, hashes=HASHES, size_limit=self.options.size_limit, max_workers=1
             )
         return writer
@@ -663,11 +724,20 @@ class _CorpusWriter:
         state.buffers[split] = [rest_T] if len(rest_T) else []
         state.buffered[split] = len(rest_T)
 
-    def _write_reject(self, display: str, line: int, domain: str | None, problem: str, record: Any) -> None:
+    def _write_reject(self, display: str, line: int, element: int | None, domain: str | None, problem: str, record: Any) -> None:
         if self.rejects_file is None:
             self.rejects_file = open(self.root / REJECTS_NAME, "w", encoding="utf-8")  # noqa: SIM115 - closed in close_rejects
-        entry = {"file": display, "line": line, "domain": domain, "error": problem, "record": record}
-        self.rejects_file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        entry = {"file": display, "line": line, "element": element, "domain": domain, "error": problem, "record": record}
+        if isinstance(record, bytes):
+            # Invalid UTF-8: a readable form, and the exact bytes so that nothing is lost.
+            entry["record"] = record.decode("utf-8", "replace")
+            entry["record_base64"] = base64.b64encode(record).decode("ascii")
+        text = json.dumps(entry, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = json.dumps(entry)  # a lone surrogate: JSON's \\udXXX escapes keep it, UTF-8 cannot
+        self.rejects_file.write(text + "\n")
         self.rejects_written += 1
 
     def close_rejects(self) -> None:
@@ -721,37 +791,6 @@ class _CorpusWriter:
         return infos
 
 
-class _FastMDSWriter(MDSWriter):
-    """MDSWriter with a direct encoder for our columns (1-D int32 arrays and str); the bytes are identical.
-
-    Streaming's generic path re-parses the column encoding and inspects dtype names for every
-    sample, which cost more than the zstd compression and hashing of the shards together at
-    max_seq_len 128. tests/data/test_corpora.py checks byte parity against MDSWriter.
-    """
-
-    def encode_sample(self, sample: dict[str, Any]) -> bytes:
-        data = [_encode_column(sample[name]) for name in self.column_names]  # column_names are sorted
-        # Every column has a variable size: a uint32 size per column, then the column bytes.
-        return struct.pack(f"={len(data)}I", *map(len, data)) + b"".join(data)
-
-
-# Streaming's shape-dtype codes (uint8 / uint16 / uint32 dims) for the NDArray header byte.
-_SHAPE_CODES = [(1 << 8, "B", NDArray._shape_dtype2int["uint8"]), (1 << 16, "H", NDArray._shape_dtype2int["uint16"]), (1 << 32, "I", NDArray._shape_dtype2int["uint32"])]
-
-
-def _encode_column(value: Any) -> bytes:
-    """Streaming's "ndarray:int32" encoding of a non-empty 1-D int32 array, or "str" (UTF-8)."""
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    assert value.dtype == np.int32 and value.ndim == 1 and len(value) > 0, (value.dtype, value.shape)
-    n = len(value)
-    for limit, fmt, code in _SHAPE_CODES:
-        if n < limit:
-            # Header byte: (ndim << 2) | shape dtype code; then the shape; dtype is fixed by the column.
-            return struct.pack(f"=B{fmt}", (1 << 2) | code, n) + value.tobytes()
-    raise ValueError(f"sequence of {n} tokens is too long for an MDS ndarray")
-
-
 class _HeapItem:
     """Orders held records so that heapq's min-heap pops the largest (hash, seq) first."""
 
@@ -788,6 +827,78 @@ def _sha256(file: InputFile) -> str | None:
     return digest.hexdigest()
 
 
+def _list_files(inputs: list[str | Path], val_inputs: list[str | Path] | None, allow_hub: bool) -> list[InputFile]:
+    """The training inputs, then the validation inputs (marked split "val"); one file may not be both."""
+    if not val_inputs:
+        return list_input_files(inputs, allow_hub=allow_hub)
+    val_paths = {Path(f.path).resolve() for f in list_input_files(val_inputs)}
+    train_paths = {Path(f.path).resolve() for f in list_input_files(inputs, allow_hub=allow_hub) if f.hub_split is None}
+    both = sorted(str(p) for p in val_paths & train_paths)
+    if both:
+        raise ValueError(f"input files {both} are given both as training inputs and in `val_inputs` (--val-file); give each once")
+    # One call, so that short names stay unambiguous across the two lists.
+    files = list_input_files([*inputs, *val_inputs], allow_hub=allow_hub)
+    return [dataclasses.replace(f, split="val") if f.hub_split is None and Path(f.path).resolve() in val_paths else f for f in files]
+
+
+def _check_written(spec: CorpusSpec, files: list[InputFile], inputs_info: list[InputInfo], domains: list[DomainInfo], writer: _CorpusWriter) -> None:
+    """Raise `ShardError` when nothing was written, or a domain has validation records only."""
+    if not domains:
+        read = sum(i.records for i in inputs_info)
+        names = ", ".join(f.display for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        if read == 0:
+            raise ShardError(f"no records in the inputs ({names}): nothing to write; check the files (blank lines are not records)")
+        if writer.filtered_out == read:
+            raise ShardError(
+                f"all {read} records of {names} were filtered out by the split filter {spec.split!r} (field "
+                f"{spec.split_field!r}); nothing to write; pass --split any to keep every record"
+            )
+        raise ShardError(
+            f"all {read} records of {names} were rejected ({read - writer.filtered_out}) or filtered by split "
+            f"({writer.filtered_out}); nothing to write. First rejection: {writer.first_reject}"
+        )
+    only_val = [d.name for d in domains if d.splits["train"].records == 0]
+    if only_val:
+        raise ShardError(
+            f"domains {only_val} occur only in the validation inputs (--val-file), not in the training inputs; "
+            "a domain needs training records: add them to the training inputs or map them with --domain-map"
+        )
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the staging (`.OUT.tmp-*`) and swap (`.OUT.old-*`) directories of killed runs into `out`."""
+    if not out.parent.is_dir():
+        return
+    prefixes = (f".{out.name}.tmp-", f".{out.name}.old-")
+    for path in sorted(p for p in out.parent.iterdir() if p.name.startswith(prefixes) and p.is_dir()):
+        match = re.fullmatch(r"(\d+)-[0-9a-f]{8}", path.name[len(prefixes[0]) :])
+        pid = int(match.group(1)) if match else None
+        if pid is not None and _is_running(pid):
+            logger.warning(
+                "%s looks like the staging directory of a run into %s that is still going (pid %d); left alone. "
+                "Remove it yourself if that process is not a shard run.",
+                path,
+                out,
+                pid,
+            )
+            continue
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        logger.warning("removing %s (%.1f MB), left behind by an interrupted run into %s", path, size / 1e6, out)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_running(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process cleans up its own staging; one left over is from an earlier, dead run
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
 def _check_output(out: Path, overwrite: bool) -> None:
     if not out.exists():
         return
@@ -803,7 +914,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     """Swap the finished temporary directory in; an old output is removed only after the swap."""
     old = None
     if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         out.rename(old)
     tmp.rename(out)
     if old is not None:

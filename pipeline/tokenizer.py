@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,9 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     Raises:
         ValueError: If the tokenizer cannot be loaded, or has no EOS token.
     """
+    # transformers takes seconds to import: only when a tokenizer is needed, not for --help.
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     except (OSError, ValueError) as exc:

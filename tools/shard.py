@@ -12,6 +12,9 @@ Examples:
     # Mol-Instructions task files, train split only, domain = metadata.task
     python tools/shard.py mol corpus/mol_instructions --out data/mol --tokenizer assets/tokenizer --max-seq-len 512
 
+    # An existing train/test pair: every record of --val-file goes to the validation split
+    python tools/shard.py metamathqa train.json --val-file test.json --out data/mm --max-seq-len 512
+
     # Any JSON Lines: prompt/response pairs with a domain field; bad lines go to OUT/rejects.jsonl
     python tools/shard.py jsonl data.jsonl --prompt-field question --response-field answer --domain-field topic \\
         --out data/qa --tokenizer assets/tokenizer --max-seq-len 256 --on-error skip
@@ -26,7 +29,9 @@ max_seq_len sequences, the last one holding the remainder). finetune mode writes
 `response_ids` (EOS appended) and `record` ("file:line" or "file:index"). Input: `.json.gz`,
 `.jsonl.gz`, `.json.zst`, `.jsonl.zst`, `.json`, `.jsonl` files or directories searched recursively;
 JSON Lines or a JSON array (told apart by the first character). The output is built in a
-temporary directory beside OUT and moved into place only when complete.
+temporary directory beside OUT (.OUT.tmp-<pid>-<random>) and moved into place only when complete;
+Ctrl-C removes it and exits with 130, and a later run into OUT removes one that a killed run left.
+An output with no records (empty inputs, every record rejected) is an error (exit 1).
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Light modules only: Streaming (torch) and transformers load when a run starts, so --help is fast.
+from pipeline import sharding  # noqa: E402
 from pipeline.corpora import CORPUS_FORMATS, load_domain_map, make_corpus_spec  # noqa: E402
 from pipeline.manifest import verify_output  # noqa: E402
 from pipeline.prompts import PROMPT_TEMPLATES  # noqa: E402
-from pipeline.sharding import TRUNCATIONS, ShardError, ShardOptions, format_summary, shard_corpus  # noqa: E402
+from pipeline.sharding import TRUNCATIONS, ShardError, ShardOptions, format_summary  # noqa: E402
 from pipeline.tokenizer import DEMO_TOKENIZER  # noqa: E402
 
 _FORMAT_HELP = {
@@ -100,6 +107,13 @@ def _add_shard_args(p: argparse.ArgumentParser, fmt: str) -> None:
     x = g.add_mutually_exclusive_group()
     x.add_argument("--val-fraction", type=float, help="hold out each record with this probability, per domain")
     x.add_argument("--val-count", type=int, help="hold out exactly this many records per domain (a domain keeps >= 1 training record)")
+    x.add_argument(
+        "--val-file",
+        nargs="+",
+        metavar="VAL_INPUT",
+        help="files or directories whose records all form the validation split (an existing train/test pair); "
+        "the --split filter does not apply to them; every domain in them must also be in the INPUTs",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the split (default: 0)")
 
     if fmt != "dolma":
@@ -114,8 +128,10 @@ def _add_shard_args(p: argparse.ArgumentParser, fmt: str) -> None:
             choices=TRUNCATIONS,
             default="left_prompt",
             help="examples over --max-seq-len: left_prompt drops prompt tokens from the left (keeps the response), right cuts "
-            "the end, skip drops the example; examples that cannot keep a prompt and a response token are dropped and counted "
-            "as rejected (default: left_prompt)",
+            "the end, left_prompt_right drops prompt tokens from the left and, when the response alone is too long, keeps the "
+            "prompt's last max_seq_len/2 tokens and cuts the response's end (never drops), skip drops the example; examples "
+            "that cannot keep a prompt and a response token are dropped and counted as rejected; the summary's last line "
+            "shows what each domain lost (default: left_prompt)",
         )
 
     g = p.add_argument_group("execution")
@@ -164,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             truncation=getattr(args, "truncation", "left_prompt"),
             val_fraction=args.val_fraction,
             val_count=args.val_count,
+            val_inputs=args.val_file,
             seed=args.seed,
             workers=args.workers,
             on_error=args.on_error,
@@ -173,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             chunk_records=args.chunk_records,
             command=shlex.join(["tools/shard.py", *argv]),
         )
-        result = shard_corpus(spec, args.inputs, options)
+        result = sharding.shard_corpus(spec, args.inputs, options)
     except (ValueError, ShardError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
+    except KeyboardInterrupt:
+        # shard_corpus has removed its staging directory; an existing output is untouched.
+        print(f"interrupted: nothing written, {args.out} left as it was", file=sys.stderr)
+        return 130
     print(format_summary(result))
     print(f"wrote {args.out}")
     return 0

@@ -204,13 +204,14 @@ def test_fast_mds_writer_matches_streaming_bytes(tmp_path):
     """The direct column encoder must produce exactly what MDSWriter's generic path produces."""
     from streaming import MDSWriter
 
-    from pipeline.sharding import _FastMDSWriter, columns_for_mode
+    from pipeline.mds_writer import FastMDSWriter
+    from pipeline.sharding import columns_for_mode
 
     rng = np.random.default_rng(0)
     arrays = [rng.integers(-(2**31), 2**31 - 1, size=n, dtype=np.int32) for n in (1, 2, 255, 256, 1000, 65535, 65536, 70000)]
     for mode in ("pretrain", "finetune"):
         outs = {}
-        for name, cls in (("generic", MDSWriter), ("fast", _FastMDSWriter)):
+        for name, cls in (("generic", MDSWriter), ("fast", FastMDSWriter)):
             with cls(out=str(tmp_path / mode / name), columns=columns_for_mode(mode), compression="zstd", hashes=["sha1", "xxh64"], size_limit=1 << 18) as w:
                 for ids in arrays:
                     n = len(ids)

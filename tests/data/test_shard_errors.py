@@ -88,7 +88,7 @@ def test_instruction_array_errors_name_the_line(tmp_path):
     ]
     path = tmp_path / "mm.json"
     path.write_text(json.dumps(records, indent=4))
-    with pytest.raises(ShardError, match=r"^mm\.json:7: missing field 'response'"):
+    with pytest.raises(ShardError, match=r"^mm\.json:7: element 1: missing field 'response'"):
         shard_corpus(make_corpus_spec("metamathqa"), [path], _options(tmp_path / "o1"))
     shard_corpus(make_corpus_spec("metamathqa"), [path], _options(tmp_path / "o2", on_error="skip"))
     rejects = [json.loads(line) for line in (tmp_path / "o2" / REJECTS_NAME).read_text().splitlines()]
