@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -52,7 +53,10 @@ class MixtureMonitor(Callback):
     On rank 0 it appends `mixture_steps.csv` (per-step mixture) and `selection_log.csv` (the
     selection metrics of `DataSelection` plus mixture and pool columns) in `run_dir`, and writes
     `mixture.json` (the running mean, in the shape of DoReMi's output) at every checkpoint and
-    at the end of training.
+    at the end of training. With `log_selected_ids`, it also appends `selected_ids.jsonl`: one
+    line per step, `{"step", "pool", "selected"}`, the dataset sample indices (`sample_id`, the
+    StreamingDataset's global index) of the candidate pool and of the examples trained on, over
+    all ranks, so overlaps between runs can be computed (`tools/run_experiment.py`).
 
     Args:
         domain_names: Domain names by id (filled in by `train.py`).
@@ -61,6 +65,7 @@ class MixtureMonitor(Callback):
             natural shares in mixture.json (filled in by `train.py`).
         method: The method name written into mixture.json (default: the selection strategy, or
             `natural` when no selection runs).
+        log_selected_ids: Write `selected_ids.jsonl` (default False: a pool of ids per step).
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class MixtureMonitor(Callback):
         run_dir: str = "runs/run",
         natural_weights: Sequence[float] | None = None,
         method: str | None = None,
+        log_selected_ids: bool = False,
     ) -> None:
         self.domain_names = list(domain_names)
         self.run_dir = Path(run_dir)
@@ -78,6 +84,8 @@ class MixtureMonitor(Callback):
             total = float(sum(natural_weights))
             self.natural = [float(w) / total for w in natural_weights] if total > 0 else None
         self.method = method
+        self.log_selected_ids = log_selected_ids
+        self._ids_file = None
         self.sum_C = torch.zeros(len(self.domain_names), dtype=torch.float64)
         self.steps = 0
         self._resumed = False
@@ -121,6 +129,8 @@ class MixtureMonitor(Callback):
         logger.log_metrics(metrics)
         if dist.get_global_rank() == 0:
             self._write_rows(int(state.timestamp.batch.value), mix_C, pool_mix_C, stats)
+        if self.log_selected_ids:
+            self._write_ids(int(state.timestamp.batch.value), batch, stats)
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         self._write_json(state)
@@ -139,6 +149,9 @@ class MixtureMonitor(Callback):
         if self._sel_csv is not None:
             self._sel_csv.close()
             self._sel_csv = None
+        if self._ids_file is not None:
+            self._ids_file.close()
+            self._ids_file = None
 
     # ------------------------------------------------------------------ files (rank 0)
     def _write_rows(self, step: int, mix_C: torch.Tensor, pool_C: torch.Tensor, stats: dict[str, Any]) -> None:
@@ -167,6 +180,32 @@ class MixtureMonitor(Callback):
         self._sel_writer.writerow(row)
         assert self._sel_csv is not None
         self._sel_csv.flush()
+
+    def _write_ids(self, step: int, batch: Any, stats: dict[str, Any]) -> None:
+        if "sample_id" not in batch:
+            raise ValueError(
+                "callbacks.mixture_monitor.log_selected_ids needs batches with a sample_id field "
+                "(DomainStreamingDataset with pipeline's collators); set log_selected_ids: false"
+            )
+        selected = batch["sample_id"].detach().cpu().tolist()
+        pool_ids = stats.get("pool_sample_ids_local")
+        pool = selected if pool_ids is None else pool_ids.detach().cpu().tolist()
+        if dist.get_world_size() > 1:
+            gathered = dist.all_gather_object((pool, selected))
+            pool = [i for p, _ in gathered for i in p]
+            selected = [i for _, s in gathered for i in s]
+        if dist.get_global_rank() != 0:
+            return
+        if self._ids_file is None:
+            path = self.run_dir / "selected_ids.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept: list[str] = []
+            if self._resumed and path.exists():
+                kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < step]
+            self._ids_file = open(path, "w")
+            self._ids_file.writelines(ln + "\n" for ln in kept)
+        self._ids_file.write(json.dumps({"step": step, "pool": pool, "selected": selected}) + "\n")
+        self._ids_file.flush()
 
     def _write_json(self, state: State) -> None:
         if dist.get_global_rank() != 0 or self.steps == 0:

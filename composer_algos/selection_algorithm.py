@@ -361,6 +361,8 @@ class DataSelection(Algorithm):
             fallback=fallback,
             times=(t_feat, t_solve, t_exchange),
         )
+        if "sample_id" in batch:  # the pool's dataset indices, for MixtureMonitor(log_selected_ids=True)
+            self.last_stats["pool_sample_ids_local"] = batch["sample_id"]
 
     def _features(self, state: State, batch: Mapping[str, Any], step: int):
         from composer_algos.features import FeatureError

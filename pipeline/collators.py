@@ -45,6 +45,7 @@ class PretrainCollator:
             "attention_mask": attention_mask_BT,
             "labels": labels_BT,
             "domain_id": _domain_ids(samples),
+            **_sample_ids(samples),
         }
 
 
@@ -86,6 +87,7 @@ class FinetuneCollator:
             "attention_mask": attention_mask_BT,
             "labels": labels_BT,
             "domain_id": _domain_ids(samples),
+            **_sample_ids(samples),
         }
 
 
@@ -100,3 +102,10 @@ def build_collator(mode: str, *, pad_token_id: int, max_seq_len: int) -> Pretrai
 
 def _domain_ids(samples: Sequence[dict[str, Any]]) -> torch.Tensor:
     return torch.tensor([int(s["domain_id"]) for s in samples], dtype=torch.long)
+
+
+def _sample_ids(samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """`{"sample_id": (B,)}` when every sample carries its dataset index (DomainStreamingDataset does), else {}."""
+    if not samples or not all("sample_id" in s for s in samples):
+        return {}
+    return {"sample_id": torch.tensor([int(s["sample_id"]) for s in samples], dtype=torch.long)}

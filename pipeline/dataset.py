@@ -77,6 +77,8 @@ class DomainStreamingDataset(StreamingDataset):
         sample = super().get_item(sample_id, retry=retry)
         shard_id, _ = self.spanner[sample_id]
         sample["domain_id"] = int(self._domain_per_shard[shard_id])
+        # The global sample index, so selections can be logged and compared example by example.
+        sample["sample_id"] = int(sample_id)
         return sample
 
 
