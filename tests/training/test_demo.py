@@ -1,4 +1,4 @@
-"""The README's demo command runs end to end (few steps) and prints the per-domain losses and mixture."""
+"""The README's demo command runs end to end (few steps): a progress bar, then a short summary and two plots."""
 
 from __future__ import annotations
 
@@ -8,16 +8,59 @@ import sys
 
 from tests.common.paths import REPO_ROOT
 
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+
 
 def test_demo_runs_offline_end_to_end(tmp_path):
     out = tmp_path / "demo"
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "tools" / "demo.py"), "--out", str(out), "--steps", "4"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=ENV,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "Per-domain validation loss" in result.stdout
-    assert "Domain mixture over 4 steps" in result.stdout
-    mix = json.loads((out / "runs" / "demo-partitionsel" / "mixture.json").read_text())
+    run_dir = out / "runs" / "demo-partitionsel"
+    stdout = result.stdout
+    # The summary: per-domain validation loss, the mixture table, the wall time, the plots' paths.
+    assert "Per-domain validation loss" in stdout
+    assert "Domain mixture over 4 steps" in stdout
+    for header in ("natural", "pool", "selected"):
+        assert header in stdout
+    assert "wall time" in stdout
+    for name in ("mixture.png", "val_curves.png"):
+        png = run_dir / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+        assert str(png) in stdout
+    mix = json.loads((run_dir / "mixture.json").read_text())
     assert set(mix["weights"]) == {"common-crawl", "reddit", "spam", "stackexchange", "wiki"}
+    # No flood on the console: neither Composer's per-step metric lines nor Python warnings.
+    console = stdout + result.stderr
+    assert "Train loss/train/total" not in console
+    assert "Warning" not in console and "WARNING" not in console
+    assert len(stdout.splitlines()) < 60, stdout
+    # ... but every metric stays in the run's files.
+    log = (run_dir / "console.log").read_text()
+    assert "[batch=4/4]" in log and "loss/train/total" in log
+    assert "data/mixture/wiki" in (run_dir / "log-rank0.txt").read_text()
+
+
+def test_demo_help_imports_nothing_heavy():
+    # `--help` must answer at once: torch, composer and matplotlib load only after argument parsing.
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['demo.py', '--help']\n"
+        "try:\n"
+        f"    runpy.run_path({str(REPO_ROOT / 'tools' / 'demo.py')!r}, run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'composer', 'matplotlib', 'tqdm') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=ENV
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+    assert "HEAVY []" in result.stdout, result.stdout[-500:]
