@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer
-from tqdm import tqdm
 
 from pipeline.corpora import (
     CorpusError,
@@ -307,6 +306,8 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         writer = _CorpusWriter(tmp, mode, options, tokenizer.eos_token_id)
         inputs_info = [InputInfo(path=f.path, sha256=_sha256(f), records=0, split=f.split) for f in files]
+        from tqdm import tqdm  # 0.2 s to import, which --help need not pay
+
         bar = tqdm(desc="sharding", unit="rec", disable=not options.progress, dynamic_ncols=True)
         chunk_results = _run_chunks(files, config, options)
         try:

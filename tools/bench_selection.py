@@ -31,9 +31,7 @@ import os
 import statistics
 import time
 
-import torch
-
-from composer_algos.selection import compute_gram, select_partitionsel
+# torch and the selection core load in the functions that use them, so --help is fast.
 
 CASES = {
     "small": dict(n=256, kappa=64, num_domains=8, dim=1024),
@@ -45,6 +43,8 @@ APGA_ITERS = 128
 
 def make_instance(n: int, dim: int, num_domains: int, seed: int = 0):
     """The quality-test family: G ~ N(0, 1/D), gbar = 0.3 mean(G) + N(0, 1/D), uniform domains."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(n, dim, generator=gen) / dim**0.5
     val_feature = 0.3 * features.mean(0) + torch.randn(dim, generator=gen) / dim**0.5
@@ -98,6 +98,10 @@ def main() -> None:
     )
     parser.add_argument("--skip-pool", action="store_true", help="leave out the slow full-pool APGA")
     args = parser.parse_args()
+    import torch
+
+    from composer_algos.selection import compute_gram, select_partitionsel
+
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, float32, eta={ETA},"

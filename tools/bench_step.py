@@ -20,36 +20,38 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-import shard as shard_tool  # noqa: E402
-import torch  # noqa: E402
-from composer.core import Callback, State  # noqa: E402
-from composer.loggers import Logger  # noqa: E402
+# torch, Composer and train.py load after argument parsing (in the functions), so --help is fast.
+if TYPE_CHECKING:
+    from composer.core import State
+    from composer.loggers import Logger
 
-import train  # noqa: E402
-from composer_algos.selection_algorithm import DataSelection  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.sample_corpus import write_sample_corpus  # noqa: E402
+    from composer_algos.selection_algorithm import DataSelection
 
 STRATEGIES = ("partitionsel", "greats", "random", "none")
 
 
-class StepTimer(Callback):
-    """Wall time from asking the loader for a batch to the end of the optimizer step."""
+def make_step_timer():
+    """A Composer callback timing each step: from asking the loader for a batch to the end of the optimizer step."""
+    from composer.core import Callback
 
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._t0 = 0.0
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._t0 = 0.0
 
-    def before_dataloader(self, state: State, logger: Logger) -> None:
-        self._t0 = time.perf_counter()
+        def before_dataloader(self, state: State, logger: Logger) -> None:
+            self._t0 = time.perf_counter()
 
-    def batch_end(self, state: State, logger: Logger) -> None:
-        self.times.append(time.perf_counter() - self._t0)
+        def batch_end(self, state: State, logger: Logger) -> None:
+            self.times.append(time.perf_counter() - self._t0)
+
+    return StepTimer()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's; 1 is steadier on a busy machine)"
     )
     args = parser.parse_args(argv)
+    import shard as shard_tool
+    import torch
+
+    from pipeline.sample_corpus import write_sample_corpus
+
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -87,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_ratio(yaml: Path, shards: Path, run_root: Path, r: float, steps: int, repeats: int) -> dict:
+    import train
+    from composer_algos.selection_algorithm import DataSelection
+    from pipeline.config import load_config
+
     out: dict = {"r": r}
     algo = None
     for strategy in STRATEGIES:
@@ -104,7 +115,7 @@ def bench_ratio(yaml: Path, shards: Path, run_root: Path, r: float, steps: int, 
             ],
         )
         trainer = train.build_trainer(cfg)
-        timer = StepTimer()
+        timer = make_step_timer()
         trainer.state.callbacks.append(timer)
         trainer.fit()
         out[strategy] = statistics.median(timer.times[3:])
@@ -118,6 +129,8 @@ def bench_ratio(yaml: Path, shards: Path, run_root: Path, r: float, steps: int, 
 
 def standalone(trainer, algo: DataSelection, repeats: int) -> dict:
     """Time the pool's no-grad forward and the feature extraction alone, on a real pool batch."""
+    import torch
+
     batch = next(iter(trainer.state.train_dataloader))
     pool = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
     assert algo.validation is not None and algo.extractor is not None

@@ -18,18 +18,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from composer_algos.doremi.compare import (
-    build_columns,
-    format_markdown,
-    format_table,
-    load_trajectory,
-    natural_token_shares,
-    plot_grouped_bars,
-    plot_trajectories,
-    read_labelled,
-)
-from composer_algos.mixture_io import read_mixture_json
-
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, print the table and write the Markdown table and the two figures."""
@@ -41,6 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("mixture_comparison"), help="output directory")
     parser.add_argument("--title", help="figure title")
     args = parser.parse_args(argv)
+    # torch (via composer_algos.mixture_io) loads after parsing, so --help is fast.
+    from composer_algos.doremi.compare import (
+        build_columns,
+        format_markdown,
+        format_table,
+        load_trajectory,
+        natural_token_shares,
+        plot_grouped_bars,
+        plot_trajectories,
+        read_labelled,
+    )
+    from composer_algos.mixture_io import read_mixture_json
+
     if args.doremi is None and not args.runs:
         parser.error("give --doremi and/or --runs")
 

@@ -26,13 +26,12 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from pipeline.evaluation.math_suites import SUITES, resolve_suite_path
 
 log = logging.getLogger("evaluate")
 
-_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Names, not torch dtypes: torch is imported only when a model is loaded, so --help is fast.
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +116,7 @@ def run_math(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         base_model=args.base_model,
         device=args.device,
-        dtype=_DTYPES[args.dtype],
+        dtype=_torch_dtype(args.dtype),
     )
     result = evaluate_math(
         model,
@@ -167,7 +166,7 @@ def run_mol(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
             base_model=args.base_model,
             device=args.device,
-            dtype=_DTYPES[args.dtype],
+            dtype=_torch_dtype(args.dtype),
         )
         metrics, records = evaluate_mol_generation(
             model,
@@ -201,7 +200,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         base_model=args.base_model,
         device=args.device,
-        dtype=_DTYPES[args.dtype],
+        dtype=_torch_dtype(args.dtype),
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     results = domain_log_perplexity(
@@ -243,6 +242,15 @@ def _run_info(args: argparse.Namespace, **extra) -> dict:
     info = {k: v for k, v in vars(args).items() if k != "func" and v is not None}
     info.update(extra)
     return {k: str(v) if isinstance(v, Path) else v for k, v in info.items()}
+
+
+def _torch_dtype(name: str):
+    """The torch dtype of a --dtype name; None for "auto"."""
+    if name == "auto":
+        return None
+    import torch
+
+    return getattr(torch, name)
 
 
 def _positive_int(text: str) -> int:

@@ -15,8 +15,6 @@ import json
 import math
 import sys
 
-from pipeline.evaluation.conflicts import load_conflict_curves, plot_conflicts, summarize_conflicts
-
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, write the plot (and summary), print the summary table."""
@@ -28,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", help="plot title")
     parser.add_argument("--summary-json", help="also write the per-strategy summary here")
     args = parser.parse_args(argv)
+    # numpy and matplotlib load after parsing, so --help is fast.
+    from pipeline.evaluation.conflicts import load_conflict_curves, plot_conflicts, summarize_conflicts
+
     if args.window < 1:
         parser.error(f"--window must be >= 1, got {args.window}")
 

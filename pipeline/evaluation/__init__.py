@@ -1,13 +1,38 @@
 """Evaluation the paper's way: math-suite accuracy by generation, molecule metrics, gradient-conflict curves."""
 
-from pipeline.evaluation.answers import extract_answer, is_equivalent, normalize_number
-from pipeline.evaluation.checkpoint import load_model_and_tokenizer
-from pipeline.evaluation.conflicts import load_conflict_curves, plot_conflicts, summarize_conflicts
-from pipeline.evaluation.generate import METAMATH_PROMPT, generate_greedy
-from pipeline.evaluation.math_eval import evaluate_math, format_math_table, write_math_results
-from pipeline.evaluation.math_suites import SUITES, MathExample, load_suite
-from pipeline.evaluation.mol_eval import evaluate_mol_generation, load_mol_instructions
-from pipeline.evaluation.mol_metrics import evaluate_predictions, molecule_metrics
+import importlib
+from typing import Any
+
+# Names resolve on first use (PEP 562), so that importing a light submodule such as
+# math_suites (tools/evaluate.py --help) does not load torch and transformers via checkpoint.
+_HOMES = {
+    "extract_answer": "answers",
+    "is_equivalent": "answers",
+    "normalize_number": "answers",
+    "load_model_and_tokenizer": "checkpoint",
+    "load_conflict_curves": "conflicts",
+    "plot_conflicts": "conflicts",
+    "summarize_conflicts": "conflicts",
+    "METAMATH_PROMPT": "generate",
+    "generate_greedy": "generate",
+    "evaluate_math": "math_eval",
+    "format_math_table": "math_eval",
+    "write_math_results": "math_eval",
+    "SUITES": "math_suites",
+    "MathExample": "math_suites",
+    "load_suite": "math_suites",
+    "evaluate_mol_generation": "mol_eval",
+    "load_mol_instructions": "mol_eval",
+    "evaluate_predictions": "mol_metrics",
+    "molecule_metrics": "mol_metrics",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "METAMATH_PROMPT",
