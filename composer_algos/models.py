@@ -24,17 +24,22 @@ IGNORE_INDEX = -100
 class DomainCausalLM(HuggingFaceModel):
     """A Composer `HuggingFaceModel` for causal LMs whose loss can weight examples.
 
-    When the batch carries `loss_weight` (B,), the loss is the weighted mean of per-example
-    losses (each the mean cross-entropy over the example's target tokens), as used by the
-    `weighted_loss` option of the selection algorithm. Otherwise it is the model's usual
-    token-mean loss. Other batch keys (such as `domain_id`) are not passed to the model.
+    When the batch carries `loss_weight` (B,), the loss is `sum_i w_i l_i / B` over the
+    microbatch, with `l_i` the mean cross-entropy over example i's target tokens, as used by the
+    `weighted_loss` option of the selection algorithm. Dividing by the microbatch size, not by
+    the microbatch's sum of weights, is what makes the step loss the weighted mean over the whole
+    selection: Composer scales each microbatch's loss by `B / (mean samples per rank)` and DDP
+    averages the ranks, giving `sum_i w_i l_i / (total samples)`, which is
+    `sum_i w_i l_i / sum_i w_i` because the algorithm normalises the weights to mean 1 over all
+    ranks. Otherwise the loss is the model's usual token-mean loss. Other batch keys (such as
+    `domain_id`) are not passed to the model.
     """
 
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
         if isinstance(batch, dict) and "loss_weight" in batch:
             losses_B = per_example_loss(outputs["logits"], batch["labels"])
-            w_B = batch["loss_weight"].to(losses_B.dtype)
-            return (w_B * losses_B).sum() / w_B.sum().clamp_min(1e-12)
+            w_B = batch["loss_weight"].to(device=losses_B.device, dtype=losses_B.dtype)
+            return (w_B * losses_B).sum() / max(losses_B.shape[0], 1)
         return super().loss(outputs, batch)
 
 

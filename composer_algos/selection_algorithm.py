@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,8 +57,9 @@ class DataSelection(Algorithm):
         scope: `global` (gather the problem from every rank, solve the same problem everywhere,
             then rebalance so each rank trains exactly kappa), `local` (select within each rank)
             or `auto` (global when the world size is > 1).
-        validation: `{shard_dir, split, domains, batch_size, remote}` for the validation batch
-            drawn each step (defaults: the training shards' `val` split, 4 examples).
+        validation: `{shard_dir, split, domains, batch_size, remote, guide_fraction}` for the
+            validation batch drawn each step (defaults: the training shards' `val` split, 4
+            examples, drawn from the guide half of it; evaluation reads the other half).
         features: Keyword arguments of `GradFeatureExtractor` (target_modules, last_n_blocks,
             include_lm_head, exact_max_numel, sketch_dim, normalization, proj_dim, chunk_size).
         strategy_options: Extra options per strategy name, e.g. `{partitionsel: {refit: exact,
@@ -66,12 +67,15 @@ class DataSelection(Algorithm):
             switched from the command line without editing the options.
         capacity_fractions: Fixed per-domain shares of kappa by domain name (default:
             proportional to the pool, as in the paper).
-        weighted_loss: Weight each selected example's loss by its refit weight (normalised to
-            mean 1); strategies without weights train unweighted.
+        weighted_loss: Weight each selected example's loss by its refit weight, so the step
+            optimises `sum_i w_i l_i / sum_i w_i` over the selected examples of all ranks and
+            microbatches (weights normalised to mean 1 over all ranks); strategies without weights
+            train unweighted.
         start, end: Fraction of training during which to select (outside, a uniform random
             subset of the same size is trained on, so every step costs the same).
         interval: Select every `interval` batches (random subsets in between).
-        check_consistency: Verify (one all-gather) that every rank selected the same set.
+        check_consistency: Verify (one all-gather) that every rank selected the same set; global
+            scope only (rejected with `scope: local`, where ranks select different sets by design).
         seed: Seed of the per-step generators (selection and validation draws).
         device_train_batch_size: kappa on this rank (filled in by `train.py`).
         domain_names: Names of the domains by id (filled in by `train.py`).
@@ -113,10 +117,16 @@ class DataSelection(Algorithm):
             problems.append(f"interval must be >= 1, got {interval}")
         if device_train_batch_size is not None and device_train_batch_size < 1:
             problems.append(f"device_train_batch_size must be >= 1, got {device_train_batch_size}")
-        unknown_val = sorted(set(validation or {}) - {"shard_dir", "split", "domains", "batch_size", "remote"})
+        val_keys = ("shard_dir", "split", "domains", "batch_size", "remote", "guide_fraction")
+        unknown_val = sorted(set(validation or {}) - set(val_keys))
         if unknown_val:
             problems.append(
-                f"validation does not take {unknown_val}; allowed: shard_dir, split, domains, batch_size, remote"
+                f"validation does not take {unknown_val}; allowed: {', '.join(val_keys)}"
+            )
+        if check_consistency and scope == "local":
+            problems.append(
+                "check_consistency: true needs scope global or auto (with local scope every rank selects "
+                "from its own pool, so the selections differ by design); got scope 'local'"
             )
         bad_opts = sorted(k for k in (strategy_options or {}) if k not in SELECTION_STRATEGIES)
         if bad_opts:
@@ -215,6 +225,7 @@ class DataSelection(Algorithm):
                     domains=self.validation_cfg.get("domains"),
                     batch_size=int(self.validation_cfg.get("batch_size", 4)),
                     remote=self.validation_cfg.get("remote"),
+                    guide_fraction=float(self.validation_cfg.get("guide_fraction", 0.5)),
                     seed=self.seed,
                     rank=dist.get_global_rank(),
                     pad_token_id=self.pad_token_id,
@@ -239,25 +250,28 @@ class DataSelection(Algorithm):
         if self.strategy == "none":
             self.last_stats = {}
             return
+        from composer_algos.selection import STRATEGIES
+
         step = int(state.timestamp.batch.value)
         n = int(batch["domain_id"].shape[0])
         active = self._is_active(state, step)
         world = dist.get_world_size()
+        rank = dist.get_global_rank()
         use_global = self.scope == "global" or (self.scope == "auto" and world > 1)
+        multi = use_global and world > 1
         C = len(self.domain_names or [])
-        gen = torch.Generator().manual_seed(_mix(self.seed, step, 0 if use_global else dist.get_global_rank()))
+        gen_seed = _mix(self.seed, step, 0 if use_global else rank)
+        gen = torch.Generator().manual_seed(gen_seed)
         eta = float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0
 
         pool_local_C = torch.bincount(batch["domain_id"].cpu(), minlength=C)
         t0 = time.perf_counter()
-        feats_ND, gbar_D, fallback = None, None, False
+        feats_ND, gbar_D, fallback = None, None, None  # fallback: why this step selects at random
         strategy = self.strategy if active else "random"
-        from composer_algos.selection import STRATEGIES
-
         spec = STRATEGIES[strategy]
         needs_features = spec.needs_features
         if needs_features:
-            feats_ND, gbar_D, fallback = self._features(state, batch, step)
+            feats_ND, gbar_D, fallback = self._features(state, batch, step, defer_commits=multi)
         t_feat = _sync_time(t0)
 
         # Assemble the problem (this rank's pool, or every rank's under global scope).
@@ -265,7 +279,7 @@ class DataSelection(Algorithm):
         device = feats_ND.device if feats_ND is not None else domain_N.device
         domain_N = domain_N.to(device)
         owner_P = local_P = None
-        if use_global and world > 1:
+        if multi:
             t1 = time.perf_counter()
             sizes = torch.cat(dist.all_gather(torch.tensor([n], device=device)))
             n_max = int(sizes.max())
@@ -275,54 +289,52 @@ class DataSelection(Algorithm):
             domain_N = gather_rows(domain_N, n_max)[valid_P]
             if needs_features:
                 # Every rank decides the same fallback: fall back if any rank failed.
-                flag = torch.tensor([1 if fallback else 0], device=device)
+                flag = torch.tensor([0 if fallback is None else 1], device=device)
                 dist.all_reduce(flag, reduce_operation="MAX")
-                fallback = bool(int(flag))
-                if not fallback:
+                if int(flag) and fallback is None:
+                    fallback = "the gradient features failed on another rank"
+                if fallback is None:
                     assert feats_ND is not None
                     feats_ND = gather_rows(feats_ND, n_max)[valid_P]
                     if gbar_D is not None:
                         n_val = float(self.validation.batch_size) if self.validation else 1.0
                         gbar_D = (torch.stack(dist.all_gather(gbar_D * n_val)).sum(0)) / (n_val * world)
-            kappa = min(self.kappa * world, int(sizes.sum()))
+            # Solve for a budget every rank can train an equal share of: an uneven end-of-epoch pool
+            # lowers the budget (the strategy chooses among every candidate) rather than trimming picks.
+            kappa = min(self.kappa, int(sizes.sum()) // world) * world
             t_gather = time.perf_counter() - t1
         else:
             kappa = min(self.kappa, n)
             t_gather = 0.0
-        if fallback:
+        if needs_features:
+            self._settle_simulated_adam(multi, failed=fallback is not None)
+        if fallback is not None:
             feats_ND, gbar_D = None, None
             strategy, spec = "random_stratified", STRATEGIES["random_stratified"]
-        pool_counts_C = torch.bincount(domain_N, minlength=C)
 
         t2 = time.perf_counter()
-        capacities = None
-        if spec.uses_capacities:
-            from composer_algos.selection import compute_capacities
-
-            capacities = compute_capacities(pool_counts_C, kappa, self._fractions, generator=gen)
-        options = dict(self.strategy_options.get(strategy, {})) if strategy == self.strategy else {}
-        result = spec.fn(
-            features=feats_ND,
-            val_feature=gbar_D,
-            domain_ids=domain_N,
-            num_domains=C,
-            kappa=kappa,
-            eta=eta,
-            generator=gen,
-            capacities=capacities,
-            **options,
-        )
+        result, error = self._solve(spec, strategy, feats_ND, gbar_D, domain_N, C, kappa, eta, gen)
+        if multi and spec.needs_features:
+            # Ranks solve the same problem; still, a failure on one must not leave the others diverged.
+            flag = torch.tensor([0 if error is None else 1], device=device)
+            dist.all_reduce(flag, reduce_operation="MAX")
+            if int(flag) and error is None:
+                error = "the solver failed on another rank"
+        if error is not None:
+            fallback = error
+            strategy, spec = "random_stratified", STRATEGIES["random_stratified"]
+            feats_ND = None
+            gen = torch.Generator().manual_seed(gen_seed)
+            result, _ = self._solve(spec, strategy, None, None, domain_N, C, kappa, eta, gen)
         t_solve = _sync_time(t2)
 
         t3 = time.perf_counter()
         sel_K = result.indices
-        if self.check_consistency and world > 1:
+        if self.check_consistency and multi:
             self._check_same_selection(sel_K)
+        weights_K = result.weights
         if owner_P is not None:
             per_rank = kappa // world
-            if per_rank * world != kappa:
-                # An uneven end-of-epoch pool: trim so every rank trains the same number.
-                sel_K = sel_K[: per_rank * world]
             owner_K, lidx_K = owner_P[sel_K], local_P[sel_K]
             target_K = plan_rebalance(owner_K, world, per_rank)
             new_batch = exchange_examples(
@@ -330,27 +342,30 @@ class DataSelection(Algorithm):
                 owner_K=owner_K.cpu(),
                 local_index_K=lidx_K.cpu(),
                 target_K=target_K.cpu(),
-                rank=dist.get_global_rank(),
+                rank=rank,
                 world_size=world,
                 n_local=n,
             )
-            weights_K = None
             if result.weights is not None:
-                mine = (target_K == dist.get_global_rank()) & (owner_K == dist.get_global_rank())
-                theirs = (target_K == dist.get_global_rank()) & (owner_K != dist.get_global_rank())
+                # Same order as the exchanged batch: kept examples first, then received ones.
+                mine = (target_K == rank) & (owner_K == rank)
+                theirs = (target_K == rank) & (owner_K != rank)
                 weights_K = torch.cat([result.weights[mine], result.weights[theirs]])
         else:
             idx = sel_K.to(batch["domain_id"].device)
             new_batch = _subset(batch, idx, n)
-            weights_K = result.weights
-        if self.weighted_loss and weights_K is not None and weights_K.numel() > 0:
-            w = weights_K.detach().to(torch.float32).cpu()
-            new_batch["loss_weight"] = w / w.mean().clamp_min(1e-12)
+        if self.weighted_loss:
+            n_trained = int(new_batch["domain_id"].shape[0])
+            loss_weight_K = self._loss_weights(
+                weights_K, result.weights, multi=multi, world=world, n_trained=n_trained, device=device
+            )
+            if loss_weight_K is not None:
+                new_batch["loss_weight"] = loss_weight_K
         t_exchange = time.perf_counter() - t3 + t_gather
 
         state.batch = new_batch
-        if fallback:
-            self.fallbacks += 1
+        if fallback is not None:
+            self._note_fallback(step, fallback)
         self._record(
             logger,
             result=result,
@@ -358,18 +373,111 @@ class DataSelection(Algorithm):
             pool_local_C=pool_local_C,
             new_batch=new_batch,
             strategy=strategy,
-            fallback=fallback,
+            fallback=fallback is not None,
             times=(t_feat, t_solve, t_exchange),
         )
         if "sample_id" in batch:  # the pool's dataset indices, for MixtureMonitor(log_selected_ids=True)
             self.last_stats["pool_sample_ids_local"] = batch["sample_id"]
 
-    def _features(self, state: State, batch: Mapping[str, Any], step: int):
+    def _solve(self, spec, strategy, feats_ND, gbar_D, domain_N, C, kappa, eta, gen):
+        """Run the strategy; returns `(result, None)`, or `(None, reason)` when the problem is numerically broken."""
+        from composer_algos.selection import SelectionNumericsError, compute_capacities
+
+        capacities = None
+        if spec.uses_capacities:
+            counts_C = torch.bincount(domain_N, minlength=C)
+            capacities = compute_capacities(counts_C, kappa, self._fractions, generator=gen)
+        options = dict(self.strategy_options.get(strategy, {})) if strategy == self.strategy else {}
+        try:
+            result = spec.fn(
+                features=feats_ND,
+                val_feature=gbar_D,
+                domain_ids=domain_N,
+                num_domains=C,
+                kappa=kappa,
+                eta=eta,
+                generator=gen,
+                capacities=capacities,
+                **options,
+            )
+        except (SelectionNumericsError, torch.linalg.LinAlgError) as e:
+            return None, f"{strategy} failed numerically ({e})"
+        if result.objective is not None and not bool(torch.isfinite(result.objective).all()):
+            return None, f"{strategy} returned a non-finite objective ({float(result.objective)})"
+        if result.weights is not None and not bool(torch.isfinite(result.weights).all()):
+            return None, f"{strategy} returned non-finite weights"
+        return result, None
+
+    def _loss_weights(
+        self,
+        weights_K: torch.Tensor | None,
+        all_weights: torch.Tensor | None,
+        *,
+        multi: bool,
+        world: int,
+        n_trained: int,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """Per-example loss weights `w_i / mean(w)`, the mean taken over the selected examples of ALL ranks.
+
+        Composer scales each microbatch's loss by its share of the mean per-rank batch and DDP
+        averages the ranks, so with the model's loss `sum_i w_i l_i / n_microbatch` (see
+        `DomainCausalLM`) the step optimises `sum_i w_i l_i / sum_i w_i` over every selected example
+        of every rank and microbatch. Under global scope every rank holds all weights; under local
+        scope one all-reduce (every step, on every rank) sums them, and a rank without weights (a
+        fallback) gives its examples the mean weight. None (unweighted) when no rank has weights.
+        """
+        if multi:
+            if all_weights is None:
+                return None
+            total = float(all_weights.detach().double().sum())
+            count = float(all_weights.numel())
+        else:
+            sums = torch.zeros(2, dtype=torch.float64, device=device)
+            if weights_K is not None:
+                sums[0], sums[1] = weights_K.detach().double().sum(), float(weights_K.numel())
+            if world > 1:
+                dist.all_reduce(sums, reduce_operation="SUM")
+            total, count = sums.tolist()
+        mean = total / count if count > 0 else 0.0
+        if not (mean > 0 and math.isfinite(mean)):
+            return None
+        if weights_K is None:
+            return torch.ones(n_trained, dtype=torch.float32)
+        return (weights_K.detach().double().cpu() / mean).to(torch.float32)
+
+    def _settle_simulated_adam(self, multi: bool, *, failed: bool) -> None:
+        """Under global scope, advance the simulated-Adam filter with every rank's pool (or with none).
+
+        Each rank's filter would otherwise follow its own pool, so the gathered rows would be
+        normalised differently and only rank 0's state would reach the checkpoint.
+        """
+        ext = self.extractor
+        if not multi or ext is None or ext.normalization != "adam_simulated":
+            return
+        if failed:
+            ext.simulated.discard()
+        else:
+            ext.simulated.commit_global(lambda t: dist.all_reduce(t, reduce_operation="SUM"))
+
+    def _note_fallback(self, step: int, reason: str) -> None:
+        """Count a fallback and log it (every time: `warnings.warn` would show it once per call site)."""
+        self.fallbacks += 1
+        log.warning(
+            "data_selection step %d: %s; falling back to random selection within capacities (%d fallbacks so far)",
+            step,
+            reason,
+            self.fallbacks,
+        )
+
+    def _features(self, state: State, batch: Mapping[str, Any], step: int, *, defer_commits: bool = False):
+        """`(features, gbar, None)`, or `(None, None, reason)` when the features are unusable."""
         from composer_algos.features import FeatureError
 
         if self.extractor is None:
             self._build_extractor(state)
         assert self.extractor is not None
+        self.extractor.simulated.defer_commits = defer_commits
         device = next(p.device for p in state.model.parameters())
         pool = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
         val = None
@@ -380,12 +488,9 @@ class DataSelection(Algorithm):
             feats, gbar = self.extractor.compute(
                 pool, val, step=step, optimizer=state.optimizers[0] if state.optimizers else None
             )
-            return feats, gbar, False
+            return feats, gbar, None
         except FeatureError as e:
-            warnings.warn(
-                f"data_selection step {step}: {e}; falling back to random selection within capacities", stacklevel=2
-            )
-            return None, None, True
+            return None, None, f"unusable gradient features ({e})"
 
     def _is_active(self, state: State, step: int) -> bool:
         elapsed = state.get_elapsed_duration()
@@ -411,8 +516,14 @@ class DataSelection(Algorithm):
             "selection/fallback": float(fallback),
             "selection/fallbacks_total": float(self.fallbacks),
         }
-        if result.objective is not None:
-            metrics["selection/objective"] = float(result.objective)
+        # The scale-free objective: Phi = eta * f(S) for the weighted strategies (solved in v = eta * w,
+        # so it does not blow up as 1/eta during warm-up); the strategy's own score otherwise.
+        objective = result.info.get("objective_scaled", result.objective)
+        if objective is not None:
+            metrics["selection/objective"] = float(objective)
+        for key in ("singular_pivots", "ridge_share"):
+            if key in result.info:
+                metrics[f"selection/{key}"] = float(result.info[key])
         # A 24-bit digest of the selected pool positions (exact in float32 loggers), so runs and
         # ranks can be compared step by step.
         digest = hashlib.sha1(torch.sort(result.indices.cpu()).values.numpy().tobytes()).digest()

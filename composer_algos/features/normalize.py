@@ -6,7 +6,7 @@ Shapes: n rows, D features of one layer, O = d_out, I = d_in (I+1 with a bias co
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -114,6 +114,12 @@ class SimulatedAdam:
     mode the filter acts on the sketch coordinates, which stay comparable across steps because the
     projections are fixed.
 
+    Across ranks (global-scope selection, where the gathered rows of every rank are compared in one
+    problem) the state must be one: set `defer_commits` so `commit` leaves the pool sums pending,
+    then call `commit_global` on every rank (or `discard` on every rank, when the step falls back):
+    the state advances with the means over all ranks' pools, identically everywhere, so rank 0's
+    checkpoint is every rank's state.
+
     Args:
         betas: (b1, b2).
         eps: added to `sqrt(v_hat)`.
@@ -128,6 +134,7 @@ class SimulatedAdam:
         self._sum: dict[str, torch.Tensor] = {}
         self._sum_sq: dict[str, torch.Tensor] = {}
         self._rows: dict[str, int] = {}
+        self.defer_commits = False
 
     def filter(self, name: str, g_nD: torch.Tensor) -> torch.Tensor:
         """Filter one layer's features against the pre-call state (does not change the state).
@@ -161,7 +168,41 @@ class SimulatedAdam:
             self._rows[name] = g_nD.shape[0]
 
     def commit(self) -> None:
-        """Advance every layer's state with the pool means accumulated since the last commit."""
+        """Advance every layer's state with the pool means accumulated since the last commit.
+
+        With `defer_commits` set this does nothing: the sums stay pending for `commit_global`.
+        """
+        if not self.defer_commits:
+            self._advance()
+
+    def commit_global(self, all_reduce_sum: Callable[[torch.Tensor], None]) -> None:
+        """Advance with the pool means over every rank's pending rows (a collective: call it on every rank).
+
+        Args:
+            all_reduce_sum: sums a tensor in place across ranks, e.g.
+                `lambda t: dist.all_reduce(t, reduce_operation="SUM")`. One call, float64, holding every
+                layer's sums, sums of squares and row counts (layers in name order).
+        """
+        names = sorted(self._sum)
+        if names:
+            parts = []
+            for k in names:
+                rows = self._sum[k].new_full((1,), self._rows[k])
+                parts += [self._sum[k].double(), self._sum_sq[k].double(), rows.double()]
+            flat = torch.cat(parts)
+            all_reduce_sum(flat)
+            offset = 0
+            for k in names:
+                width = self._sum[k].shape[0]
+                dtype = self._sum[k].dtype
+                self._sum[k] = flat[offset : offset + width].to(dtype)
+                self._sum_sq[k] = flat[offset + width : offset + 2 * width].to(dtype)
+                self._rows[k] = int(round(float(flat[offset + 2 * width])))
+                offset += 2 * width + 1
+        self._advance()
+
+    def _advance(self) -> None:
+        """Move the state one step with the pending pool means, then clear them."""
         b1, b2 = self.betas
         for name, total in self._sum.items():
             rows = self._rows[name]

@@ -24,10 +24,11 @@ from composer_algos.selection.partitionsel import PartitionSelOptions, omp_selec
 from composer_algos.selection.random_select import select_random, select_random_stratified
 from composer_algos.selection.refit import refit_exact
 from composer_algos.selection.swap import refine_swap
-from composer_algos.selection.types import SelectionResult, StrategySpec
+from composer_algos.selection.types import SelectionNumericsError, SelectionResult, StrategySpec
 
 __all__ = [
     "SelectionResult",
+    "SelectionNumericsError",
     "StrategySpec",
     "STRATEGIES",
     "get_strategy",

@@ -17,6 +17,7 @@ import torch
 
 from composer_algos.selection.gram_rows import GramRows
 from composer_algos.selection.refit import refit_exact
+from composer_algos.selection.types import SelectionNumericsError
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +349,10 @@ class ActiveSetState:
         kr_AA = kr_AA + self.ridge_abs * torch.eye(a, dtype=kr_AA.dtype, device=kr_AA.device)
         chol_AA, info = torch.linalg.cholesky_ex(kr_AA)
         if int(info) != 0:
-            raise RuntimeError(f"ActiveSetState: active Gram block lost definiteness (info={int(info)})")
+            raise SelectionNumericsError(
+                f"ActiveSetState: the active Gram block lost definiteness (Cholesky info={int(info)}, "
+                f"{a} active elements, ridge {self.ridge_abs:g}); raise `ridge` above 0"
+            )
         self.p_MM[:a, :a] = torch.cholesky_inverse(chol_AA)
         self.v_M[:a] = torch.cholesky_solve(self.mu_N[act_A].unsqueeze(1), chol_AA).squeeze(1)
         self.grad_N = torch.addmv(self.mu_N, self.rows_MN[:a].T, self.v_M[:a], alpha=-1.0)

@@ -24,7 +24,17 @@ __all__ = [
     "empty_result",
     "finish_result",
     "check_finite",
+    "SelectionNumericsError",
 ]
+
+
+class SelectionNumericsError(ValueError):
+    """The selection problem is numerically broken (non-finite inputs, a Gram block that lost definiteness).
+
+    A ``ValueError`` for callers that only distinguish bad input; the ``DataSelection`` algorithm
+    catches this type (and only this subclass of ``ValueError``) to fall back to random selection
+    within capacities for the step, while bad options and shapes still stop the run.
+    """
 
 
 @dataclass
@@ -302,7 +312,7 @@ def check_finite(strategy: str, **tensors: torch.Tensor) -> None:
     need not be scanned.
 
     Raises:
-        ValueError: naming the non-finite tensors.
+        SelectionNumericsError: naming the non-finite tensors.
     """
     names = [name for name, t in tensors.items() if t is not None and t.numel() > 0]
     if not names:
@@ -310,7 +320,7 @@ def check_finite(strategy: str, **tensors: torch.Tensor) -> None:
     finite = torch.stack([torch.isfinite(tensors[name]).all() for name in names]).tolist()
     bad = [name for name, ok in zip(names, finite) if not ok]
     if bad:
-        raise ValueError(
+        raise SelectionNumericsError(
             f"{strategy}: non-finite values (NaN/inf) in {bad}; the gradient features or the validation "
             "feature are broken (fall back to `random` for this step)"
         )

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 
 import pytest
 import torch
+from composer.core import Callback
 from composer.loggers import InMemoryLogger
 
 import train
+from composer_algos.models import per_example_loss
 from composer_algos.selection import STRATEGIES
 from composer_algos.selection_algorithm import SELECTION_STRATEGIES, DataSelection
 from pipeline.config import load_config
@@ -106,7 +110,7 @@ def test_bad_strategy_is_rejected_with_the_allowed_list(dolma_shards, tmp_path):
         _build(dolma_shards, tmp_path / "bad", "algorithms.data_selection.strategy=best")
 
 
-def test_feature_failure_falls_back_to_random_within_capacities(dolma_shards, tmp_path, monkeypatch):
+def test_feature_failure_falls_back_to_random_within_capacities(dolma_shards, tmp_path, monkeypatch, caplog):
     from composer_algos.features import FeatureError, GradFeatureExtractor
 
     def broken(self, *a, **k):
@@ -115,7 +119,52 @@ def test_feature_failure_falls_back_to_random_within_capacities(dolma_shards, tm
     monkeypatch.setattr(GradFeatureExtractor, "compute", broken)
     trainer = _build(dolma_shards, tmp_path / "fb")
     algo, rec = _spy(trainer)
-    with pytest.warns(UserWarning, match="falling back"):
-        trainer.fit()
+    caplog.set_level(logging.WARNING, logger="composer_algos.selection_algorithm")
+    trainer.fit()
     assert algo.fallbacks == 3
     assert all(s["input_ids"].shape[0] == 4 for s in rec["selected"])
+    # Logged every time (warnings.warn would have shown it once per call site).
+    assert sum("falling back" in r.getMessage() for r in caplog.records) == 3
+    mem = next(d for d in trainer.logger.destinations if isinstance(d, InMemoryLogger))
+    assert [v for _, v in mem.data["selection/fallbacks_total"]] == [1.0, 2.0, 3.0]
+
+
+class _GradProbe(Callback):
+    """Copies the model and the selected batch before the step, and the accumulated gradients after it."""
+
+    def __init__(self) -> None:
+        self.model = self.batch = self.grads = None
+
+    def after_dataloader(self, state, logger) -> None:
+        self.model = copy.deepcopy(state.model.model)
+        self.batch = {k: v.clone() for k, v in state.batch.items()}
+
+    def after_train_batch(self, state, logger) -> None:
+        self.grads = {n: p.grad.clone() for n, p in state.model.model.named_parameters() if p.grad is not None}
+
+
+def test_weighted_loss_over_microbatches_is_the_weighted_mean_of_the_selection(dolma_shards, tmp_path):
+    # kappa 4 in microbatches of 1: the accumulated gradient must be that of sum_i w_i l_i / sum_i w_i
+    # over the 4 selected examples computed in one pass (not a mean of per-microbatch weighted means).
+    trainer = _build(
+        dolma_shards,
+        tmp_path / "wl",
+        "algorithms.data_selection.weighted_loss=true",
+        "device_train_microbatch_size=1",
+        "max_duration=1ba",
+    )
+    probe = _GradProbe()
+    trainer.state.callbacks.append(probe)
+    trainer.fit()
+    batch = probe.batch
+    w = batch["loss_weight"].double()
+    assert w.shape[0] == 4 and float(w.std()) > 0.05  # uneven weights, or the test proves nothing
+    model = probe.model.train()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    losses = per_example_loss(logits, batch["labels"]).double()
+    ref = (w * losses).sum() / w.sum()
+    ref.backward()
+    ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(ref_grads) == set(probe.grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(probe.grads[name], g.to(probe.grads[name].dtype), rtol=1e-4, atol=1e-7)
