@@ -16,34 +16,41 @@ import logging
 import math
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from composer import Trainer
-from composer.loggers import FileLogger
-from composer.utils import dist, reproducibility
-from omegaconf import OmegaConf
-
-from composer_algos.builders import (
-    ALGORITHMS,
-    CALLBACKS,
-    LOGGERS,
-    build_optimizer,
-    build_registered,
-    build_scheduler,
-)
-from composer_algos.models import build_causal_lm
 from pipeline.config import TrainConfig, load_config
-from pipeline.dataset import split_samples
-from pipeline.loaders import build_domain_evaluators, build_train_dataloader, load_domain_weights_file
-from pipeline.manifest import load_manifest
-from pipeline.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from composer import Trainer
+
+# torch, composer, transformers and streaming take ~10 s to import: they are imported inside the
+# functions below, after the arguments are parsed, so `train.py --help` and config errors are instant.
 
 log = logging.getLogger("train")
 
 
 def build_trainer(cfg: TrainConfig) -> Trainer:
     """Build every object of the run described by `cfg` and return the (unfitted) Trainer."""
+    import torch
+    from composer import Trainer
+    from composer.loggers import FileLogger
+    from composer.utils import dist, reproducibility
+
+    from composer_algos.builders import (
+        ALGORITHMS,
+        CALLBACKS,
+        LOGGERS,
+        build_optimizer,
+        build_registered,
+        build_scheduler,
+    )
+    from composer_algos.file_logger import AppendFileLogger
+    from composer_algos.models import build_causal_lm
+    from pipeline.dataset import split_samples
+    from pipeline.loaders import build_domain_evaluators, build_train_dataloader, load_domain_weights_file
+    from pipeline.manifest import load_manifest
+    from pipeline.tokenizer import load_tokenizer
+
     reproducibility.seed_all(cfg.seed)
     world = dist.get_world_size()
     if cfg.global_train_batch_size % world:
@@ -132,7 +139,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     callbacks = [build_registered("callback", CALLBACKS, n, kw, context) for n, kw in callback_cfgs.items()]
     loggers = [build_registered("logger", LOGGERS, n, kw, context) for n, kw in cfg.loggers.items()]
     if cfg.save_folder and not any(isinstance(lg, FileLogger) for lg in loggers):
-        loggers.append(FileLogger(filename=os.path.join(cfg.save_folder, "log-rank{rank}.txt"), flush_interval=50))
+        log_file = os.path.join(cfg.save_folder, "log-rank{rank}.txt")
+        loggers.append(AppendFileLogger(filename=log_file, flush_interval=50))  # kept across autoresume
 
     precision = cfg.precision or ("amp_bf16" if torch.cuda.is_available() else "fp32")
     if cfg.device_train_microbatch_size == "auto" and not torch.cuda.is_available():
@@ -199,6 +207,13 @@ def main(argv: list[str]) -> Trainer:
         raise SystemExit(0 if argv else 2)
     cfg = load_config(argv[0], argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    from composer.utils import dist
+    from omegaconf import OmegaConf
+
+    from pipeline.streaming_cleanup import clean_stale_streaming_resources
+
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        clean_stale_streaming_resources()  # left by killed runs; only what no live process holds
     trainer = build_trainer(cfg)
     if cfg.save_folder and dist.get_global_rank() == 0:
         os.makedirs(cfg.save_folder, exist_ok=True)

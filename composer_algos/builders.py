@@ -36,7 +36,7 @@ CALLBACKS: dict[str, str] = {
     "optimizer_monitor": "composer.callbacks:OptimizerMonitor",
 }
 LOGGERS: dict[str, str] = {
-    "file": "composer.loggers:FileLogger",
+    "file": "composer_algos.file_logger:AppendFileLogger",  # appends on autoresume (Composer 0.32.1 truncates)
     "wandb": "composer.loggers:WandBLogger",
     "mlflow": "composer.loggers:MLFlowLogger",
     "tensorboard": "composer.loggers:TensorboardLogger",

@@ -66,6 +66,7 @@ def build_train_dataloader(
         epoch_size=epoch_size,
         batch_size=device_batch_size,
     )
+    _check_pool_fits_split(dataset, device_batch_size, drop_last, shard_dir=shard_dir, split=split)
     loader = DataLoader(
         dataset,
         batch_size=device_batch_size,
@@ -129,6 +130,22 @@ def load_domain_weights_file(path: str) -> dict[str, float]:
     from composer_algos.mixture_io import read_mixture_json
 
     return dict(read_mixture_json(path).weights)
+
+
+def _check_pool_fits_split(
+    dataset: DomainStreamingDataset, device_batch_size: int, drop_last: bool, *, shard_dir: str, split: str
+) -> None:
+    # Each rank reads ceil(epoch_size / ranks) samples an epoch, in batches of device_batch_size;
+    # with drop_last and fewer samples than one batch the loader yields nothing, and Composer
+    # starts epoch after empty epoch without ever reaching max_duration.
+    from composer.utils import dist
+
+    if not drop_last or dataset.length >= device_batch_size:
+        return
+    ranks = dist.get_world_size()
+    raise ValueError(
+        f"the candidate pool of {device_batch_size * ranks} examples a step ({device_batch_size} per rank x {ranks} ranks = global_train_batch_size x algorithms.data_selection.oversampling) is larger than the {dataset.epoch_size} samples an epoch of the {split!r} split in {shard_dir} ({dataset.length} per rank): the loader would yield no batch and the run would hang; lower global_train_batch_size or oversampling so that the pool is at most {dataset.length} examples per rank, or shard more data (or raise train_loader.dataset.epoch_size)"
+    )
 
 
 def _check_seq_len(shard_len: int, run_len: int, shard_dir: str) -> None:

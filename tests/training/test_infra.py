@@ -1,0 +1,231 @@
+"""Training infrastructure: a fast `--help`, a clear error for a pool larger than the split, log
+files kept across autoresume, and stale Streaming shared memory / file locks cleaned at start."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import train
+from pipeline import streaming_cleanup
+from pipeline.config import load_config
+from pipeline.dataset import split_samples
+from pipeline.manifest import load_manifest
+from tests.common.paths import REPO_ROOT
+from tests.training.conftest import tiny_overrides
+
+TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+HEAVY = ("torch", "composer", "transformers", "streaming")
+
+
+def test_train_help_is_fast_and_imports_no_heavy_library():
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = ['train.py', '--help']\n"
+        "try:\n"
+        "    runpy.run_path('train.py', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print('HEAVY=' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Usage:" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "HEAVY=", out.stdout[-500:]
+
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO_ROOT, env=env, capture_output=True)
+    elapsed = time.perf_counter() - t0
+    print(f"python train.py --help: {elapsed:.2f} s")
+    assert res.returncode == 0
+    assert elapsed < 2.0, f"python train.py --help took {elapsed:.2f} s (target < 2 s)"
+
+
+def _train_samples(shard_dir: Path) -> int:
+    return sum(split_samples(d, "train") for d in load_manifest(str(shard_dir)).domains)
+
+
+def test_pool_larger_than_train_split_raises_naming_sizes_and_fix(dolma_shards, tmp_path):
+    total = _train_samples(dolma_shards)
+    batch = total // 3 + 2  # oversampling 3 in tiny_overrides: the pool is 3 * batch > total
+    pool = 3 * batch
+    assert pool > total
+    cfg = load_config(
+        TINY,
+        tiny_overrides(
+            dolma_shards, tmp_path / "big", "eval_loader=null", f"global_train_batch_size={batch}"
+        ),
+    )
+    with pytest.raises(ValueError) as err:
+        train.build_trainer(cfg)
+    msg = str(err.value)
+    assert str(pool) in msg and str(total) in msg, msg
+    assert "global_train_batch_size" in msg and "oversampling" in msg, msg
+
+
+def test_pool_equal_to_train_split_is_accepted(dolma_shards, tmp_path):
+    total = _train_samples(dolma_shards)
+    cfg = load_config(
+        TINY,
+        tiny_overrides(
+            dolma_shards,
+            tmp_path / "fits",
+            "eval_loader=null",
+            f"global_train_batch_size={total // 3}",
+            "max_duration=1ba",
+        ),
+    )
+    trainer = train.build_trainer(cfg)  # 3 * (total // 3) <= total: at least one full pool per epoch
+    trainer.close()
+
+
+def test_autoresumed_run_keeps_first_runs_log_lines(dolma_shards, tmp_path):
+    run = tmp_path / "auto"
+    args = tiny_overrides(
+        dolma_shards,
+        run,
+        "eval_loader=null",
+        "run_name=autoresume-log",
+        "autoresume=true",
+        "max_duration=4ba",
+        "save_interval=2ba",
+        "algorithms.data_selection.strategy=random",
+    )
+    first = train.build_trainer(load_config(TINY, args))
+    first.fit(duration="2ba")  # stop after the checkpoint at batch 2, as a preempted run would
+    first.close()
+    log_file = run / "log-rank0.txt"
+    first_lines = log_file.read_text().splitlines()
+    assert any("[batch=1]" in line for line in first_lines)
+
+    second = train.build_trainer(load_config(TINY, args))
+    second.fit()
+    assert second.state.timestamp.batch.value == 4
+    second.close()
+    lines = log_file.read_text().splitlines()
+    assert lines[: len(first_lines)] == first_lines
+    assert any("[batch=3]" in line for line in lines[len(first_lines) :])
+
+
+# ---- stale Streaming shared memory and file locks ------------------------------------------------
+
+
+def _hold(path: Path, how: str) -> subprocess.Popen:
+    """A child process that keeps `path` mapped (`mmap`) or flock-ed (`flock`) until killed."""
+    code = (
+        "import fcntl, mmap, os, sys, time\n"
+        f"fd = os.open({str(path)!r}, os.O_RDWR)\n"
+        + ("m = mmap.mmap(fd, 0)\nos.close(fd)\n" if how == "mmap" else "fcntl.flock(fd, fcntl.LOCK_EX)\n")
+        + "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _make(path: Path) -> Path:
+    path.write_bytes(b"\0" * mmap.PAGESIZE)
+    return path
+
+
+def test_clean_stale_removes_only_prefixes_no_live_process_holds(tmp_path):
+    shm, locks = tmp_path / "shm", tmp_path / "locks"
+    shm.mkdir()
+    locks.mkdir()
+    # 000000: a live run's shared memory (mapped by a live process) -> kept, with its file locks.
+    live = [
+        _make(shm / "000000_locals"),
+        _make(shm / "000000_barrier"),
+        _make(locks / "000000_barrier_filelock"),
+    ]
+    # 000001: left by a killed run -> removed.
+    stale = [
+        _make(shm / "000001_locals"),
+        _make(shm / "000001_epoch_data"),
+        _make(locks / "000001_cache_filelock"),
+    ]
+    # 000002: only a lock file, but flock-ed by a live process right now -> kept.
+    locked = _make(locks / "000002_barrier_filelock")
+    # 000003: a stale lock file alone (its run's shared memory is gone) -> removed.
+    stale_lock = _make(locks / "000003_cache_filelock")
+    # Not Streaming's names -> never touched.
+    others = [_make(shm / "000004_something_else"), _make(locks / "notes_filelock"), _make(shm / "psm_1234")]
+    holders = [_hold(shm / "000000_barrier", "mmap"), _hold(locked, "flock")]
+    try:
+        removed = streaming_cleanup.clean_stale_streaming_resources(shm_dir=str(shm), lock_dir=str(locks))
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait()
+    assert sorted(removed) == sorted(str(p) for p in [*stale, stale_lock])
+    for p in [*live, locked, *others]:
+        assert p.exists(), p
+    for p in [*stale, stale_lock]:
+        assert not p.exists(), p
+
+
+def test_clean_stale_removes_shared_memory_of_a_killed_streaming_process(dolma_shards):
+    """A real StreamingDataset killed with SIGKILL leaves /dev/shm entries; the cleaner removes them."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this platform")
+    code = (
+        "import os, signal, sys\n"
+        "from pipeline.dataset import DomainStreamingDataset\n"
+        f"ds = DomainStreamingDataset(shard_dir={str(dolma_shards)!r}, split='val', shuffle=False, batch_size=2)\n"
+        "next(iter(ds))\n"
+        "print(ds._shm_prefix_int, flush=True)\n"
+        # The whole process group, as a job scheduler or the launcher kills it: multiprocessing's
+        # resource tracker (which would otherwise unlink the shared memory) dies too.
+        "os.killpg(os.getpgid(0), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+    )
+    assert res.returncode == -9, res.stderr[-2000:]
+    prefix = int(res.stdout.split()[-1])
+    locals_shm = Path("/dev/shm") / f"{prefix:06}_locals"
+    assert locals_shm.exists()  # SIGKILL skips Streaming's atexit cleanup
+    # Only the killed run's locals name our shard dir; check that to stay safe next to other jobs.
+    assert str(dolma_shards) in locals_shm.read_bytes().decode("utf-8", "replace")
+    removed = streaming_cleanup.clean_stale_streaming_resources()
+    assert str(locals_shm) in removed
+    assert not locals_shm.exists()
+    assert not (Path(tempfile.gettempdir()) / f"{prefix:06}_barrier_filelock").exists()
+
+
+def test_train_main_cleans_stale_entries_before_building(monkeypatch, tmp_path, dolma_shards):
+    shm, locks = tmp_path / "shm", tmp_path / "locks"
+    shm.mkdir()
+    locks.mkdir()
+    stale = [_make(shm / "000007_locals"), _make(locks / "000007_barrier_filelock")]
+    monkeypatch.setattr(streaming_cleanup, "SHM_DIR", str(shm))
+    monkeypatch.setattr(tempfile, "tempdir", str(locks))
+
+    class Stop(Exception):
+        pass
+
+    def stop(cfg):
+        raise Stop
+
+    monkeypatch.setattr(train, "build_trainer", stop)
+    with pytest.raises(Stop):
+        train.main([str(TINY), *tiny_overrides(dolma_shards, tmp_path / "run")])
+    for p in stale:
+        assert not p.exists(), p
