@@ -112,6 +112,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             pad_token_id=pad_id,
             max_seq_len=cfg.max_seq_len,
             domains=data.domains,
+            guide_fraction=ev.guide_fraction,
         )
 
     model_kwargs: dict[str, Any] = dataclasses.asdict(cfg.model)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pipeline.collators import build_collator
 from pipeline.dataset import DomainStreamingDataset
+from pipeline.holdout import DEFAULT_GUIDE_FRACTION, dataset_guide_mask
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,10 @@ class ValidationSource:
     `[s * batch_size, (s + 1) * batch_size)` of the concatenated epochs. No state needs saving
     for an exact resume, and each rank draws different examples.
 
+    Only the guide part of each domain's split is drawn from (`pipeline.holdout.guide_mask`,
+    `guide_fraction` of it); the per-domain evaluators and `tools/evaluate.py ppl` read the rest,
+    so no evaluated example ever guides a selection.
+
     Args:
         shard_dir: Shard directory (the output of `tools/shard.py`).
         split: Which split to draw from (default `val`).
@@ -33,6 +39,11 @@ class ValidationSource:
         pad_token_id: Padding id for the collator.
         max_seq_len: Sequence length of the run.
         remote: Optional remote root of the shards.
+        guide_fraction: Share of each domain's split to draw from (default 0.5; 1 draws from
+            all of it, leaving nothing held out for evaluation).
+
+    Raises:
+        ValueError: a batch size <= 0, a guide_fraction outside (0, 1], or an empty guide part.
     """
 
     def __init__(
@@ -47,15 +58,23 @@ class ValidationSource:
         pad_token_id: int,
         max_seq_len: int,
         remote: str | None = None,
+        guide_fraction: float = DEFAULT_GUIDE_FRACTION,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"validation.batch_size must be > 0, got {batch_size}")
+        if not 0.0 < guide_fraction <= 1.0:
+            raise ValueError(f"validation.guide_fraction must be in (0, 1], got {guide_fraction}")
         self.dataset = DomainStreamingDataset(
             shard_dir=shard_dir, split=split, domains=domains, remote=remote, shuffle=False
         )
-        self.num_samples = int(self.dataset.num_samples)
+        # Global sample ids of the guide part; draws are positions in this list.
+        self.sample_ids = np.flatnonzero(dataset_guide_mask(self.dataset, guide_fraction))
+        self.num_samples = int(self.sample_ids.size)
         if self.num_samples == 0:
-            raise ValueError(f"validation split {split!r} of {shard_dir} has no samples")
+            raise ValueError(
+                f"validation split {split!r} of {shard_dir} has no samples in its guide part "
+                f"(guide_fraction {guide_fraction}); shard with a larger validation split or raise guide_fraction"
+            )
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
@@ -70,7 +89,7 @@ class ValidationSource:
             epoch, pos = divmod(start + len(out), n)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(_mix(self.seed, self.rank, epoch)))
             take = min(n - pos, self.batch_size - len(out))
-            out.extend(perm[pos : pos + take].tolist())
+            out.extend(int(self.sample_ids[p]) for p in perm[pos : pos + take].tolist())
         return out
 
     def batch_for_step(self, step: int) -> dict[str, torch.Tensor]:

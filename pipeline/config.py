@@ -135,7 +135,13 @@ class LoaderConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    """Per-domain validation: one evaluator per domain, labelled `val/<domain>`."""
+    """Per-domain validation: one evaluator per domain, labelled `val/<domain>`.
+
+    `guide_fraction` is the share of each domain's split left out of evaluation because
+    validation-guided selection draws from it (`pipeline.holdout`); it must be >= the
+    selection's `algorithms.data_selection.validation.guide_fraction` when both read the same
+    split. 0 evaluates on the whole split (for shards selection never sees).
+    """
 
     shard_dir: str | None = None  # default: train_loader.dataset.shard_dir
     split: str = "val"
@@ -143,6 +149,7 @@ class EvalConfig:
     per_domain: bool = True
     subset_num_batches: int = -1
     remote: str | None = None
+    guide_fraction: float = 0.5
 
 
 @dataclass(kw_only=True)
@@ -252,6 +259,34 @@ class TrainConfig:
             )
         if self.device not in (None, "cpu", "gpu"):
             errs.append(f"device must be cpu or gpu (or unset for auto), got {self.device!r}")
+        errs += self._validate_guide_fractions()
+        return errs
+
+    def _validate_guide_fractions(self) -> list[str]:
+        """Evaluation must not read the validation examples that guide selection (see pipeline.holdout)."""
+        errs = []
+        ev = self.eval_loader
+        if ev is not None and not 0.0 <= ev.guide_fraction < 1.0:
+            errs.append(f"eval_loader.guide_fraction must be in [0, 1) (0: the whole split), got {ev.guide_fraction}")
+        selection = self.algorithms.get("data_selection")
+        val = (selection or {}).get("validation") or {}
+        guide = val.get("guide_fraction", 0.5)
+        if selection is None or not isinstance(guide, (int, float)):
+            return errs
+        if not 0.0 < guide <= 1.0:
+            errs.append(f"algorithms.data_selection.validation.guide_fraction must be in (0, 1], got {guide}")
+        same_split = (
+            ev is not None
+            and (ev.shard_dir or self.train_loader.dataset.shard_dir)
+            == val.get("shard_dir", self.train_loader.dataset.shard_dir)
+            and ev.split == val.get("split", "val")
+        )
+        if same_split and ev is not None and ev.guide_fraction < guide:
+            errs.append(
+                f"eval_loader.guide_fraction {ev.guide_fraction} is below "
+                f"algorithms.data_selection.validation.guide_fraction {guide}: evaluation would read validation "
+                f"examples that guide selection; set eval_loader.guide_fraction={guide}"
+            )
         return errs
 
 

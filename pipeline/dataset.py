@@ -64,6 +64,7 @@ class DomainStreamingDataset(StreamingDataset):
             domain_weights=domain_weights,
         )
         self.domain_names: list[str] = [d.name for d in self.manifest.domains]
+        self.stream_domain_ids: list[int] = list(stream_domain_ids)  # manifest domain id of each stream
         self.split = split
         super().__init__(streams=streams, **kwargs)
         # stream index -> domain id in the manifest's order.

@@ -6,10 +6,12 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from composer.core import DataSpec, Evaluator
+from composer.utils import dist
 from torch.utils.data import DataLoader
 
 from pipeline.collators import build_collator
 from pipeline.dataset import DomainStreamingDataset, split_samples
+from pipeline.holdout import DEFAULT_GUIDE_FRACTION, heldout_subset
 from pipeline.manifest import load_manifest
 
 log = logging.getLogger(__name__)
@@ -91,10 +93,15 @@ def build_domain_evaluators(
     per_domain: bool = True,
     subset_num_batches: int = -1,
     domains: Sequence[str] | None = None,
+    guide_fraction: float = DEFAULT_GUIDE_FRACTION,
 ) -> list[Evaluator]:
     """One evaluator per domain (label `val/<domain>`), or one over all domains (`val/all`).
 
     Each reports LanguageCrossEntropy (validation log-perplexity) and LanguagePerplexity.
+    Evaluators read only the held-out part of each domain's split: the `guide_fraction` share
+    that validation-guided selection draws from (`pipeline.holdout`) is left out, so no
+    evaluated example ever guided a selection. `guide_fraction=0` reads the whole split (for
+    shards selection never sees); it must be >= the selection's `validation.guide_fraction`.
     """
     manifest = load_manifest(shard_dir)
     _check_seq_len(manifest.max_seq_len, max_seq_len, shard_dir)
@@ -112,8 +119,16 @@ def build_domain_evaluators(
         dataset = DomainStreamingDataset(
             shard_dir=shard_dir, split=split, remote=remote, domains=group, shuffle=False, batch_size=device_batch_size
         )
-        loader = DataLoader(dataset, batch_size=device_batch_size, collate_fn=collate, drop_last=False)
         label = f"val/{group[0]}" if per_domain else "val/all"
+        # A map-style view of the held-out samples; Composer drops a DistributedSampler's padding.
+        heldout = heldout_subset(dataset, guide_fraction, what=f"evaluator {label}")
+        loader = DataLoader(
+            heldout,
+            batch_size=device_batch_size,
+            collate_fn=collate,
+            drop_last=False,
+            sampler=dist.get_sampler(heldout, shuffle=False, drop_last=False),
+        )
         evaluators.append(
             Evaluator(
                 label=label,

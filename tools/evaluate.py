@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ppl", parents=[model_args], help="per-domain validation log-perplexity on shards")
     p.add_argument("--shards", required=True, help="output directory of tools/shard.py")
     p.add_argument("--split", default="val", choices=("train", "val"), help="split to score (default: val)")
+    p.add_argument(
+        "--guide-fraction",
+        type=float,
+        default=0.5,
+        help="leave out this share of each domain's split, the part that guides selection during training "
+        "(default 0.5, as the training evaluators; 0 scores the whole split)",
+    )
     p.add_argument("--domains", help="comma-separated domains (default: all)")
     p.add_argument("--max-batches", type=_positive_int, help="at most this many batches per domain")
     p.add_argument("--out", help="write the per-domain results as JSON here")
@@ -208,6 +215,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         shard_dir=args.shards,
         pad_token_id=pad,
         split=args.split,
+        guide_fraction=args.guide_fraction,
         domains=[d for d in args.domains.split(",") if d] if args.domains else None,
         batch_size=args.batch_size,
         max_batches=args.max_batches,

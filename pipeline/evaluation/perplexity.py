@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from pipeline.collators import build_collator
 from pipeline.dataset import DomainStreamingDataset, split_samples
+from pipeline.holdout import DEFAULT_GUIDE_FRACTION, heldout_subset
 from pipeline.manifest import load_manifest
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def domain_log_perplexity(
     max_batches: int | None = None,
     device: torch.device | str | None = None,
     show_progress: bool = True,
+    guide_fraction: float = DEFAULT_GUIDE_FRACTION,
 ) -> dict[str, dict[str, float]]:
     """Token-weighted mean next-token cross-entropy (log-perplexity) per domain.
 
@@ -49,6 +51,9 @@ def domain_log_perplexity(
         max_batches: Stop each domain after this many batches (None: all).
         device: Where to run (default: the model's device).
         show_progress: tqdm bar per domain.
+        guide_fraction: Leave out this share of each domain's split, the part validation-guided
+            selection draws from (`pipeline.holdout`), as the training evaluators do (default
+            0.5); 0 scores the whole split.
 
     Returns:
         {domain: {"log_ppl": ..., "ppl": ..., "tokens": ...}}.
@@ -71,7 +76,8 @@ def domain_log_perplexity(
             ds = DomainStreamingDataset(
                 shard_dir=shard_dir, split=split, domains=[name], shuffle=False, batch_size=batch_size
             )
-            loader = DataLoader(ds, batch_size=batch_size, collate_fn=collate)
+            heldout = heldout_subset(ds, guide_fraction, what=f"ppl {name}")
+            loader = DataLoader(heldout, batch_size=batch_size, collate_fn=collate)
             total = torch.zeros((), dtype=torch.float64, device=device)
             count = torch.zeros((), dtype=torch.long, device=device)
             bar = tqdm(loader, desc=f"ppl {name}", disable=not show_progress, leave=False)
