@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Arm", "LookaheadResult", "run_lookahead", "summarize", "format_summary"]
 
+# Diagnostic arms that select by exact full-model scores instead of features: against the guiding
+# gradient (Adam-weighted when the optimizer has state; plain for "oracle_sgd"), or against the
+# evaluation set's own gradient ("oracle_eval": cheating, an upper bound on what any selection can do).
+ORACLES = {"oracle": "adam", "oracle_sgd": "sgd", "oracle_eval": "eval"}
+
 # The loss-drop figures: (optimizer, evaluation set).
 STEPS = ("sgd", "opt")
 SETS = ("eval", "guide")
@@ -129,12 +134,14 @@ def run_lookahead(
         for size in sorted({a.guide_size or n_guide for a in arms}):
             g_b = _flat_grad(hf, params, _rows(guide, torch.arange(size)), None)
             result.guide_eval_cosine[size] = float(torch.nn.functional.cosine_similarity(g_b, g_eval, dim=0))
-        extractors = {a.name: GradFeatureExtractor(hf, seed=seed, **dict(a.features)) for a in arms}
+        extractors = {
+            a.name: GradFeatureExtractor(hf, seed=seed, **dict(a.features))
+            for a in arms
+            if a.strategy not in ORACLES
+        }
 
-        def drops_of(
-            batch: Mapping[str, torch.Tensor], weights_K: torch.Tensor | None
-        ) -> dict[tuple[str, str], float]:
-            grad_P = _flat_grad(hf, params, batch, weights_K)
+        def drops_of(grads_NP, tokens_N, idx_K, weights_K) -> dict[tuple[str, str], float]:
+            grad_P = _subset_grad(grads_NP, tokens_N, idx_K, weights_K)
             out = {}
             for step in STEPS:
                 _apply_step(step, params, theta0, grad_P, optimizer, opt_state0, sgd_lr)
@@ -147,60 +154,72 @@ def run_lookahead(
             gen = torch.Generator().manual_seed(seed + p_idx)
             domain_N = pool["domain_id"]
             caps_C = compute_capacities(torch.bincount(domain_N, minlength=num_domains), kappa, generator=gen)
-            rand = [
-                drops_of(_rows(pool, r.indices), None)
-                for r in (
-                    select_random_stratified(
-                        features=None,
-                        val_feature=None,
-                        domain_ids=domain_N,
-                        num_domains=num_domains,
-                        kappa=kappa,
-                        eta=eta,
-                        generator=gen,
-                        capacities=caps_C,
-                    )
-                    for _ in range(n_random)
-                )
-            ]
-            for key in rand[0]:
-                result.random_drops.setdefault(key, []).append([d[key] for d in rand])
-            exact_adam, exact_sgd = _exact_scores(hf, params, pool, g_guide, precond_P)
-            for arm in arms:
-                ex = extractors[arm.name]
-                guide_b = _rows(guide, torch.arange(arm.guide_size or n_guide))
-                spec = STRATEGIES[arm.strategy]
-                feats_ND = gbar_D = None
-                if spec.needs_features:
-                    feats_ND, gbar_D = ex.compute(
-                        pool, guide_b if spec.needs_validation else None, optimizer=optimizer
-                    )
-                res = spec.fn(
-                    features=feats_ND,
-                    val_feature=gbar_D,
+            # Exact full-model per-example gradients, once per pool: every subset's training gradient
+            # is a (token-weighted) mean of these rows, and they give the exact scores.
+            grads_NP, tokens_N = _per_example_grads(hf, params, pool)
+            exact = {
+                "adam": grads_NP @ (g_guide * precond_P if precond_P is not None else g_guide),
+                "sgd": grads_NP @ g_guide,
+                "eval": grads_NP @ (g_eval * precond_P if precond_P is not None else g_eval),
+            }
+            rand = []
+            for _ in range(n_random):
+                r = select_random_stratified(
+                    features=None,
+                    val_feature=None,
                     domain_ids=domain_N,
                     num_domains=num_domains,
                     kappa=kappa,
                     eta=eta,
-                    generator=torch.Generator().manual_seed(seed + p_idx),
-                    capacities=caps_C if spec.uses_capacities else None,
-                    **dict(arm.options),
+                    generator=gen,
+                    capacities=caps_C,
                 )
-                weights = res.weights if (arm.weighted_loss and res.weights is not None) else None
-                d = drops_of(_rows(pool, res.indices), weights)
+                rand.append(drops_of(grads_NP, tokens_N, r.indices, None))
+            for key in rand[0]:
+                result.random_drops.setdefault(key, []).append([d[key] for d in rand])
+            for arm in arms:
+                guide_b = _rows(guide, torch.arange(arm.guide_size or n_guide))
+                feats_ND = gbar_D = None
+                if arm.strategy in ORACLES:
+                    # Top kappa within the capacities by an exact score (no features): the best a
+                    # first-order selector guided by that gradient could do.
+                    idx_K, weights = _top_within(exact[ORACLES[arm.strategy]], domain_N, caps_C), None
+                else:
+                    ex = extractors[arm.name]
+                    spec = STRATEGIES[arm.strategy]
+                    if spec.needs_features:
+                        feats_ND, gbar_D = ex.compute(
+                            pool, guide_b if spec.needs_validation else None, optimizer=optimizer
+                        )
+                    res = spec.fn(
+                        features=feats_ND,
+                        val_feature=gbar_D,
+                        domain_ids=domain_N,
+                        num_domains=num_domains,
+                        kappa=kappa,
+                        eta=eta,
+                        generator=torch.Generator().manual_seed(seed + p_idx),
+                        capacities=caps_C if spec.uses_capacities else None,
+                        **dict(arm.options),
+                    )
+                    idx_K = res.indices
+                    weights = res.weights if (arm.weighted_loss and res.weights is not None) else None
+                d = drops_of(grads_NP, tokens_N, idx_K, weights)
                 arm_drops = result.drops.setdefault(arm.name, {})
                 for key, value in d.items():
                     arm_drops.setdefault(key, []).append(value)
-                result.selected.setdefault(arm.name, []).append(res.indices.tolist())
+                result.selected.setdefault(arm.name, []).append(idx_K.tolist())
                 if feats_ND is not None and gbar_D is not None:
                     scores = feats_ND.double() @ gbar_D.double()
                     fid = result.fidelity.setdefault(arm.name, {})
-                    fid.setdefault("exact_spearman", []).append(spearman(scores, exact_adam))
-                    fid.setdefault("exact_sgd_spearman", []).append(spearman(scores, exact_sgd))
-                    if ex.proj_dim:
-                        raw = ex.fidelity(pool, guide_b, optimizer=optimizer)["score_spearman"]
-                    else:
-                        raw = 1.0
+                    fid.setdefault("exact_spearman", []).append(spearman(scores, exact["adam"]))
+                    fid.setdefault("exact_sgd_spearman", []).append(spearman(scores, exact["sgd"]))
+                    ex = extractors[arm.name]
+                    raw = (
+                        ex.fidelity(pool, guide_b, optimizer=optimizer)["score_spearman"]
+                        if ex.proj_dim
+                        else 1.0
+                    )
                     fid.setdefault("raw_spearman", []).append(raw)
             if progress is not None:
                 progress(p_idx)
@@ -321,22 +340,38 @@ def _flat_grad(
     )
 
 
-def _exact_scores(
-    hf: nn.Module,
-    params: list[torch.Tensor],
-    pool: Mapping[str, torch.Tensor],
-    g_guide_P: torch.Tensor,
-    precond_P: torch.Tensor | None,
+def _per_example_grads(
+    hf: nn.Module, params: list[torch.Tensor], pool: Mapping[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact full-model per-example scores: (N,) `g_i^T P g_guide` (P = Adam's preconditioner, or I
-    without optimizer state) and (N,) `g_i^T g_guide` (SGD's first-order effect)."""
+    """(N, P) gradients of each example's loss (mean over its target tokens) and (N,) its target-token counts."""
     n = int(pool["input_ids"].shape[0])
-    weighted = g_guide_P * precond_P if precond_P is not None else g_guide_P
-    adam, sgd = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
-    for i in range(n):
-        g_i = _flat_grad(hf, params, _rows(pool, torch.tensor([i])), None)
-        adam[i], sgd[i] = float(g_i @ weighted), float(g_i @ g_guide_P)
-    return adam, sgd
+    rows = [_flat_grad(hf, params, _rows(pool, torch.tensor([i])), None) for i in range(n)]
+    tokens_N = (pool["labels"][:, 1:] != -100).sum(dim=1).clamp_min(1).to(torch.float32)
+    return torch.stack(rows), tokens_N
+
+
+def _subset_grad(
+    grads_NP: torch.Tensor, tokens_N: torch.Tensor, idx_K: torch.Tensor, weights_K: torch.Tensor | None
+) -> torch.Tensor:
+    """(P,) the training gradient on the subset: the token mean over its examples (the model's own
+    loss), or the weighted mean of per-example losses (`weighted_loss`)."""
+    idx_K = idx_K.to(grads_NP.device)
+    if weights_K is None:
+        w_K = tokens_N[idx_K]
+    else:
+        w_K = weights_K.to(grads_NP.dtype).to(grads_NP.device)
+    return (w_K[:, None] * grads_NP[idx_K]).sum(dim=0) / w_K.sum().clamp_min(1e-12)
+
+
+def _top_within(scores_N: torch.Tensor, domain_N: torch.Tensor, caps_C: torch.Tensor) -> torch.Tensor:
+    """The highest-scoring examples of each domain, `caps_C[c]` of domain c, as sorted pool positions."""
+    picks = []
+    for c in range(int(caps_C.numel())):
+        members = torch.nonzero(domain_N == c).flatten()
+        k = int(caps_C[c])
+        if k:
+            picks.append(members[torch.topk(scores_N[members], k).indices])
+    return torch.sort(torch.cat(picks)).values if picks else torch.zeros(0, dtype=torch.long)
 
 
 def _adam_preconditioner(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> torch.Tensor | None:

@@ -48,8 +48,19 @@ def test_selection_picks_the_copies_of_the_evaluation_examples_and_wins():
     before = [p.detach().clone() for p in model.parameters()]
     state_before = {k: v["exp_avg_sq"].clone() for k, v in zip(range(10**6), opt.state.values())}
     arm = Arm("ps", "partitionsel", features={"normalization": "none", "proj_dim": 0})
+    oracle = Arm("or", "oracle_eval")
     res = run_lookahead(
-        model, opt, pools, guide, evalset, [arm], kappa=4, num_domains=2, n_random=12, sgd_lr=0.5, seed=3
+        model,
+        opt,
+        pools,
+        guide,
+        evalset,
+        [arm, oracle],
+        kappa=4,
+        num_domains=2,
+        n_random=12,
+        sgd_lr=0.5,
+        seed=3,
     )
     for sel, cp in zip(res.selected["ps"], copies):
         assert len(set(sel) & set(cp)) >= 3, (sel, cp)
@@ -59,6 +70,10 @@ def test_selection_picks_the_copies_of_the_evaluation_examples_and_wins():
         assert row["win_fraction"] == 1.0, (key, row)
         assert row["diff_mean"] > 0
     assert "ps" in format_summary(summary)
+    assert (
+        summary["arms"]["or"]["opt/eval"]["diff_mean"] > 0
+    )  # selecting by the eval gradient itself helps it
+    assert len(res.selected["or"][0]) == 4
     # the model and the optimizer state are left exactly as found
     for p, p0 in zip(model.parameters(), before):
         assert torch.equal(p, p0)
