@@ -111,6 +111,8 @@ class ActiveSetState:
         self.slow_refits = 0
         self.drops = 0
         self.reentries = 0
+        # Elements left at weight 0 because their pivot was numerically singular (pool positions).
+        self.singular: set[int] = set()
         self._kkt_cap = 3 * cap1 + 10
 
     @property
@@ -214,6 +216,7 @@ class ActiveSetState:
             self._mark_inactive(j1)
             return j, False
         if not schur_f > self.pivot_tol * self.diag_host[j]:
+            self.singular.add(j)
             self._mark_inactive(j1)
             self._slow_refit()
             return j, False
@@ -321,9 +324,11 @@ class ActiveSetState:
         sel_S = self.sel_M
         v_S = self.weights_on(sel_S)
         gram_SS = self.gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)].to(self.mu_N.dtype)
+        stats: dict = {}
         v_S = refit_exact(
-            gram_SS, self.mu_N[sel_S], ridge_abs=self.ridge_abs, v0_S=v_S, grad_tol=self.grad_tol
+            gram_SS, self.mu_N[sel_S], ridge_abs=self.ridge_abs, v0_S=v_S, grad_tol=self.grad_tol, stats=stats
         )
+        self.singular.update(self.sel[p] for p in stats.get("blocked", ()))
         self._rebuild(sel_S[v_S > 0])
 
     def _rebuild(self, act_A: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from composer_algos.selection.apga import APGAPoolState, APGAState
 from composer_algos.selection.capacities import resolve_capacities
 from composer_algos.selection.gram_rows import GramRows, as_gram_rows
 from composer_algos.selection.objective import build_objective
-from composer_algos.selection.refit import default_grad_tol
+from composer_algos.selection.refit import default_grad_tol, refit_exact
 from composer_algos.selection.swap import refine_swap
 from composer_algos.selection.threads import single_thread_on_cpu
 from composer_algos.selection.types import (
@@ -51,7 +51,8 @@ class PartitionSelOptions:
             or ``"apga_pool"`` (the paper's Alg. 3 verbatim: the full pool vector, the full
             ``N x N`` Gram in every iteration, step from ``||K||`` computed once per call).
         refine: None (default) or ``"swap"``: after OMP, exchange a selected example for an
-            unselected one of the same domain while that raises ``f(S)`` (exact refits).
+            unselected one of the same domain while that raises ``f(S)`` (exact refits; after an
+            APGA refit the OMP support is first re-solved exactly).
         swap_max_rounds: the most swaps made (default 32).
         swap_max_checks: candidate swaps verified by an exact refit per round (default 16).
         swap_time_budget_s: optional wall-clock budget of the swap pass in seconds. A time budget
@@ -157,8 +158,13 @@ def select_partitionsel(
     Returns:
         The selection with refit ``weights`` (in ``w``; ``v`` at ``eta == 0``) and ``objective``
         ``f(S) = U(w*)`` (``eta f(S)`` at ``eta == 0``); ``info`` holds ``objective_scaled``
-        (``eta f(S)``), ``slow_refits`` or ``apga_iterations``, and for ``refine="swap"`` the
-        ``swaps`` made, ``swap_rounds`` and ``objective_before_refine``.
+        (``eta f(S)``, the scale-free value to log), ``ridge_share`` (the ridge's share of
+        ``v^T (K + ridge I) v``; above 1/2 the objective is ridge-dominated and a warning is logged
+        once per process), ``slow_refits`` and ``singular_pivots`` (selected elements left at weight
+        0 because their pivot was numerically singular) or ``apga_iterations``, and for
+        ``refine="swap"`` the ``swaps`` made, ``swap_rounds`` and ``objective_before_refine``.
+        With an APGA refit, ``refine="swap"`` first re-solves the OMP support exactly (its closed
+        forms need the exact optimum).
 
     Raises:
         ValueError: on bad inputs or options.
@@ -225,6 +231,11 @@ def run_weighted_selection(
     if opts.refine == "swap":
         start = time.perf_counter()
         info["objective_before_refine"] = _unscale(phi, inputs.eta)
+        if opts.refit != "exact":
+            # The swap estimates and their verification are closed forms around the exact optimum
+            # on the current support (Phi = <v, mu> / 2 there); APGA's weights are only close to it.
+            sel_S, v_S, phi, blocked = _resolve_exact(gram, mu_N, sel_S, v_S, ridge_abs, grad_tol)
+            info["singular_pivots"] = torch.tensor(blocked, device=inputs.device)
         sel_S, v_S, phi, swap_info = refine_swap(
             gram,
             mu_N,
@@ -243,6 +254,7 @@ def run_weighted_selection(
     if gram.lazy:
         info["gram_rows_computed"] = torch.tensor(gram.rows_computed, device=inputs.device)
     info["objective_scaled"] = phi
+    info["ridge_share"] = _ridge_share(strategy, v_S, mu_N[sel_S], ridge_abs, inputs, opts.ridge)
     if inputs.eta == 0:
         info["scale_free"] = torch.ones((), dtype=torch.bool, device=inputs.device)
     weights_S = v_S / inputs.eta if inputs.eta > 0 else v_S
@@ -389,6 +401,10 @@ def _omp_rounds(
         info["slow_refits"] = torch.tensor(state.slow_refits, device=device)
         info["weight_drops"] = torch.tensor(state.drops, device=device)
         info["weight_reentries"] = torch.tensor(state.reentries, device=device)
+        # Left at weight 0 because their pivot was numerically singular (still selected: they fill
+        # the budget, but the refit cannot use them).
+        singular = sum(1 for e in state.singular if e not in state.slot_of)
+        info["singular_pivots"] = torch.tensor(singular, device=device)
     else:
         info["apga_iterations"] = torch.tensor(state.iterations, device=device)
     return sel_S, v_S, state.scaled_objective(), info
@@ -461,6 +477,70 @@ def _randomized_pick(
     j_random = perm_N.index_select(0, pos.view(1)).squeeze(0)
     any_positive = ((grad_N > 0) & avail_N).any()
     return torch.where(any_positive, j_random, j_greedy)
+
+
+def _resolve_exact(
+    gram: GramRows,
+    mu_N: torch.Tensor,
+    sel_S: torch.Tensor,
+    v_S: torch.Tensor,
+    ridge_abs: float,
+    grad_tol: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The exact NNLS optimum on ``sel_S`` warm-started from ``v_S``: ``(sel_S, v_S, Phi, blocked)``."""
+    gram_SS = gram.block(sel_S)
+    mu_S = mu_N[sel_S]
+    stats: dict = {}
+    v_S = refit_exact(gram_SS, mu_S, ridge_abs=ridge_abs, v0_S=v_S, grad_tol=grad_tol, stats=stats)
+    phi = torch.dot(v_S, mu_S) - 0.5 * torch.dot(v_S, gram_SS @ v_S)
+    return sel_S, v_S, phi, len(stats.get("blocked", ()))
+
+
+_RIDGE_WARNED = False
+
+
+def _ridge_share(
+    strategy: str,
+    v_S: torch.Tensor,
+    mu_S: torch.Tensor,
+    ridge_abs: float,
+    inputs: SelectionInputs,
+    ridge_rel: float,
+) -> torch.Tensor:
+    """Share of ``v^T (K + ridge I) v`` that is the ridge, ``ridge |v|^2 / <v, mu>`` (0-dim); warns once above 1/2.
+
+    At the ridge optimum ``<v, mu> = v^T (K + ridge I) v``. With ``eta > 0`` the diagonal bonus
+    ``(eta/2) diag(K)`` in ``mu`` rewards weight along directions that ``K_SS`` does not penalise
+    (more picks than the features' rank): only the ridge bounds them, and the objective and the
+    weights then grow as ``1 / ridge`` (the demo's logged f(S) near 7e6).
+    """
+    global _RIDGE_WARNED
+    align = torch.dot(v_S, mu_S)
+    share = ridge_abs * torch.dot(v_S, v_S) / align.clamp_min(torch.finfo(v_S.dtype).tiny)
+    share = torch.where(align > 0, share, torch.zeros_like(share))
+    if not _RIDGE_WARNED and ridge_abs > 0 and inputs.eta > 0:
+        value = float(share)
+        if value > 0.5:
+            _RIDGE_WARNED = True
+            k, dim = v_S.shape[0], inputs.features.shape[1] if inputs.features is not None else None
+            cause = (
+                f"{k} picks exceed the {dim} feature dimensions"
+                if dim is not None and k > dim
+                else f"the {k} picks' features are nearly linearly dependent"
+            )
+            log.warning(
+                "%s: the objective is ridge-dominated (%.0f%% of v^T (K + ridge I) v is the ridge): %s, and "
+                "with eta=%g > 0 the diagonal bonus (eta/2) diag(K) rewards weight along directions of K_SS "
+                "that only the ridge (%g x mean diag K) bounds, so f(S) and the weights scale as 1/ridge. "
+                "Use more feature dimensions (features.proj_dim), a smaller kappa, or a larger ridge. "
+                "(Logged once per process; selection/ridge_share tracks it every step.)",
+                strategy,
+                100 * value,
+                cause,
+                inputs.eta,
+                ridge_rel,
+            )
+    return share
 
 
 def _use_lazy_gram(opts: PartitionSelOptions, inputs: SelectionInputs, block_diagonal: bool) -> bool:

@@ -33,6 +33,7 @@ def refit_exact(
     ridge_abs: float = 0.0,
     v0_S: torch.Tensor | None = None,
     grad_tol: torch.Tensor | float | None = None,
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """Exact non-negative maximiser of ``Phi(v) = <v, mu> - (1/2) v^T (K + ridge I) v`` on a support.
 
@@ -51,6 +52,8 @@ def refit_exact(
         ridge_abs: absolute value added to the diagonal (default 0.0).
         v0_S: optional ``(S,)`` non-negative warm start.
         grad_tol: gradients at or below this are treated as zero (default ``default_grad_tol``).
+        stats: optional dict; the support positions left at zero because their pivot was
+            numerically singular (or that could not enter) are added to its set ``"blocked"``.
 
     Returns:
         ``(S,)`` optimal ``v >= 0`` in the dtype of ``gram_SS``.
@@ -63,7 +66,10 @@ def refit_exact(
     v_S = mu_S.new_zeros(m) if v0_S is None else v0_S.clamp_min(0.0).to(mu_S.dtype).clone()
     passive = torch.nonzero(v_S > 0).flatten().tolist()
     blocked: set[int] = set()
-    passive = _solve_passive(kr_SS, mu_S, v_S, passive, blocked)
+    # Without a ridge an exactly dependent column can still factor, with a pivot at rounding level
+    # and weights of 1e16: treat pivots below 64 eps of their diagonal entry as singular too.
+    pivot_tol = 64.0 * torch.finfo(kr_SS.dtype).eps if ridge_abs == 0 else 0.0
+    passive = _solve_passive(kr_SS, mu_S, v_S, passive, blocked, pivot_tol)
     for _ in range(3 * m + 10):
         grad_S = mu_S - kr_SS @ v_S
         cand_S = grad_S > tol
@@ -75,13 +81,15 @@ def refit_exact(
             break
         j = int(torch.where(cand_S, grad_S, torch.full_like(grad_S, -math.inf)).argmax())
         passive.append(j)
-        after = _solve_passive(kr_SS, mu_S, v_S, passive, blocked)
+        after = _solve_passive(kr_SS, mu_S, v_S, passive, blocked, pivot_tol)
         if j not in after:
             # The entering coordinate left at once: rounding broke the Lawson–Hanson invariant.
             blocked.add(j)
         passive = after
     else:
         log.warning("refit_exact: active-set iteration cap (%d) reached; the refit may be inexact", 3 * m + 10)
+    if stats is not None:
+        stats.setdefault("blocked", set()).update(blocked)
     return v_S
 
 
@@ -91,6 +99,7 @@ def _solve_passive(
     v_S: torch.Tensor,
     passive: list[int],
     blocked: set[int],
+    pivot_tol: float = 0.0,
 ) -> list[int]:
     """Lawson–Hanson inner loop: make ``v`` the optimum on a passive set with positive entries.
 
@@ -98,8 +107,13 @@ def _solve_passive(
     """
     while passive:
         idx_P = torch.tensor(passive, dtype=torch.long, device=kr_SS.device)
-        chol_PP, info = torch.linalg.cholesky_ex(kr_SS[idx_P][:, idx_P])
+        kr_PP = kr_SS[idx_P][:, idx_P]
+        chol_PP, info = torch.linalg.cholesky_ex(kr_PP)
         bad = int(info)
+        if bad == 0 and pivot_tol > 0:
+            small_P = torch.diagonal(chol_PP).square() <= pivot_tol * torch.diagonal(kr_PP)
+            if bool(small_P.any()):
+                bad = int(torch.nonzero(small_P)[0]) + 1
         if bad != 0:
             # Leading minor `bad` is singular: that coordinate depends on the earlier ones.
             drop = passive[bad - 1]

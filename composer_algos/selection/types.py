@@ -215,6 +215,10 @@ def validate_inputs(
         val_feature = val_feature.to(device=device, dtype=dtype)
     if gram is not None:
         gram = gram.to(device=device, dtype=dtype)
+        # A caller-supplied Gram is scanned in full: its off-diagonal entries are not implied by its
+        # diagonal (as they are for G G^T, by Cauchy-Schwarz), so a NaN there would pass the
+        # strategies' cheap check of diag(K).
+        check_finite(strategy, gram=gram)
     if capacities is not None:
         if (
             not isinstance(capacities, torch.Tensor)

@@ -250,3 +250,18 @@ def test_weighted_loss_is_the_global_weighted_mean(monkeypatch, scope, microbatc
     assert den > 0
     # float32 loss weights and logits-to-loss in float32: agreement to about 1e-7 (before the fix: 5-15% off).
     assert _composer_effective_loss(out, microbatch) == pytest.approx(num / den, rel=1e-6)
+
+
+def test_solver_diagnostics_are_logged_as_metrics():
+    # Two feature dimensions and six picks at eta 1: ridge-dominated, with singular pivots at ridge 0.
+    n = 12
+    g = torch.Generator().manual_seed(2)
+    feats = (
+        torch.randn(n, 2, generator=g, dtype=torch.float64),
+        torch.randn(2, generator=g, dtype=torch.float64),
+    )
+    _, metrics = _step(_algo(kappa=6, feats=feats), _pool(n, 0), lr=1.0)
+    assert metrics["selection/ridge_share"] > 0.5
+    algo = _algo(kappa=6, feats=feats, strategy_options={"partitionsel": {"ridge": 0.0}})
+    _, metrics = _step(algo, _pool(n, 0), lr=1.0)
+    assert metrics["selection/singular_pivots"] >= 1
