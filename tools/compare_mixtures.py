@@ -1,6 +1,8 @@
 """Compare DoReMi's learned domain weights with the mixtures other runs trained on.
 
-Prints a table (domain x method, beside the natural token shares of the data), and writes
+Prints a table (domain x method, beside the natural shares of the data in the same units: shares
+of examples by default, as the mixtures are; `--units tokens` converts every mixture to token
+shares with the manifest's tokens per example), and writes
 comparison.md (the same table), comparison.png (grouped bars, like the paper's DoReMi
 domain-weights figure) and trajectories.png (per-step weights and their running mean, from the
 mixture_steps.csv next to each mixture.json, when present).
@@ -24,8 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--doremi", type=Path, help="DoReMi's mixture.json (the proxy run's doremi/mixture.json)")
     parser.add_argument("--runs", nargs="*", default=[], help="other runs: mixture.json, its run directory, or LABEL=PATH")
-    parser.add_argument("--manifest", type=Path, help="shard directory whose manifest gives the natural token shares")
+    parser.add_argument("--manifest", type=Path, help="shard directory whose manifest gives the natural shares")
     parser.add_argument("--split", default="train", help="manifest split for the natural shares (default: train)")
+    parser.add_argument(
+        "--units",
+        choices=("examples", "tokens"),
+        default="examples",
+        help="compare shares of examples (default; what mixture.json holds) or of tokens (needs --manifest)",
+    )
     parser.add_argument("--out", type=Path, default=Path("mixture_comparison"), help="output directory")
     parser.add_argument("--title", help="figure title")
     args = parser.parse_args(argv)
@@ -35,10 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         format_markdown,
         format_table,
         load_trajectory,
+        natural_sample_shares,
         natural_token_shares,
         plot_grouped_bars,
         plot_trajectories,
         read_labelled,
+        to_token_shares,
     )
     from composer_algos.mixture_io import read_mixture_json
 
@@ -47,16 +57,30 @@ def main(argv: list[str] | None = None) -> int:
 
     doremi = read_mixture_json(args.doremi) if args.doremi is not None else None
     runs = [read_labelled(spec) for spec in args.runs]
-    natural = natural_token_shares(args.manifest, args.split) if args.manifest is not None else None
+    if args.units == "tokens" and args.manifest is None:
+        parser.error("--units tokens needs --manifest (tokens per example come from the shard manifest)")
+    natural = None
+    if args.manifest is not None:
+        shares = natural_token_shares if args.units == "tokens" else natural_sample_shares
+        natural = shares(args.manifest, args.split)
+    if args.units == "tokens":
+        if doremi is not None:
+            doremi.weights = to_token_shares(dict(doremi.weights), args.manifest, args.split)
+            init = doremi.extra.get("initial_weights")
+            if isinstance(init, dict):
+                doremi.extra["initial_weights"] = to_token_shares(init, args.manifest, args.split)
+        for _, mix, _ in runs:
+            mix.weights = to_token_shares(dict(mix.weights), args.manifest, args.split)
     names, columns = build_columns(
         doremi,
         [(label, mix) for label, mix, _ in runs],
         doremi_source=str(args.doremi),
         natural=natural,
-        natural_source=f"token shares of the {args.split} split in {args.manifest}/manifest.json",
+        natural_source=f"{args.units[:-1]} shares of the {args.split} split in {args.manifest}/manifest.json",
         run_sources=[str(path) for _, _, path in runs],
     )
     print(format_table(names, columns))
+    print(f"(shares of {args.units})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "comparison.md").write_text(format_markdown(names, columns))
     bars = plot_grouped_bars(names, columns, args.out / "comparison.png", title=args.title)

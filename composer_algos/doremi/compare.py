@@ -19,6 +19,8 @@ __all__ = [
     "MixtureColumn",
     "Trajectory",
     "natural_token_shares",
+    "natural_sample_shares",
+    "to_token_shares",
     "build_columns",
     "format_table",
     "format_markdown",
@@ -83,6 +85,52 @@ def natural_token_shares(shard_dir: str | os.PathLike, split: str = "train") -> 
     if total <= 0:
         raise ValueError(f"{shard_dir}: split {split!r} holds no tokens; cannot compute natural shares")
     return {n: t / total for n, t in tokens.items()}
+
+
+def natural_sample_shares(shard_dir: str | os.PathLike, split: str = "train") -> dict[str, float]:
+    """Each domain's share of the examples (samples) of `split`: the units of the induced mixtures.
+
+    `mixture.json` weights (a selection run's mean per-step share of trained examples, DoReMi's
+    sampling proportions) are shares of examples, so this is the natural mixture to set them
+    against; `natural_token_shares` with `to_token_shares` compares in tokens instead.
+
+    Raises:
+        ValueError: If the split holds no samples.
+    """
+    from pipeline.manifest import load_manifest
+
+    manifest = load_manifest(shard_dir)
+    samples = {d.name: d.splits[split].samples if split in d.splits else 0 for d in manifest.domains}
+    total = sum(samples.values())
+    if total <= 0:
+        raise ValueError(f"{shard_dir}: split {split!r} holds no samples; cannot compute natural shares")
+    return {n: c / total for n, c in samples.items()}
+
+
+def to_token_shares(
+    weights: dict[str, float], shard_dir: str | os.PathLike, split: str = "train"
+) -> dict[str, float]:
+    """Convert example shares into token shares with each domain's mean tokens per example in `split`.
+
+    Raises:
+        ValueError: a weighted domain the manifest lacks or has no samples of.
+    """
+    from pipeline.manifest import load_manifest
+
+    manifest = load_manifest(shard_dir)
+    per_example = {
+        d.name: d.splits[split].tokens / d.splits[split].samples
+        for d in manifest.domains
+        if split in d.splits and d.splits[split].samples > 0
+    }
+    missing = sorted(n for n, w in weights.items() if w > 0 and n not in per_example)
+    if missing:
+        raise ValueError(
+            f"{shard_dir}: domains {missing} have no {split!r} samples in the manifest; cannot convert to tokens"
+        )
+    tokens = {n: w * per_example.get(n, 0.0) for n, w in weights.items()}
+    total = sum(tokens.values())
+    return {n: t / total for n, t in tokens.items()} if total > 0 else tokens
 
 
 def build_columns(
