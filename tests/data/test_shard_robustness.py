@@ -148,6 +148,21 @@ def test_one_line_array_errors_name_the_element(tmp_path):
     assert (reject["line"], reject["element"]) == (1, 3)
 
 
+def test_real_metamathqa_one_line_file_errors_name_the_element(tmp_path):
+    records = json.loads(
+        (require_shared_data("metamathqa") / "metamathqa_first3.json").read_text(encoding="utf-8")
+    )
+    records[2]["response"] = 7  # a type error in the last record of the real sample
+    path = tmp_path / "MetaMathQA-395K.json"
+    path.write_text(
+        json.dumps(records, ensure_ascii=False), encoding="utf-8"
+    )  # one line, as the released file
+    with pytest.raises(
+        ShardError, match=r"^MetaMathQA-395K\.json:1: element 2: field 'response' must be a string"
+    ):
+        shard_corpus(make_corpus_spec("metamathqa"), [path], _options(tmp_path / "o", max_seq_len=512))
+
+
 # -- 4. leftover staging --------------------------------------------------------------------------
 
 
