@@ -76,7 +76,7 @@ def clean_stale_streaming_resources(shm_dir: str | None = None, lock_dir: str | 
                 by_prefix[m.group(1)].append((os.path.realpath(os.path.join(directory, name)), is_lock))
     if not by_prefix:
         return []
-    in_use = _paths_in_use()
+    in_use = _files_in_use()
     if in_use is None:
         log.warning(
             "not cleaning stale Streaming shared memory: some processes of this user cannot be inspected"
@@ -85,7 +85,7 @@ def clean_stale_streaming_resources(shm_dir: str | None = None, lock_dir: str | 
     removed = []
     for prefix in sorted(by_prefix):
         entries = by_prefix[prefix]
-        if any(path in in_use or (is_lock and _is_flocked(path)) for path, is_lock in entries):
+        if any(_file_key(path) in in_use or (is_lock and _is_flocked(path)) for path, is_lock in entries):
             continue
         for path, _ in entries:
             try:
@@ -100,10 +100,19 @@ def clean_stale_streaming_resources(shm_dir: str | None = None, lock_dir: str | 
     return removed
 
 
-def _paths_in_use() -> set[str] | None:
-    """Every file mapped or open by a live process, or None if a process of ours is unreadable."""
+def _file_key(path: str) -> tuple[str, int] | None:
+    try:
+        return path, os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _files_in_use() -> set[tuple[str, int]] | None:
+    """(path, inode) of every file mapped or open by a live process, or None if a Python process
+    of ours is unreadable. The inode tells a block from an unlinked older one of the same name
+    that some process still maps."""
     me = os.getuid()
-    paths: set[str] = set()
+    paths: set[tuple[str, int]] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -113,10 +122,11 @@ def _paths_in_use() -> set[str] | None:
                 for line in f:
                     parts = line.split(maxsplit=5)
                     if len(parts) == 6:
-                        paths.add(parts[5].rstrip("\n").removesuffix(" (deleted)"))
+                        paths.add((parts[5].rstrip("\n").removesuffix(" (deleted)"), int(parts[4])))
             for fd in os.listdir(f"{proc}/fd"):
                 try:
-                    paths.add(os.readlink(f"{proc}/fd/{fd}"))
+                    target = os.readlink(f"{proc}/fd/{fd}").removesuffix(" (deleted)")
+                    paths.add((target, os.stat(f"{proc}/fd/{fd}").st_ino))
                 except OSError:
                     pass  # closed meanwhile
         except (FileNotFoundError, ProcessLookupError):

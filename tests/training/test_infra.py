@@ -175,6 +175,24 @@ def test_clean_stale_removes_only_prefixes_no_live_process_holds(tmp_path):
         assert not p.exists(), p
 
 
+def test_clean_stale_ignores_a_live_mapping_of_an_older_block_with_the_same_name(tmp_path):
+    """A live process may still map an unlinked block whose name a later, now stale, block reuses."""
+    shm, locks = tmp_path / "shm", tmp_path / "locks"
+    shm.mkdir()
+    locks.mkdir()
+    old = _make(shm / "000005_locals")
+    holder = _hold(old, "mmap")
+    try:
+        old.unlink()  # e.g. removed by its creator's atexit; the holder keeps the old inode mapped
+        stale = _make(shm / "000005_locals")
+        removed = streaming_cleanup.clean_stale_streaming_resources(shm_dir=str(shm), lock_dir=str(locks))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert removed == [str(stale)]
+    assert not stale.exists()
+
+
 def test_clean_stale_removes_shared_memory_of_a_killed_streaming_process(dolma_shards):
     """A real StreamingDataset killed with SIGKILL leaves /dev/shm entries; the cleaner removes them."""
     if not os.path.isdir("/dev/shm"):
