@@ -213,6 +213,7 @@ def _data(cfg, args):
 
     from pipeline.collators import build_collator
     from pipeline.dataset import DomainStreamingDataset
+    from pipeline.holdout import DEFAULT_GUIDE_FRACTION, dataset_guide_mask
     from pipeline.tokenizer import load_tokenizer
 
     shard_dir = cfg.train_loader.dataset.shard_dir
@@ -226,17 +227,19 @@ def _data(cfg, args):
     for _ in range(args.pools):
         idx = torch.randperm(int(train.num_samples), generator=gen)[: args.pool_size].tolist()
         pools.append(collate([train[i] for i in idx]))
-    guide_ids, eval_ids = _guide_eval_split(int(val.num_samples))
+    # The run's own partition of the val split: guiding examples for the arms, held-out ones for
+    # the evaluation (as the per-domain evaluators read them).
+    sel = cfg.algorithms.get("data_selection") or {}
+    mask = dataset_guide_mask(
+        val, float((sel.get("validation") or {}).get("guide_fraction", DEFAULT_GUIDE_FRACTION))
+    )
+    guide_ids = [int(i) for i in mask.nonzero()[0]]
+    eval_ids = [int(i) for i in (~mask).nonzero()[0]]
     perm = torch.randperm(len(guide_ids), generator=gen).tolist()
     guide = collate([val[guide_ids[i]] for i in perm[: args.guide_size]])
     perm = torch.randperm(len(eval_ids), generator=gen).tolist()
     evalset = collate([val[eval_ids[i]] for i in perm[: args.eval_size]])
     return pools, guide, evalset, len(train.domain_names)
-
-
-def _guide_eval_split(n: int) -> tuple[list[int], list[int]]:
-    """Even val ids guide, odd ones evaluate (placeholder until the run's own partition is used)."""
-    return list(range(0, n, 2)), list(range(1, n, 2))
 
 
 if __name__ == "__main__":
