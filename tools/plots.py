@@ -109,7 +109,7 @@ def plot_mixture(run_dir: Path, out_path: Path, *, window: int = 25) -> Path:
     ax_t.set_xlabel("step")
     ax_t.set_ylabel(f"share ({w}-step moving average)")
     ax_t.set_title("selected (solid) vs pool (dashed) per domain")
-    ax_t.legend(fontsize=8, loc="upper right")
+    ax_t.legend(fontsize=8, loc="best")
     width = 0.27
     xs = range(len(names))
     for j, (key, label) in enumerate(
@@ -157,7 +157,7 @@ def plot_val_curves(run_dir: Path, out_path: Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("validation cross-entropy (nats/token)")
     ax.set_title("per-domain validation loss")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=120)
