@@ -94,7 +94,7 @@ def run_lookahead(
     n_random: int = 20,
     sgd_lr: float = 1e-2,
     seed: int = 0,
-    chunk_size: int = 16,
+    chunk_size: int = 64,
     progress: Callable[[int], None] | None = None,
 ) -> LookaheadResult:
     """Measure every arm's one-step effect on the given pools (model and optimizer left as found).
@@ -127,13 +127,15 @@ def run_lookahead(
     result = LookaheadResult()
     try:
         base = {"eval": _mean_loss(hf, evalset, chunk_size), "guide": _mean_loss(hf, guide, chunk_size)}
-        g_guide = _flat_grad(hf, params, guide, None)
         g_eval = _flat_grad(hf, params, evalset, None)
         precond_P = _adam_preconditioner(optimizer, params)
         n_guide = int(guide["input_ids"].shape[0])
-        for size in sorted({a.guide_size or n_guide for a in arms}):
-            g_b = _flat_grad(hf, params, _rows(guide, torch.arange(size)), None)
-            result.guide_eval_cosine[size] = float(torch.nn.functional.cosine_similarity(g_b, g_eval, dim=0))
+        g_guide = {}  # by guide size: the gradient of the first `size` guiding examples
+        for size in sorted({a.guide_size or n_guide for a in arms} | {n_guide}):
+            g_guide[size] = _flat_grad(hf, params, _rows(guide, torch.arange(size)), None)
+            result.guide_eval_cosine[size] = float(
+                torch.nn.functional.cosine_similarity(g_guide[size], g_eval, dim=0)
+            )
         extractors = {
             a.name: GradFeatureExtractor(hf, seed=seed, **dict(a.features))
             for a in arms
@@ -157,11 +159,16 @@ def run_lookahead(
             # Exact full-model per-example gradients, once per pool: every subset's training gradient
             # is a (token-weighted) mean of these rows, and they give the exact scores.
             grads_NP, tokens_N = _per_example_grads(hf, params, pool)
-            exact = {
-                "adam": grads_NP @ (g_guide * precond_P if precond_P is not None else g_guide),
-                "sgd": grads_NP @ g_guide,
-                "eval": grads_NP @ (g_eval * precond_P if precond_P is not None else g_eval),
-            }
+
+            def precond(g_P: torch.Tensor) -> torch.Tensor:
+                return g_P * precond_P if precond_P is not None else g_P
+
+            # Exact scores by kind and guide size: Adam-weighted and plain against the guiding
+            # gradient of that size; against the evaluation gradient for oracle_eval.
+            exact = {("eval", size): grads_NP @ precond(g_eval) for size in g_guide}
+            for size, g_P in g_guide.items():
+                exact[("adam", size)] = grads_NP @ precond(g_P)
+                exact[("sgd", size)] = grads_NP @ g_P
             rand = []
             for _ in range(n_random):
                 r = select_random_stratified(
@@ -183,7 +190,12 @@ def run_lookahead(
                 if arm.strategy in ORACLES:
                     # Top kappa within the capacities by an exact score (no features): the best a
                     # first-order selector guided by that gradient could do.
-                    idx_K, weights = _top_within(exact[ORACLES[arm.strategy]], domain_N, caps_C), None
+                    idx_K, weights = (
+                        _top_within(
+                            exact[(ORACLES[arm.strategy], arm.guide_size or n_guide)], domain_N, caps_C
+                        ),
+                        None,
+                    )
                 else:
                     ex = extractors[arm.name]
                     spec = STRATEGIES[arm.strategy]
@@ -212,8 +224,12 @@ def run_lookahead(
                 if feats_ND is not None and gbar_D is not None:
                     scores = feats_ND.double() @ gbar_D.double()
                     fid = result.fidelity.setdefault(arm.name, {})
-                    fid.setdefault("exact_spearman", []).append(spearman(scores, exact["adam"]))
-                    fid.setdefault("exact_sgd_spearman", []).append(spearman(scores, exact["sgd"]))
+                    fid.setdefault("exact_spearman", []).append(
+                        spearman(scores, exact[("adam", arm.guide_size or n_guide)])
+                    )
+                    fid.setdefault("exact_sgd_spearman", []).append(
+                        spearman(scores, exact[("sgd", arm.guide_size or n_guide)])
+                    )
                     ex = extractors[arm.name]
                     raw = (
                         ex.fidelity(pool, guide_b, optimizer=optimizer)["score_spearman"]
