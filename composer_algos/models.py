@@ -9,16 +9,15 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from composer_algos.losses import IGNORE_INDEX, per_example_losses
+
 log = logging.getLogger(__name__)
 
-__all__ = ["DomainCausalLM", "build_causal_lm", "per_example_loss"]
-
-IGNORE_INDEX = -100
+__all__ = ["DomainCausalLM", "build_causal_lm"]
 
 
 class DomainCausalLM(HuggingFaceModel):
@@ -37,32 +36,10 @@ class DomainCausalLM(HuggingFaceModel):
 
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
         if isinstance(batch, dict) and "loss_weight" in batch:
-            losses_B = per_example_loss(outputs["logits"], batch["labels"])
+            losses_B = per_example_losses(outputs["logits"], batch["labels"])
             w_B = batch["loss_weight"].to(device=losses_B.device, dtype=losses_B.dtype)
             return (w_B * losses_B).sum() / max(losses_B.shape[0], 1)
         return super().loss(outputs, batch)
-
-
-def per_example_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over each example's target tokens (labels != -100).
-
-    Args:
-        logits_BTV: Model logits.
-        labels_BT: Unshifted labels (position t is predicted from position t - 1).
-
-    Returns:
-        (B,) losses; 0 for an example without target tokens.
-    """
-    shift_logits = logits_BTV[:, :-1].float()
-    shift_labels = labels_BT[:, 1:]
-    tok_BT = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    ).view(shift_labels.shape)
-    n_B = (shift_labels != IGNORE_INDEX).sum(dim=1)
-    return tok_BT.sum(dim=1) / n_B.clamp_min(1)
 
 
 def build_causal_lm(

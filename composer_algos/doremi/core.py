@@ -8,7 +8,9 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
+
+from composer_algos.losses import IGNORE_INDEX
+from composer_algos.losses import per_token_losses as _token_losses
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +25,6 @@ __all__ = [
     "weighted_domain_loss",
     "resolve_initial_weights",
 ]
-
-IGNORE_INDEX = -100
 
 
 def doremi_update(
@@ -61,7 +61,7 @@ def doremi_update(
 
 
 def per_token_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal-LM per-token cross-entropy with the Hugging Face label convention.
+    """Causal-LM per-token cross-entropy (``composer_algos.losses``) in DoReMi's ``(B, T-1)`` layout.
 
     Labels are unshifted (position t predicts label t+1) with `-100` on masked positions, as
     `transformers` causal LMs take them. The loss is computed in float32.
@@ -74,16 +74,10 @@ def per_token_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple
         `(loss_BT1, mask_BT1)`: the per-token loss (0 on masked positions) and the float mask of
         target tokens, both of shape (B, T-1).
     """
-    logits = logits_BTV[:, :-1, :]
-    targets_BT1 = labels_BT[:, 1:]
-    loss_BT1 = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        targets_BT1.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    ).view_as(targets_BT1)
-    mask_BT1 = (targets_BT1 != IGNORE_INDEX).to(loss_BT1.dtype)
-    return loss_BT1, mask_BT1
+    loss_BT, mask_BT = _token_losses(logits_BTV, labels_BT)
+    # The last position has no target (loss and mask 0): drop it to keep the (B, T-1) layout.
+    loss_BT1 = loss_BT[:, :-1]
+    return loss_BT1, mask_BT[:, :-1].to(loss_BT1.dtype)
 
 
 def domain_sums(values_BT: torch.Tensor, domain_id_B: torch.Tensor, num_domains: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
@@ -20,6 +19,7 @@ from composer_algos.features.targets import (
     resolve_targets,
     unwrap_model,
 )
+from composer_algos.losses import IGNORE_INDEX, per_example_losses
 
 log = logging.getLogger(__name__)
 
@@ -31,32 +31,6 @@ __all__ = [
     "capture_layer_signals",
     "per_example_grads",
 ]
-
-IGNORE_INDEX = -100
-
-
-def per_example_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over each example's target tokens (HF convention, float32).
-
-    Labels are unshifted (position t predicts `labels[t + 1]`) and `-100` marks tokens without loss.
-    An example with no target token gets loss 0 (and so a zero gradient).
-
-    Args:
-        logits_nTV: (n, T, V) logits.
-        labels_nT: (n, T) labels.
-
-    Returns:
-        (n,) losses.
-    """
-    n, t, v = logits_nTV.shape
-    # Shift the labels, not the logits: slicing the logits would copy them and make the backward
-    # materialise a zero-filled full-size gradient (SliceBackward), costing time and memory at large V.
-    targets_nT = torch.cat([labels_nT[:, 1:], labels_nT.new_full((n, 1), IGNORE_INDEX)], dim=1)
-    token_loss_nT = F.cross_entropy(
-        logits_nTV.reshape(n * t, v).float(), targets_nT.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(n, t)
-    n_targets = (targets_nT != IGNORE_INDEX).sum(dim=1).clamp_min(1)
-    return token_loss_nT.sum(dim=1) / n_targets
 
 
 @contextmanager

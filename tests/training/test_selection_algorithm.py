@@ -12,7 +12,7 @@ from composer.core import Callback
 from composer.loggers import InMemoryLogger
 
 import train
-from composer_algos.models import per_example_loss
+from composer_algos.losses import per_example_losses
 from composer_algos.selection import STRATEGIES
 from composer_algos.selection_algorithm import SELECTION_STRATEGIES, DataSelection
 from pipeline.config import load_config
@@ -161,7 +161,7 @@ def test_weighted_loss_over_microbatches_is_the_weighted_mean_of_the_selection(d
     assert w.shape[0] == 4 and float(w.std()) > 0.05  # uneven weights, or the test proves nothing
     model = probe.model.train()
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    losses = per_example_loss(logits, batch["labels"]).double()
+    losses = per_example_losses(logits, batch["labels"]).double()
     ref = (w * losses).sum() / w.sum()
     ref.backward()
     ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
