@@ -15,6 +15,10 @@ initialisation and the selection and validation draws; the data order stays the 
 `--` are passed to every run (e.g. `-- optimizer.lr=1e-3`). Runs already finished in `--out`
 are reused unless `--rerun`.
 
+Variants: `--variant NAME=STRATEGY[,yaml.key=value...]` adds a named configuration that is run,
+reported and paired like a strategy (e.g. `ps_w=partitionsel,algorithms.data_selection.weighted_loss=true`),
+for one-at-a-time studies of a setting.
+
 Budgets: `--steps N` trains every run N steps. `--budget-seconds S` gives every run S seconds of
 training time instead (Composer's wall-clock account: data loading, selection and the training
 step; evaluation excluded), so a slower strategy trains fewer steps; `--steps` is then the step
@@ -80,6 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad:
         parser.error(f"--strategies: unknown {bad}; allowed: {', '.join(STRATEGIES)}")
+    # label -> (strategy, overrides): plain strategies, then the named variants.
+    runs_of: dict[str, tuple[str, list[str]]] = {s: (s, []) for s in strategies}
+    for text in args.variant:
+        try:
+            label, strategy, overrides = parse_variant(text)
+        except ValueError as e:
+            parser.error(str(e))
+        if strategy not in STRATEGIES:
+            parser.error(f"--variant {text!r}: unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+        if label in runs_of:
+            parser.error(f"--variant {text!r}: the name {label!r} is already used")
+        runs_of[label] = (strategy, overrides)
+    strategies = list(runs_of)
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
@@ -106,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     gpus = [g for g in (args.gpus or "").split(",") if g]
     args.out.mkdir(parents=True, exist_ok=True)
     todo = []
-    for strategy, seed in plan_runs(strategies, seeds):
-        run_dir = args.out / f"{strategy}-seed{seed}"
+    for label, seed in plan_runs(strategies, seeds):
+        strategy, variant_overrides = runs_of[label]
+        run_dir = args.out / f"{label}-seed{seed}"
         if (run_dir / "eval_results.json").exists() and not args.rerun:
             print(f"{run_dir.name}: already done, reusing", flush=True)
             continue
@@ -119,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             steps=steps,
             eval_interval=eval_interval,
             run_dir=run_dir,
-            run_name=f"{args.out.name}-{strategy}-seed{seed}",
+            run_name=f"{args.out.name}-{label}-seed{seed}",
             budget_seconds=args.budget_seconds,
             log_selected_ids=args.log_selected_ids,
-            extra=extra,
+            extra=extra + variant_overrides,
         )
         todo.append((run_dir, cmd))
     failed = _run_queue(todo, jobs=args.jobs, gpus=gpus, budget_seconds=args.budget_seconds, steps=args.steps)
@@ -148,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard-dir", required=True, help="shards every run trains on (variables.shard_dir)")
     parser.add_argument(
         "--strategies", default="partitionsel,id,random,greats", help="comma-separated strategies"
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="a named configuration compared like a strategy: NAME=STRATEGY[,yaml.key=value...] "
+        "(repeatable), e.g. ps_w=partitionsel,algorithms.data_selection.weighted_loss=true",
     )
     parser.add_argument("--seeds", default="1,2", help="comma-separated seeds")
     parser.add_argument(
@@ -186,6 +211,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gpus", default=None, help="comma-separated GPU ids handed out to jobs in turn")
     return parser
+
+
+def parse_variant(text: str) -> tuple[str, str, list[str]]:
+    """`NAME=STRATEGY[,key=value...]` -> (name, strategy, overrides).
+
+    Raises:
+        ValueError: a malformed variant, naming it.
+    """
+    if "=" not in text:
+        raise ValueError(f"--variant {text!r}: expected NAME=STRATEGY[,yaml.key=value...]")
+    label, rest = text.split("=", 1)
+    strategy, *overrides = rest.split(",")
+    if not label or not strategy:
+        raise ValueError(f"--variant {text!r}: expected NAME=STRATEGY[,yaml.key=value...]")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"--variant {text!r}: {bad} are not key=value")
+    return label, strategy, overrides
 
 
 def plan_runs(strategies: list[str], seeds: list[int]) -> list[tuple[str, int]]:

@@ -267,3 +267,57 @@ def test_help_is_fast_and_imports_nothing_heavy():
     assert "--budget-seconds" in result.stdout and "--paired-baseline" in result.stdout
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert elapsed < 2.0, f"--help took {elapsed:.2f}s"
+
+
+def test_variants_run_as_named_configurations(fake_training, tmp_path):
+    tool, launched = fake_training
+    rc = tool.main(
+        [
+            "--yaml",
+            str(TINY),
+            "--shard-dir",
+            "s",
+            "--strategies",
+            "random",
+            "--seeds",
+            "1",
+            "--steps",
+            "3",
+            "--variant",
+            "ps_w=partitionsel,algorithms.data_selection.weighted_loss=true",
+            "--paired-baseline",
+            "random",
+            "--out",
+            str(tmp_path / "exp"),
+        ]
+    )
+    assert rc == 0
+    (cmd_r, _), (cmd_v, _) = launched
+    assert _arg(cmd_v, "algorithms.data_selection.strategy") == "partitionsel"
+    assert _arg(cmd_v, "algorithms.data_selection.weighted_loss") == "true"
+    assert _arg(cmd_v, "save_folder").endswith("ps_w-seed1")
+    assert "algorithms.data_selection.weighted_loss=true" not in cmd_r
+    assert "ps_w" in (tmp_path / "exp" / "paired.md").read_text()
+
+
+@pytest.mark.parametrize("bad", ["ps_w", "ps_w=nosuch", "random=random", "x=partitionsel,weighted_loss"])
+def test_bad_variants_are_rejected_naming_them(bad, tmp_path, capsys):
+    tool = _tool()
+    with pytest.raises(SystemExit):
+        tool.main(
+            [
+                "--yaml",
+                str(TINY),
+                "--shard-dir",
+                "s",
+                "--strategies",
+                "random",
+                "--steps",
+                "3",
+                "--variant",
+                bad,
+                "--out",
+                str(tmp_path / "exp"),
+            ]
+        )
+    assert "--variant" in capsys.readouterr().err
