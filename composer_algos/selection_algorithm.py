@@ -20,7 +20,8 @@ from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
 
 from composer_algos.exchange import exchange_examples, gather_rows, plan_rebalance
-from composer_algos.validation_source import ValidationSource, _mix
+from composer_algos.seeding import mix_seed
+from composer_algos.validation_source import ValidationSource
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +261,7 @@ class DataSelection(Algorithm):
         use_global = self.scope == "global" or (self.scope == "auto" and world > 1)
         multi = use_global and world > 1
         C = len(self.domain_names or [])
-        gen_seed = _mix(self.seed, step, 0 if use_global else rank)
+        gen_seed = mix_seed(self.seed, step, 0 if use_global else rank)
         gen = torch.Generator().manual_seed(gen_seed)
         eta = float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from composer_algos.seeding import mix_seed
 from pipeline.collators import build_collator
 from pipeline.dataset import DomainStreamingDataset
 from pipeline.holdout import DEFAULT_GUIDE_FRACTION, dataset_guide_mask
@@ -87,7 +88,7 @@ class ValidationSource:
         out: list[int] = []
         while len(out) < self.batch_size:
             epoch, pos = divmod(start + len(out), n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(_mix(self.seed, self.rank, epoch)))
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(mix_seed(self.seed, self.rank, epoch)))
             take = min(n - pos, self.batch_size - len(out))
             out.extend(int(self.sample_ids[p]) for p in perm[pos : pos + take].tolist())
         return out
@@ -95,12 +96,3 @@ class ValidationSource:
     def batch_for_step(self, step: int) -> dict[str, torch.Tensor]:
         """The collated validation batch for `step`."""
         return self.collate([self.dataset[i] for i in self.indices_for_step(step)])
-
-
-def _mix(*values: int) -> int:
-    """A 63-bit seed from several integers (splitmix-style, stable across runs and platforms)."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h ^= (int(v) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)) & 0xFFFFFFFFFFFFFFFF
-        h = (h * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    return h & 0x7FFFFFFFFFFFFFFF

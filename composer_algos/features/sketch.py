@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from composer_algos.seeding import splitmix_seed
+
 __all__ = [
     "derive_seed",
     "make_generator",
@@ -14,8 +16,6 @@ __all__ = [
     "exact_layer_grads",
     "sketch_layer_grads",
 ]
-
-_MASK64 = (1 << 64) - 1
 
 # Purposes folded into the seeds so that different random objects of one layer are independent.
 PURPOSE_SKETCH_OUT = 1
@@ -35,10 +35,7 @@ def derive_seed(seed: int, layer_index: int, purpose: int, step: int | None = No
     Returns:
         A non-negative int usable with `torch.Generator.manual_seed`.
     """
-    state = 0x9E3779B97F4A7C15
-    for word in (seed, layer_index, purpose, -1 if step is None else step):
-        state = _splitmix64((state ^ (word & _MASK64)) & _MASK64)
-    return state >> 1
+    return splitmix_seed(seed, layer_index, purpose, -1 if step is None else step)
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -136,11 +133,3 @@ def sketch_layer_grads(
     else:
         assert P_in_JI.shape[1] == d_in, "P_in must have d_in or d_in + 1 columns"
     return torch.einsum("ntk,ntj->nkj", u_nTK, w_nTJ).reshape(n, -1)
-
-
-def _splitmix64(x: int) -> int:
-    """One round of splitmix64 (Steele et al. 2014) on a 64-bit int."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)

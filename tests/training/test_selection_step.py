@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from composer_algos.models import DomainCausalLM
+from composer_algos.seeding import mix_seed
 from composer_algos.selection import STRATEGIES, StrategySpec, compute_capacities, select_partitionsel
 from composer_algos.selection_algorithm import DataSelection
-from composer_algos.validation_source import _mix
 from tests.training.fake_ranks import FakeState, ListLogger, ThreadRanks
 
 DOMAINS = ["a", "b", "c"]
@@ -162,7 +162,7 @@ def test_uneven_final_pool_under_global_scope_selects_a_divisible_budget(monkeyp
     pools = [_pool(s, r) for r, s in enumerate(sizes)]
     feats = [_features(s, r) for r, s in enumerate(sizes)]
     dom = torch.cat([p["domain_id"] for p in pools])
-    gen = torch.Generator().manual_seed(_mix(0, 0, 0))  # the step's generator: (seed, step, rank 0)
+    gen = torch.Generator().manual_seed(mix_seed(0, 0, 0))  # the step's generator: (seed, step, rank 0)
     ids = torch.cat([p["example_id"] for p in pools])
     ref = select_partitionsel(
         features=torch.cat([f[0] for f in feats]),
