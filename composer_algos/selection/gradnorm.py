@@ -5,17 +5,16 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from composer_algos.selection.types import (
+    NoOptions,
+    SelectionInputs,
     SelectionResult,
     check_finite,
-    empty_result,
     finish_result,
-    parse_options,
-    validate_inputs,
+    strategy,
 )
 
 log = logging.getLogger(__name__)
@@ -23,23 +22,9 @@ log = logging.getLogger(__name__)
 __all__ = ["select_gradnorm"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class _NoOptions:
-    """GradNorm takes no options."""
-
-
+@strategy("gradnorm", needs_features=True, needs_validation=False, gram_suffices=True)
 def select_gradnorm(
-    *,
-    features: torch.Tensor | None,
-    val_feature: torch.Tensor | None,
-    domain_ids: torch.Tensor,
-    num_domains: int,
-    kappa: int,
-    eta: float,
-    generator: torch.Generator | None,
-    capacities: torch.Tensor | None = None,
-    gram: torch.Tensor | None = None,
-    **options,
+    inputs: SelectionInputs, opts: NoOptions, *, num_domains: int, generator: torch.Generator | None
 ) -> SelectionResult:
     """Top-``k`` examples by ``||g_i||``, one global constraint.
 
@@ -47,38 +32,9 @@ def select_gradnorm(
     feature extraction, so pass the normalised features. Ties go to the lower pool position.
     ``val_feature``, ``eta``, ``capacities`` and the generator are unused.
 
-    Args:
-        features: ``(N, D)`` features, or None when ``gram`` is given (norms from its diagonal).
-        val_feature: unused.
-        domain_ids: ``(N,)`` domain ids (only counted in the result).
-        num_domains: ``C``.
-        kappa: the budget.
-        eta: unused (validated).
-        generator: unused.
-        capacities: ignored.
-        gram: optional ``G G^T``.
-        **options: none are accepted.
-
     Returns:
         The selection; ``objective`` is the sum of the selected norms; ``weights`` is None.
     """
-    parse_options("gradnorm", _NoOptions, options)
-    inputs = validate_inputs(
-        "gradnorm",
-        features=features,
-        val_feature=None,
-        domain_ids=domain_ids,
-        num_domains=num_domains,
-        kappa=kappa,
-        eta=eta,
-        capacities=capacities,
-        gram=gram,
-        needs_features=True,
-        needs_validation=False,
-        gram_suffices=True,
-    )
-    if inputs.k == 0:
-        return empty_result(inputs, num_domains, with_weights=False)
     if inputs.features is not None:
         norms_N = torch.linalg.vector_norm(inputs.features, dim=1)
     else:

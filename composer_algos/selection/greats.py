@@ -5,18 +5,17 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from composer_algos.selection.objective import binary_utility, compute_gram
 from composer_algos.selection.types import (
+    NoOptions,
+    SelectionInputs,
     SelectionResult,
     check_finite,
-    empty_result,
     finish_result,
-    parse_options,
-    validate_inputs,
+    strategy,
 )
 
 log = logging.getLogger(__name__)
@@ -24,23 +23,9 @@ log = logging.getLogger(__name__)
 __all__ = ["select_greats", "greats_scores", "greats_greedy"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class _NoOptions:
-    """GREATS takes no options."""
-
-
+@strategy("greats", needs_features=True, needs_validation=True)
 def select_greats(
-    *,
-    features: torch.Tensor | None,
-    val_feature: torch.Tensor | None,
-    domain_ids: torch.Tensor,
-    num_domains: int,
-    kappa: int,
-    eta: float,
-    generator: torch.Generator | None,
-    capacities: torch.Tensor | None = None,
-    gram: torch.Tensor | None = None,
-    **options,
+    inputs: SelectionInputs, opts: NoOptions, *, num_domains: int, generator: torch.Generator | None
 ) -> SelectionResult:
     """GREATS: greedy selection of ``k = min(kappa, n)`` examples under one cardinality constraint.
 
@@ -49,39 +34,11 @@ def select_greats(
     replaced by the identity, divided by ``eta``). Domains and ``capacities`` are ignored; the
     generator is never used. Scores can be negative (the objective is not monotone).
 
-    Args:
-        features: ``(N, D)`` features ``G`` (required).
-        val_feature: ``(D,)`` validation feature (required).
-        domain_ids: ``(N,)`` domain ids (only counted in the result).
-        num_domains: ``C``.
-        kappa: the budget.
-        eta: the learning rate (>= 0).
-        generator: unused.
-        capacities: ignored (GREATS has one global constraint).
-        gram: optional precomputed ``G G^T``.
-        **options: none are accepted.
-
     Returns:
         The selection; ``objective`` is the GREATS utility of the set, ``U(1_S) = sum_{i in S}
         <g_i, gbar> - eta sum_{i<j in S} K_ij`` (the sum of the greedy marginal gains, in the
         ``w`` variable with unit weights); ``weights`` is None.
     """
-    parse_options("greats", _NoOptions, options)
-    inputs = validate_inputs(
-        "greats",
-        features=features,
-        val_feature=val_feature,
-        domain_ids=domain_ids,
-        num_domains=num_domains,
-        kappa=kappa,
-        eta=eta,
-        capacities=capacities,
-        gram=gram,
-        needs_features=True,
-        needs_validation=True,
-    )
-    if inputs.k == 0:
-        return empty_result(inputs, num_domains, with_weights=False)
     assert inputs.features is not None and inputs.val_feature is not None
     gram_NN = inputs.gram if inputs.gram is not None else compute_gram(inputs.features)
     align_N = inputs.features @ inputs.val_feature

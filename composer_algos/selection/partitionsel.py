@@ -22,10 +22,8 @@ from composer_algos.selection.types import (
     SelectionInputs,
     SelectionResult,
     check_finite,
-    empty_result,
     finish_result,
-    parse_options,
-    validate_inputs,
+    strategy,
 )
 
 log = logging.getLogger(__name__)
@@ -120,18 +118,9 @@ class PartitionSelOptions:
             raise ValueError("invalid selection options: " + "; ".join(problems))
 
 
+@strategy("partitionsel", options=PartitionSelOptions, needs_features=True, needs_validation=True, weighted=True)
 def select_partitionsel(
-    *,
-    features: torch.Tensor | None,
-    val_feature: torch.Tensor | None,
-    domain_ids: torch.Tensor,
-    num_domains: int,
-    kappa: int,
-    eta: float,
-    generator: torch.Generator | None,
-    capacities: torch.Tensor | None = None,
-    gram: torch.Tensor | None = None,
-    **options,
+    inputs: SelectionInputs, opts: PartitionSelOptions, *, num_domains: int, generator: torch.Generator | None
 ) -> SelectionResult:
     """PartitionSel: maximise ``f(S)`` under per-domain capacities by OMP (paper Alg. 2).
 
@@ -142,18 +131,6 @@ def select_partitionsel(
     ``pick="randomized"``; the largest gradient when none is positive, so the budget is always
     filled) and refits the weights on the new support. Solved in ``v = eta * w`` (see
     ``objective.py``). Only ``pick="randomized"`` draws from ``generator`` (``k`` uniforms).
-
-    Args:
-        features: ``(N, D)`` per-example gradient features ``G`` (required).
-        val_feature: ``(D,)`` validation feature ``gbar`` (required).
-        domain_ids: ``(N,)`` domain of each example, in ``[0, num_domains)``.
-        num_domains: ``C``.
-        kappa: the budget; ``min(kappa, n)`` examples are selected.
-        eta: the optimizer's current learning rate (>= 0).
-        generator: randomness for ``pick="randomized"``; a fresh default generator when None.
-        capacities: ``(C,)`` per-domain capacities; proportional ones when None.
-        gram: optional precomputed ``(N, N)`` ``G G^T``.
-        **options: see ``PartitionSelOptions``.
 
     Returns:
         The selection with refit ``weights`` (in ``w``; ``v`` at ``eta == 0``) and ``objective``
@@ -169,20 +146,6 @@ def select_partitionsel(
     Raises:
         ValueError: on bad inputs or options.
     """
-    opts = parse_options("partitionsel", PartitionSelOptions, options)
-    inputs = validate_inputs(
-        "partitionsel",
-        features=features,
-        val_feature=val_feature,
-        domain_ids=domain_ids,
-        num_domains=num_domains,
-        kappa=kappa,
-        eta=eta,
-        capacities=capacities,
-        gram=gram,
-        needs_features=True,
-        needs_validation=True,
-    )
     return run_weighted_selection("partitionsel", inputs, num_domains, opts, generator, block_diagonal=False)
 
 
@@ -195,9 +158,7 @@ def run_weighted_selection(
     *,
     block_diagonal: bool,
 ) -> SelectionResult:
-    """Shared body of ``partitionsel`` and ``iwd`` (``block_diagonal`` drops cross-domain K)."""
-    if inputs.k == 0:
-        return empty_result(inputs, num_domains, with_weights=True)
+    """Shared body of ``partitionsel`` and ``iwd`` (``block_diagonal`` drops cross-domain K); ``inputs.k >= 1``."""
     assert inputs.features is not None and inputs.val_feature is not None
     dom_N = inputs.domain_ids
     if _use_lazy_gram(opts, inputs, block_diagonal):

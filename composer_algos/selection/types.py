@@ -9,7 +9,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -19,6 +19,8 @@ __all__ = [
     "SelectionResult",
     "StrategySpec",
     "SelectionInputs",
+    "NoOptions",
+    "strategy",
     "validate_inputs",
     "parse_options",
     "empty_result",
@@ -72,12 +74,20 @@ class StrategySpec:
         needs_features: needs per-example gradient features ``G`` (or their Gram).
         needs_validation: needs the validation feature ``gbar``.
         uses_capacities: respects per-domain capacities.
+        options: the dataclass of the strategy's options (its fields are the allowed names, its
+            ``__post_init__`` checks the values); default: the one ``@strategy`` recorded on ``fn``,
+            else ``NoOptions``.
     """
 
     fn: Callable[..., SelectionResult]
     needs_features: bool
     needs_validation: bool
     uses_capacities: bool
+    options: type | None = None
+
+    def __post_init__(self) -> None:
+        if self.options is None:  # the @strategy decorator records the option dataclass on the function
+            object.__setattr__(self, "options", getattr(self.fn, "options", NoOptions))
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,109 @@ class SelectionInputs:
     gram: torch.Tensor | None
     capacities: torch.Tensor | None
     eta: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoOptions:
+    """The options of a strategy that takes none."""
+
+
+class _StrategyBody(Protocol):
+    def __call__(
+        self, inputs: SelectionInputs, opts: Any, *, num_domains: int, generator: torch.Generator | None
+    ) -> SelectionResult: ...
+
+
+def strategy(
+    name: str,
+    *,
+    options: type = NoOptions,
+    needs_features: bool,
+    needs_validation: bool,
+    gram_suffices: bool = False,
+    weighted: bool = False,
+) -> Callable[[_StrategyBody], Callable[..., SelectionResult]]:
+    """Give a strategy body the registry signature and the one shared prologue.
+
+    The decorated function has the keyword-only signature of every strategy::
+
+        fn(*, features, val_feature, domain_ids, num_domains, kappa, eta, generator,
+           capacities=None, gram=None, **options) -> SelectionResult
+
+    It parses ``options`` into the ``options`` dataclass (unknown names raise), validates the inputs
+    (``validate_inputs``), answers ``kappa == 0`` or an empty pool with an empty result, and
+    otherwise calls ``body(inputs, opts, num_domains=..., generator=...)``. A strategy that needs no
+    validation feature never sees (or checks) one. A strategy that needs no features does not check
+    them either (only their device is used), so it stays a usable fallback when they are broken.
+
+    The arguments of the decorated function, common to every strategy: ``features`` ``(N, D)``
+    per-example gradient features ``G``; ``val_feature`` ``(D,)`` validation feature ``gbar``;
+    ``domain_ids`` ``(N,)`` domain of each example in ``[0, num_domains)``; ``num_domains`` ``C``;
+    ``kappa`` the budget (``min(kappa, n)`` examples are selected); ``eta`` the optimizer's current
+    learning rate (>= 0); ``generator`` the step's randomness (strategies without randomness never
+    touch it); ``capacities`` ``(C,)`` per-domain capacities (proportional ones when None, for the
+    strategies that use capacities); ``gram`` an optional precomputed ``(N, N)`` ``G G^T``;
+    ``**options`` the fields of the strategy's option dataclass.
+
+    Args:
+        name: the strategy name, used in error messages.
+        options: the option dataclass (``NoOptions`` by default).
+        needs_features: whether ``features`` (or ``gram`` if ``gram_suffices``) is required and read.
+        needs_validation: whether ``val_feature`` is required.
+        gram_suffices: whether ``gram`` can stand in for ``features``.
+        weighted: whether an empty result carries (empty) weights and a zero objective.
+
+    Returns:
+        The decorator.
+    """
+
+    def decorate(body: _StrategyBody) -> Callable[..., SelectionResult]:
+        def fn(
+            *,
+            features: torch.Tensor | None,
+            val_feature: torch.Tensor | None,
+            domain_ids: torch.Tensor,
+            num_domains: int,
+            kappa: int,
+            eta: float,
+            generator: torch.Generator | None,
+            capacities: torch.Tensor | None = None,
+            gram: torch.Tensor | None = None,
+            **option_values: Any,
+        ) -> SelectionResult:
+            opts = parse_options(name, options, option_values)
+            if not needs_features:
+                # The features only fix the output device.
+                anchor = features if features is not None else gram
+                if anchor is not None and isinstance(domain_ids, torch.Tensor):
+                    domain_ids = domain_ids.to(anchor.device)
+                features = gram = None
+            inputs = validate_inputs(
+                name,
+                features=features,
+                val_feature=val_feature if needs_validation else None,
+                domain_ids=domain_ids,
+                num_domains=num_domains,
+                kappa=kappa,
+                eta=eta,
+                capacities=capacities,
+                gram=gram,
+                needs_features=needs_features,
+                needs_validation=needs_validation,
+                gram_suffices=gram_suffices,
+            )
+            if inputs.k == 0:
+                return empty_result(inputs, num_domains, with_weights=weighted)
+            return body(inputs, opts, num_domains=num_domains, generator=generator)
+
+        fn.__name__ = getattr(body, "__name__", name)
+        fn.__qualname__ = getattr(body, "__qualname__", name)
+        fn.__doc__ = body.__doc__
+        fn.__module__ = body.__module__
+        fn.options = options  # type: ignore[attr-defined]  # read by StrategySpec and the config
+        return fn
+
+    return decorate
 
 
 def validate_inputs(
