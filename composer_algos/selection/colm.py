@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -13,12 +12,12 @@ from composer_algos.selection.capacities import compute_capacities
 from composer_algos.selection.objective import compute_gram
 from composer_algos.selection.segments import count_per_domain, segmented_argmax_mask
 from composer_algos.selection.types import (
+    NoOptions,
+    SelectionInputs,
     SelectionResult,
     check_finite,
-    empty_result,
     finish_result,
-    parse_options,
-    validate_inputs,
+    strategy,
 )
 
 log = logging.getLogger(__name__)
@@ -26,23 +25,9 @@ log = logging.getLogger(__name__)
 __all__ = ["select_colm", "colm_budgets"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class _NoOptions:
-    """CoLM takes no options."""
-
-
+@strategy("colm", needs_features=True, needs_validation=False, gram_suffices=True)
 def select_colm(
-    *,
-    features: torch.Tensor | None,
-    val_feature: torch.Tensor | None,
-    domain_ids: torch.Tensor,
-    num_domains: int,
-    kappa: int,
-    eta: float,
-    generator: torch.Generator | None,
-    capacities: torch.Tensor | None = None,
-    gram: torch.Tensor | None = None,
-    **options,
+    inputs: SelectionInputs, opts: NoOptions, *, num_domains: int, generator: torch.Generator | None
 ) -> SelectionResult:
     """CoLM mini-batch coreset: small sources whole, facility-location medoids in the big ones.
 
@@ -50,46 +35,19 @@ def select_colm(
     ``n_c < k / C_present`` (our reading of "fewer than its budget"; an equal share is the only
     per-source budget a source can fall short of, since proportional budgets never exceed
     ``n_c``). Small sources are kept whole; the rest of the budget is split over the big sources
-    in proportion to their pool counts (largest remainder). Inside each big source the greedy
+    in proportion to their pool counts, rounded as ``compute_capacities`` rounds PartitionSel's
+    capacities (unbiased with the step's ``generator``; largest remainder without one). Inside
+    each big source the greedy
     facility-location (medoid) objective ``F(A) = sum_i max_{j in A} (d_max - ||g_i - g_j||)``
     is maximised, ``d_max`` the largest same-source distance, so each pick is the example that
     most reduces the sum of distances to the nearest chosen medoid. The sources run in
-    lockstep (one segmented argmax per round, ``O(N^2)`` per round). ``val_feature``, ``eta``,
-    ``capacities`` and the generator are unused.
-
-    Args:
-        features: ``(N, D)`` (Adam-normalised) features, or None when ``gram`` is given.
-        val_feature: unused.
-        domain_ids: ``(N,)`` source ids.
-        num_domains: ``C``.
-        kappa: the budget.
-        eta: unused (validated).
-        generator: unused.
-        capacities: ignored (CoLM sets its own budgets, see ``colm_budgets``).
-        gram: optional ``G G^T`` (distances come from it).
-        **options: none are accepted.
+    lockstep (one segmented argmax per round, ``O(N^2)`` per round). ``val_feature``, ``eta`` and
+    ``capacities`` are unused (CoLM sets its own budgets, see ``colm_budgets``).
 
     Returns:
         The selection; ``objective`` is the facility-location value ``F`` summed over the big
         sources; ``info["small_sources"]`` is the ``(C,)`` bool mask of sources kept whole.
     """
-    parse_options("colm", _NoOptions, options)
-    inputs = validate_inputs(
-        "colm",
-        features=features,
-        val_feature=None,
-        domain_ids=domain_ids,
-        num_domains=num_domains,
-        kappa=kappa,
-        eta=eta,
-        capacities=capacities,
-        gram=gram,
-        needs_features=True,
-        needs_validation=False,
-        gram_suffices=True,
-    )
-    if inputs.k == 0:
-        return empty_result(inputs, num_domains, with_weights=False)
     dom_N = inputs.domain_ids
     n, device = inputs.n, inputs.device
     gram_NN = inputs.gram
@@ -98,7 +56,7 @@ def select_colm(
         gram_NN = compute_gram(inputs.features)
     check_finite("colm", diag_K=torch.diagonal(gram_NN))
     counts_C = torch.bincount(dom_N, minlength=num_domains)
-    small_C, budgets_C = colm_budgets(counts_C, inputs.k)
+    small_C, budgets_C = colm_budgets(counts_C, inputs.k, generator)
     small_N = small_C.index_select(0, dom_N)
 
     same_NN = dom_N.unsqueeze(1) == dom_N.unsqueeze(0)
@@ -127,12 +85,16 @@ def select_colm(
     )
 
 
-def colm_budgets(pool_counts_C: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def colm_budgets(
+    pool_counts_C: torch.Tensor, k: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Which sources are small (kept whole) and the medoid budget of every big source.
 
     Args:
         pool_counts_C: ``(C,)`` examples of each source in the pool.
         k: the number of examples to select (``<=`` the pool size).
+        generator: the step's generator, for the unbiased rounding of ``compute_capacities``; None
+            (default) for its deterministic largest remainder.
 
     Returns:
         ``(small_C, budgets_C)``: a bool mask of small sources (``0 < n_c < k / C_present``) and
@@ -142,4 +104,4 @@ def colm_budgets(pool_counts_C: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     small_C = (pool_counts_C > 0) & (pool_counts_C * present < k)
     big_counts_C = torch.where(small_C, torch.zeros_like(pool_counts_C), pool_counts_C)
     budget = k - int(pool_counts_C[small_C].sum())
-    return small_C, compute_capacities(big_counts_C, budget)
+    return small_C, compute_capacities(big_counts_C, budget, generator=generator)
