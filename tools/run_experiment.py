@@ -222,13 +222,26 @@ def parse_variant(text: str) -> tuple[str, str, list[str]]:
     if "=" not in text:
         raise ValueError(f"--variant {text!r}: expected NAME=STRATEGY[,yaml.key=value...]")
     label, rest = text.split("=", 1)
-    strategy, *overrides = rest.split(",")
+    strategy, *overrides = _split_top_level(rest)
     if not label or not strategy:
         raise ValueError(f"--variant {text!r}: expected NAME=STRATEGY[,yaml.key=value...]")
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ValueError(f"--variant {text!r}: {bad} are not key=value")
     return label, strategy, overrides
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets and braces (`a={x:1,y:2},b=3` -> two items)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "[{"
+        depth -= ch in "]}"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
 
 
 def plan_runs(strategies: list[str], seeds: list[int]) -> list[tuple[str, int]]:

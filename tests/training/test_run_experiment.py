@@ -321,3 +321,10 @@ def test_bad_variants_are_rejected_naming_them(bad, tmp_path, capsys):
             ]
         )
     assert "--variant" in capsys.readouterr().err
+
+
+def test_variant_values_may_hold_commas_inside_braces():
+    tool = _tool()
+    label, strategy, overrides = tool.parse_variant("u=partitionsel,a.b={x:1,y:2},c=[1,2],d=3")
+    assert (label, strategy) == ("u", "partitionsel")
+    assert overrides == ["a.b={x:1,y:2}", "c=[1,2]", "d=3"]

@@ -1,0 +1,281 @@
+"""The selection study on dm_math, end to end with one command (docs/results/study_dm_math.md).
+
+Parts (each reuses what an earlier, interrupted invocation finished):
+  shard      ../shared/data/dm_math -> OUT/shards/dm_math (train.json; val.json as the val split)
+  base       regime (a) checkpoints: a from-scratch run (random within capacities) saved at an early
+             and a later step; regime (b) base: the model first trained on another mixture (four
+             of the eight domains), cached
+  lookahead  tools/lookahead.py at the early and the later checkpoint: every arm's one-step drop on
+             held-out examples against random subsets with the same capacities
+  main       tools/run_experiment.py: every strategy x seed, equal steps, paired against random,
+             regime (a) from scratch and regime (b) fine-tuning the base
+  wallclock  equal training time (evaluation excluded) for the main contenders, regime (a)
+  ablations  PartitionSel settings varied one at a time (paired against random), regime (a)
+  report     docs/results/study_dm_math.md, curves and the cost-vs-quality frontier PNGs
+
+Example:
+    python tools/study_dm_math.py --out runs/study                  # everything (about 90 min on 2 cores)
+    python tools/study_dm_math.py --out runs/study --parts lookahead --pools 60
+    python tools/study_dm_math.py --out runs/study --quick          # a few steps of each part (a smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data" / "dm_math"
+YAML = REPO / "yamls" / "study" / "dm_math.yaml"
+PARTS = ("shard", "base", "lookahead", "main", "wallclock", "ablations", "report")
+STRATEGIES = "partitionsel,id,random,random_stratified,greats,gradnorm,colm"
+WALLCLOCK_STRATEGIES = "partitionsel,id,random,greats"
+# The regime (b) base trains on these four domains only, then every strategy fine-tunes on all eight.
+BASE_DOMAINS = "[arithmetic,numbers,comparison,measurement]"
+SEL = "algorithms.data_selection"
+# One setting changed at a time from the yaml's PartitionSel (paired against random).
+ABLATIONS = {
+    "val16": [f"{SEL}.validation.batch_size=16"],
+    "valavg": [f"{SEL}.validation.average_beta=0.9"],
+    "last2": [f"{SEL}.features.last_n_blocks=2"],
+    "lmhead": [f"{SEL}.features.include_lm_head=true"],
+    "prec_split": [f"{SEL}.features.precondition=split"],
+    "prec_both": [f"{SEL}.features.precondition=both"],
+    "norm_none": [f"{SEL}.features.normalization=none"],
+    "proj128": [f"{SEL}.features.proj_dim=128"],
+    "r4": [f"{SEL}.oversampling=4"],
+    "r8": [f"{SEL}.oversampling=8"],
+    "unweighted": [f"{SEL}.weighted_loss=false"],
+    "uniform_caps": [
+        f"{SEL}.capacity_fractions={{algebra:1,arithmetic:1,calculus:1,comparison:1,measurement:1,numbers:1,"
+        "polynomials:1,probability:1}}"
+    ],
+}
+# Lookahead arms: the settings before the signal-chain fixes, each fix, and diagnostics.
+ARMS = [
+    "before=partitionsel,features.precondition=both,features.proj_dim=128,guide_size=4",
+    "pool=partitionsel,features.precondition=pool,features.proj_dim=128,guide_size=4",
+    "pool_1024=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=4",
+    "pool_1024_w=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=4,weighted_loss=true",
+    "pool_1024_w_g16=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=16,weighted_loss=true",
+    "pool_1024_w_g32=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=32,weighted_loss=true",
+    "id=id,features.precondition=pool,features.proj_dim=1024,guide_size=4",
+    "greats=greats,features.precondition=pool,features.proj_dim=1024,guide_size=4",
+    "oracle_g4=oracle,guide_size=4",
+    "oracle_g32=oracle,guide_size=32",
+    "oracle_eval=oracle_eval",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "study")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument(
+        "--steps", type=int, default=200, help="training steps of every comparison run (default 200)"
+    )
+    p.add_argument("--early", type=int, default=50, help="the early lookahead checkpoint step (default 50)")
+    p.add_argument("--pools", type=int, default=40, help="lookahead pools per checkpoint (default 40)")
+    p.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=None,
+        help="equal-wall-clock budget (default: random's median training time at --steps)",
+    )
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument(
+        "--quick", action="store_true", help="tiny sizes everywhere (a smoke test of the pipeline)"
+    )
+    p.add_argument("--doc", type=Path, default=REPO / "docs" / "results" / "study_dm_math.md")
+    args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    bad = [x for x in parts if x not in PARTS]
+    if bad:
+        p.error(f"--parts: unknown {bad}; allowed: {', '.join(PARTS)}")
+    if not DATA.is_dir():
+        p.error(f"the dm_math corpus is not at {DATA} (it ships in ../shared/data/dm_math)")
+    if args.quick:
+        args.steps, args.early, args.pools, args.seeds = 6, 3, 2, "1,2"
+    out = args.out.resolve()
+    shards = out / "shards" / "dm_math"
+    base_a, base_b = out / "base_scratch", out / "base_other"
+    steps = args.steps
+
+    if "shard" in parts and not (shards / "manifest.json").exists():
+        _run(
+            [
+                sys.executable,
+                "tools/shard.py",
+                "metamathqa",
+                str(DATA / "train.json"),
+                "--val-file",
+                str(DATA / "val.json"),
+                "--out",
+                str(shards),
+                "--max-seq-len",
+                "160",
+                "--overwrite",
+            ]
+        )
+    common = [f"variables.shard_dir={shards}"]
+    if "base" in parts:
+        if not (base_a / f"ep0-ba{steps}-rank0.pt").exists():
+            _run(
+                _train(
+                    common
+                    + [
+                        f"{SEL}.strategy=random_stratified",
+                        f"save_folder={base_a}",
+                        f"save_interval={args.early}ba",
+                        f"max_duration={steps}ba",
+                        "save_overwrite=true",
+                        "run_name=study-base-scratch",
+                    ]
+                )
+            )
+        if not (base_b / "latest-rank0.pt").exists():
+            _run(
+                _train(
+                    common
+                    + [
+                        f"{SEL}.strategy=random",
+                        f"train_loader.dataset.domains={BASE_DOMAINS}",
+                        f"save_folder={base_b}",
+                        f"save_interval={steps}ba",
+                        f"max_duration={steps}ba",
+                        "save_overwrite=true",
+                        "eval_loader=null",
+                        "run_name=study-base-other",
+                    ]
+                )
+            )
+    if "lookahead" in parts:
+        for step in (args.early, steps):
+            dest = out / "lookahead" / f"ba{step}"
+            if (dest / "summary.json").exists():
+                continue
+            cmd = [
+                sys.executable,
+                "tools/lookahead.py",
+                "--yaml",
+                str(YAML),
+                "--checkpoint",
+                str(base_a / f"ep0-ba{step}-rank0.pt"),
+                "--pools",
+                str(args.pools),
+                "--n-random",
+                "8",
+                "--eval-size",
+                "128",
+                "--guide-size",
+                "32",
+                "--sgd-lr",
+                "1e-3",
+                "--out",
+                str(dest),
+            ]
+            for arm in ARMS:
+                cmd += ["--arm", arm]
+            _run(cmd + common)
+    experiment = [
+        sys.executable,
+        "tools/run_experiment.py",
+        "--yaml",
+        str(YAML),
+        "--shard-dir",
+        str(shards),
+        "--seeds",
+        args.seeds,
+        "--jobs",
+        str(args.jobs),
+        "--paired-baseline",
+        "random",
+    ]
+    if "main" in parts:
+        _run(
+            experiment
+            + [
+                "--strategies",
+                STRATEGIES,
+                "--steps",
+                str(steps),
+                "--log-selected-ids",
+                "--out",
+                str(out / "main_scratch"),
+            ]
+        )
+        _run(
+            experiment
+            + [
+                "--strategies",
+                STRATEGIES,
+                "--steps",
+                str(steps),
+                "--log-selected-ids",
+                "--out",
+                str(out / "main_finetune"),
+                "--",
+                f"load_path={base_b / 'latest-rank0.pt'}",
+                "load_weights_only=true",
+                "optimizer.lr=5.0e-4",
+            ]
+        )
+    if "wallclock" in parts:
+        budget = args.budget_seconds or _median_train_seconds(out / "main_scratch", "random", args.seeds)
+        _run(
+            experiment
+            + [
+                "--strategies",
+                WALLCLOCK_STRATEGIES,
+                "--budget-seconds",
+                f"{budget:.1f}",
+                "--steps",
+                str(4 * steps),
+                "--out",
+                str(out / "wallclock_scratch"),
+            ]
+        )
+    if "ablations" in parts:
+        cmd = experiment + ["--strategies", "random", "--steps", str(steps), "--out", str(out / "ablations")]
+        for name, overrides in ABLATIONS.items():
+            cmd += ["--variant", ",".join([f"ps_{name}=partitionsel", *overrides])]
+        _run(cmd)
+    if "report" in parts:
+        from study_report import write_report  # tools/study_report.py
+
+        write_report(out, args.doc, steps=steps, early=args.early)
+        print(f"wrote {args.doc}")
+    return 0
+
+
+def _train(overrides: list[str]) -> list[str]:
+    return [sys.executable, "train.py", str(YAML), *overrides]
+
+
+def _run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+
+
+def _median_train_seconds(exp: Path, strategy: str, seeds: str) -> float:
+    """Median training time (evaluation excluded) of a strategy's finished runs in an experiment."""
+    times = []
+    for seed in seeds.split(","):
+        path = exp / f"{strategy}-seed{seed}" / "train_budget.json"
+        if path.exists():
+            times.append(float(json.loads(path.read_text())["train_time_s"]))
+    if not times:
+        raise SystemExit(
+            f"no finished {strategy} runs in {exp}: run the main part first or give --budget-seconds"
+        )
+    times.sort()
+    return times[len(times) // 2]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    raise SystemExit(main())
