@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 from composer.models import HuggingFaceModel
-from composer.models.huggingface import get_hf_config_from_composer_state_dict
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +29,15 @@ def load_reference_model(
     - a Composer checkpoint `.pt` of a `HuggingFaceModel` (monolithic, as `Trainer(save_folder=...)`
       writes without FSDP sharding). The architecture comes from the checkpoint's Hugging Face
       metadata; if the run used LoRA, the adapters are rebuilt from the saved peft config and
-      merged after loading. A LoRA checkpoint saved with Composer's default
-      `should_save_peft_only=True` holds only the adapter weights, so the frozen base weights
-      must come from `base_model` (the same pretrained model the reference run started from).
+      merged after loading (read by `pipeline.evaluation.checkpoint.load_composer_checkpoint`).
+      A LoRA checkpoint saved with Composer's default `should_save_peft_only=True` holds only
+      the adapter weights, so the frozen base weights come from `base_model` (the same
+      pretrained model the reference run started from) or the local folder the checkpoint names.
 
     Args:
         reference: The reference, in one of the forms above.
-        base_model: Hugging Face name or directory with the base weights (needed for peft-only
-            checkpoints; also used for full checkpoints as the starting point, which is harmless).
+        base_model: Local directory with the base weights (for adapter-only checkpoints whose
+            base is not a local folder named in the checkpoint).
         trust_remote_code: Passed to transformers.
 
     Returns:
@@ -83,55 +83,17 @@ def freeze_reference(model: torch.nn.Module, device: torch.device | str) -> torc
 
 
 def _load_from_composer_checkpoint(path: Path, *, base_model: str | None, trust_remote_code: bool) -> torch.nn.Module:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # torch raises several types for non-checkpoint files
-        raise ValueError(f"doremi `reference` {str(path)!r} could not be read as a torch checkpoint ({e})") from e
-    try:
-        hf_state = ckpt["state"]["integrations"]["huggingface"]
-        model_sd = ckpt["state"]["model"]
-    except (KeyError, TypeError) as e:
-        raise ValueError(
-            f"doremi `reference` {str(path)!r} is not a Composer checkpoint of a HuggingFaceModel "
-            f"(missing {e}); give the reference run's checkpoint or a Hugging Face directory"
-        ) from e
-    config = get_hf_config_from_composer_state_dict(ckpt)
-    if base_model is not None:
-        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-            base_model, local_files_only=True, trust_remote_code=trust_remote_code
-        )
-    else:
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    peft_cfg = hf_state["model"].get("peft_config")
-    if peft_cfg is not None:
-        from peft import get_peft_config, get_peft_model
+    # The project's one Composer-checkpoint reader; its messages name the file, this adds the yaml key.
+    from pipeline.evaluation.checkpoint import load_composer_checkpoint
 
-        content = dict(peft_cfg["content"])
-        content["base_model_name_or_path"] = base_model or content.get("base_model_name_or_path") or ""
-        model = get_peft_model(model, get_peft_config(content))  # type: ignore[arg-type]
-    # HuggingFaceModel keeps the transformers model as `.model`; strip that prefix.
-    state = {k.removeprefix("model."): v for k, v in model_sd.items()}
-    result = model.load_state_dict(state, strict=False)
-    if result.unexpected_keys:
-        raise ValueError(
-            f"doremi `reference` {str(path)!r}: checkpoint weights do not fit the rebuilt model; unexpected "
-            f"keys {result.unexpected_keys[:5]} ({len(result.unexpected_keys)} in all)"
+    try:
+        model, _ = load_composer_checkpoint(path, base_model=base_model, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        hint = (
+            "; set `reference_base_model` to the base model the reference run started from"
+            if "should_save_peft_only" in str(e)
+            else ""
         )
-    if result.missing_keys:
-        adapter_only = peft_cfg is not None and all("lora_" not in k for k in result.missing_keys)
-        if not adapter_only or base_model is None:
-            hint = (
-                "the checkpoint holds only the LoRA adapter weights; set `reference_base_model` to the base model "
-                "the reference run started from"
-                if adapter_only
-                else "the checkpoint does not match the model"
-            )
-            raise ValueError(
-                f"doremi `reference` {str(path)!r}: missing weights {result.missing_keys[:5]} "
-                f"({len(result.missing_keys)} in all); {hint}"
-            )
-    if peft_cfg is not None:
-        model = model.merge_and_unload()  # type: ignore[operator]  # PeftModel: plain model, faster forward
-    assert isinstance(model, (PreTrainedModel, torch.nn.Module))
+        raise ValueError(f"doremi `reference` {str(path)!r}: {e}{hint}") from e
     log.info("doremi: loaded reference from %s (%s)", path, type(model).__name__)
     return model

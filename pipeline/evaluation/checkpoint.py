@@ -115,8 +115,12 @@ def load_composer_checkpoint(
     *,
     base_model: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
     """Rebuild the Hugging Face model (and tokenizer) stored in a Composer checkpoint.
+
+    The one reader of Composer checkpoints in the project: evaluation and DoReMi's reference model
+    both load through it.
 
     Composer's ``HuggingFaceModel`` writes the model config, class, PEFT config and tokenizer files
     under ``state.integrations.huggingface`` and the weights, prefixed ``model.``, under
@@ -134,12 +138,14 @@ def load_composer_checkpoint(
         path: Checkpoint file.
         base_model: Base model folder for adapter-only checkpoints.
         dtype: dtype the base model is loaded in (the result is cast by the caller).
+        trust_remote_code: passed to transformers.
 
     Returns:
         ``(model, tokenizer or None)``.
 
     Raises:
-        ValueError: If the file is not a Composer ``HuggingFaceModel`` checkpoint, weights do not
+        ValueError: If the file cannot be read as a torch checkpoint, is not a Composer
+            ``HuggingFaceModel`` checkpoint, weights do not
             match the stored architecture, or an adapter-only checkpoint has no local base model.
     """
     from composer.models.huggingface import (
@@ -151,21 +157,24 @@ def load_composer_checkpoint(
     from transformers import AutoModelForCausalLM
 
     path = _existing(path, "checkpoint")
-    state = safe_torch_load(str(path))
+    try:
+        state = safe_torch_load(str(path))
+    except Exception as err:  # torch raises several types for files that are not checkpoints
+        raise ValueError(f"{path} could not be read as a torch checkpoint ({err})") from err
     try:
         hf_state = state["state"]["integrations"]["huggingface"]
         weights = dict(state["state"]["model"])
     except (KeyError, TypeError) as err:
         raise ValueError(
-            f"{path} is not a monolithic checkpoint of a composer HuggingFaceModel (missing "
-            f"state.integrations.huggingface or state.model: {err}); sharded FSDP checkpoints are not supported"
+            f"{path} is not a Composer checkpoint of a HuggingFaceModel (missing state.integrations.huggingface "
+            f"or state.model: {err}); only monolithic checkpoints are read, not sharded FSDP ones"
         ) from err
     config = get_hf_config_from_composer_state_dict(state)
     peft_config = get_peft_config_from_composer_state_dict(state)
     torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(weights, "model.")
 
     if peft_config is None:
-        model = _build_empty(config)
+        model = _build_empty(config, trust_remote_code)
         _load_strict(model, weights, path)
     else:
         from peft import get_peft_model
@@ -173,9 +182,11 @@ def load_composer_checkpoint(
         adapter_only = all("lora_" in k for k in weights)
         if adapter_only:
             base_dir = _base_for_composer(path, base_model, peft_config, config)
-            base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=dtype, local_files_only=True)
+            base = AutoModelForCausalLM.from_pretrained(
+                base_dir, torch_dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+            )
         else:
-            base = _build_empty(config)
+            base = _build_empty(config, trust_remote_code)
         peft_model = get_peft_model(base, peft_config)
         result = peft_model.load_state_dict(weights, strict=False)
         missing = [k for k in result.missing_keys if "lora_" in k or not adapter_only]
@@ -199,7 +210,7 @@ def load_composer_checkpoint(
     return model.to(dtype), tokenizer
 
 
-def _build_empty(config) -> torch.nn.Module:
+def _build_empty(config, trust_remote_code: bool = False) -> torch.nn.Module:
     """The architecture without spending time on random initialisation (weights come next)."""
     from transformers import AutoModelForCausalLM
 
@@ -208,7 +219,7 @@ def _build_empty(config) -> torch.nn.Module:
     except ImportError:  # older/newer transformers: fall back to a normal (slower) init
         no_init_weights = contextlib.nullcontext
     with no_init_weights():
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def _load_strict(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:

@@ -67,6 +67,20 @@ def test_lora_checkpoint_needs_base_and_merges_adapters(tmp_path):
     torch.testing.assert_close(_logits(ref, IDS), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_lora_checkpoint_finds_a_local_base_by_itself(tmp_path):
+    # The reference is read by the one Composer-checkpoint reader (pipeline.evaluation.checkpoint),
+    # which takes the base weights from the local folder the adapter's config names.
+    tiny_llama(seed=0).save_pretrained(tmp_path / "base")
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", local_files_only=True)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = HuggingFaceModel(base, use_logits=True, peft_config=lora)
+    path = _train_and_save(tmp_path, model)
+    ref = load_reference_model(path)
+    torch.testing.assert_close(_logits(ref, IDS), _logits(model.model, IDS), rtol=1e-4, atol=1e-5)
+
+
 def test_hf_directory_and_module_forms(tmp_path):
     model = tiny_llama(seed=2)
     model.save_pretrained(tmp_path / "hf")

@@ -114,5 +114,5 @@ def test_composer_checkpoint_lora_only(tmp_path, tiny_model_dir, tokenizer):
 def test_not_a_composer_checkpoint(tmp_path):
     path = tmp_path / "plain.pt"
     torch.save({"weights": torch.zeros(2)}, path)
-    with pytest.raises(ValueError, match="not a monolithic checkpoint of a composer HuggingFaceModel"):
+    with pytest.raises(ValueError, match="not a Composer checkpoint of a HuggingFaceModel"):
         load_model_and_tokenizer(path, device="cpu")
