@@ -1,0 +1,40 @@
+"""The study report's verdicts and assembly from a fake study directory."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.common.paths import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import study_report  # noqa: E402
+
+
+def test_verdicts_follow_the_interval():
+    below = {"n": 3, "mean": -0.2, "ci_low": -0.3, "ci_high": -0.1}
+    above = {"n": 3, "mean": 0.2, "ci_low": 0.1, "ci_high": 0.3}
+    across = {"n": 3, "mean": -0.05, "ci_low": -0.2, "ci_high": 0.1}
+    assert "lower" in study_report.verdict("ps", "random", below)
+    assert "higher" in study_report.verdict("ps", "random", above)
+    assert "not distinguishable" in study_report.verdict("ps", "random", across)
+    assert "too few" in study_report.verdict("ps", "random", {"n": 1, "mean": 0.1, "ci_low": float("nan")})
+
+
+def test_report_collects_tables_and_verdicts(tmp_path):
+    exp = tmp_path / "study" / "main_scratch"
+    exp.mkdir(parents=True)
+    (exp / "comparison.md").write_text("| strategy | average |\n|---|---|\n| random | 1.0 |")
+    (exp / "paired.md").write_text("paired table")
+    summary = {"n": 3, "mean": -0.2, "ci_low": -0.3, "ci_high": -0.1}
+    (exp / "paired.json").write_text(
+        json.dumps({"baseline": "random", "strategies": {"partitionsel": {"average": summary}}})
+    )
+    la = tmp_path / "study" / "lookahead" / "ba50"
+    la.mkdir(parents=True)
+    (la / "summary.md").write_text("| arm | lookahead table |")
+    doc = tmp_path / "docs" / "study.md"
+    study_report.write_report(tmp_path / "study", doc, steps=200, early=50)
+    text = doc.read_text()
+    assert "lookahead table" in text and "paired table" in text
+    assert "partitionsel has lower average validation loss than random beyond seed noise" in text

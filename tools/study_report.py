@@ -1,0 +1,143 @@
+"""Write docs/results/study_dm_math.md from a finished `tools/study_dm_math.py` output directory.
+
+Example:
+    python tools/study_report.py runs/study --doc docs/results/study_dm_math.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+SECTIONS = (
+    ("main_scratch", "Regime (a): from scratch, equal steps"),
+    ("main_finetune", "Regime (b): fine-tuning a base trained on another mixture, equal steps"),
+    ("wallclock_scratch", "Regime (a): equal training time (evaluation excluded)"),
+    ("ablations", "PartitionSel settings, one at a time (regime a, equal steps)"),
+)
+
+
+def verdict(name: str, baseline: str, summary: dict) -> str:
+    """One plain sentence on a paired difference of the average validation loss."""
+    lo, hi, mean, n = summary.get("ci_low"), summary.get("ci_high"), summary.get("mean"), summary.get("n", 0)
+    if n < 2 or lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{name} vs {baseline}: too few paired seeds to decide ({n})."
+    span = f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}], {n} seeds"
+    if hi < 0:
+        return f"{name} has lower average validation loss than {baseline} beyond seed noise ({span})."
+    if lo > 0:
+        return f"{name} has higher average validation loss than {baseline} beyond seed noise ({span})."
+    return f"{name} and {baseline} are not distinguishable at this many seeds ({span})."
+
+
+def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
+    """Assemble the study's tables and figures into `doc` (PNG files beside it)."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    stem = doc.stem
+    lines = [
+        "# Selection study on dm_math",
+        "",
+        "Written by `python tools/study_dm_math.py --out OUT` (which calls `tools/study_report.py`); every",
+        "number below comes from that command's output directory. Corpus: `../shared/data/dm_math` (8",
+        "domains, unequal sizes), a small Llama (`yamls/study/dm_math.yaml`), pools of 32, 16 trained a",
+        f"step, {steps} steps. Evaluation reads the held-out half of each domain's val split; selection is",
+        "guided by the other half.",
+        "",
+        "## One step ahead (tools/lookahead.py)",
+        "",
+        "Drop of the mean per-example loss after one step on each arm's subset, minus the mean drop of",
+        "random subsets with the same per-domain capacities (positive = better than random), on held-out",
+        "examples (`eval`) and on the guiding set (`guide`), for one SGD step and one step of the run's",
+        "optimizer (`opt`, its state from the checkpoint). Arms: `before` = the settings before the",
+        "signal-chain fixes (preconditioner on both sides, 128-wide features, 4 guiding examples,",
+        "unweighted); `pool` = preconditioner once; `_1024` = 1024-wide features; `_w` = trained on the",
+        "refit weights; `_g16/_g32` = guided by 16/32 examples; `oracle_*` select by exact full-model",
+        "scores (`oracle_eval` by the evaluation set's own gradient: an upper bound).",
+        "",
+    ]
+    for step in (early, steps):
+        path = out / "lookahead" / f"ba{step}" / "summary.md"
+        if path.exists():
+            lines += [f"### Checkpoint at step {step}", "", path.read_text().strip(), ""]
+    conclusions: list[str] = []
+    for name, title in SECTIONS:
+        exp = out / name
+        if not (exp / "comparison.md").exists():
+            continue
+        lines += [f"## {title}", "", (exp / "comparison.md").read_text().strip(), ""]
+        if (exp / "paired.md").exists():
+            lines += [(exp / "paired.md").read_text().strip(), ""]
+            paired = json.loads((exp / "paired.json").read_text())
+            for strat, entry in paired["strategies"].items():
+                conclusions.append(f"- {title}: " + verdict(strat, paired["baseline"], entry["average"]))
+        if (exp / "selection.md").exists():
+            lines += [(exp / "selection.md").read_text().strip(), ""]
+        if (exp / "curves.png").exists():
+            png = doc.parent / f"{stem}_{name}_curves.png"
+            shutil.copyfile(exp / "curves.png", png)
+            lines += [f"![validation curves]({png.name})", ""]
+    frontier = _plot_frontier(out, doc.parent / f"{stem}_frontier.png")
+    if frontier is not None:
+        lines += [
+            "## Cost against quality",
+            "",
+            f"![frontier]({frontier.name})",
+            "",
+            "Mean training time (evaluation excluded) against the final average validation loss, per",
+            "strategy and PartitionSel variant (regime a, equal steps).",
+            "",
+        ]
+    lines += ["## What the paired comparisons say", "", *conclusions, ""]
+    doc.write_text("\n".join(lines))
+
+
+def _plot_frontier(out: Path, path: Path) -> Path | None:
+    points = []
+    for name in ("main_scratch", "ablations"):
+        table = out / name / "comparison.json"
+        if not table.exists():
+            continue
+        for strat, entry in json.loads(table.read_text())["strategies"].items():
+            t, loss = entry["train_time_s"]["mean"], entry["average"]["mean"]
+            if t is not None and loss is not None and math.isfinite(t) and math.isfinite(loss):
+                points.append((strat, t, loss))
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for strat, t, loss in points:
+        ax.scatter(t, loss)
+        ax.annotate(strat, (t, loss), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("training time per run (s, evaluation excluded)")
+    ax.set_ylabel("final average validation loss")
+    ax.set_title("dm_math: cost against quality")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path, help="the study's output directory")
+    p.add_argument(
+        "--doc", type=Path, default=Path(__file__).resolve().parents[1] / "docs/results/study_dm_math.md"
+    )
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--early", type=int, default=50)
+    args = p.parse_args(argv)
+    write_report(args.out, args.doc, steps=args.steps, early=args.early)
+    print(f"wrote {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
