@@ -1,8 +1,7 @@
-"""Build optimizers, schedulers, loggers, callbacks and algorithms from plain config values."""
+"""Build optimizers, schedulers, loggers, callbacks and algorithms from typed config values."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
@@ -18,31 +17,7 @@ from composer.optim import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ALGORITHMS", "CALLBACKS", "LOGGERS", "build_optimizer", "build_scheduler", "build_registered"]
-
-# name -> "module:Class"; resolved lazily so optional parts import only when used.
-ALGORITHMS: dict[str, str] = {
-    "data_selection": "composer_algos.selection_algorithm:DataSelection",
-    "doremi": "composer_algos.doremi:DoReMi",
-}
-CALLBACKS: dict[str, str] = {
-    "mixture_monitor": "composer_algos.mixture_monitor:MixtureMonitor",
-    "eval_history": "composer_algos.eval_history:EvalHistory",
-    "train_budget": "composer_algos.train_budget:TrainTimeBudget",
-    "speed_monitor": "composer.callbacks:SpeedMonitor",
-    "lr_monitor": "composer.callbacks:LRMonitor",
-    "memory_monitor": "composer.callbacks:MemoryMonitor",
-    "runtime_estimator": "composer.callbacks:RuntimeEstimator",
-    "optimizer_monitor": "composer.callbacks:OptimizerMonitor",
-}
-LOGGERS: dict[str, str] = {
-    "file": "composer_algos.file_logger:AppendFileLogger",  # appends on autoresume (Composer 0.32.1 truncates)
-    "wandb": "composer.loggers:WandBLogger",
-    "mlflow": "composer.loggers:MLFlowLogger",
-    "tensorboard": "composer.loggers:TensorboardLogger",
-    "in_memory": "composer.loggers:InMemoryLogger",
-}
-
+__all__ = ["build_component", "build_optimizer", "build_scheduler"]
 
 def build_optimizer(
     params: Any, *, name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float
@@ -69,33 +44,28 @@ def build_scheduler(*, name: str, t_warmup: str, alpha_f: float) -> Any:
     raise ValueError(f"scheduler.name {name!r} is not supported")
 
 
-def build_registered(
-    kind: str,
-    registry: Mapping[str, str],
-    name: str,
-    kwargs: Mapping[str, Any] | None,
-    context: Mapping[str, Any] | None = None,
+def build_component(
+    kind: str, name: str, options: Mapping[str, Any] | None, context: Mapping[str, Any] | None = None
 ) -> Any:
-    """Instantiate `registry[name]` with the yaml `kwargs`.
+    """Instantiate the algorithm, callback or logger registered as `name` (`composer_algos.registry`).
 
-    Constructor parameters that the yaml leaves out but `context` provides (for instance
-    `domain_names` from the shard manifest) are filled in from `context`.
+    Args:
+        kind: `algorithm`, `callback` or `logger`.
+        name: the registry name, e.g. `data_selection`, `gradient_clipping`, `speed_monitor`.
+        options: its constructor arguments: the `ConfigSection` the config parsed (only the keys
+            the yaml gave are passed, so the class keeps its own defaults) or a plain mapping.
+        context: values of the run (`registry.CONTEXT_KEYS`: domain names, run directory, seed, ...)
+            passed to the constructor parameters of the same name that `options` leaves out.
 
     Raises:
-        ValueError: an unknown name, or keyword arguments the class does not take.
+        ValueError: an unknown name (a config from `load_config` has been checked already).
     """
-    if name not in registry:
-        raise ValueError(f"unknown {kind} {name!r}; available: {sorted(registry)}")
-    module_name, cls_name = registry[name].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    from composer_algos.registry import component_class
+
+    cls = component_class(kind, name)
     params = inspect.signature(cls).parameters
-    given = dict(kwargs or {})
-    takes_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = sorted(k for k in given if k not in params)
-    if unknown and not takes_var_kw:
-        allowed = sorted(k for k in params if k not in (context or {}))
-        raise ValueError(f"{kind} {name!r} does not take {unknown}; allowed keys: {allowed}")
+    kwargs = dict(options or {})
     for key, value in (context or {}).items():
-        if key in params and key not in given:
-            given[key] = value
-    return cls(**given)
+        if key in params and key not in kwargs:
+            kwargs[key] = value
+    return cls(**kwargs)

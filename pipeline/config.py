@@ -1,4 +1,11 @@
-"""Typed run configuration: yaml + `key=value` overrides -> validated, kw_only dataclasses."""
+"""Typed run configuration: yaml + `key=value` overrides -> validated, frozen kw_only dataclasses.
+
+Every section is a frozen dataclass, the components under `algorithms`, `callbacks` and `loggers`
+included: each is parsed into a `ConfigSection` derived from its class's constructor by
+`composer_algos.registry` (the one place this module reaches into the training side, lazily, so
+that the data side imports no torch). Every problem is collected and raised as one `ConfigError`
+that names the yaml path of each key.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 __all__ = [
     "ConfigError",
+    "ConfigSection",
     "DatasetConfig",
     "EvalConfig",
     "LoaderConfig",
@@ -23,6 +31,8 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "TrainConfig",
+    "build_section",
+    "config_to_dict",
     "load_config",
     "parse_config",
 ]
@@ -34,7 +44,33 @@ class ConfigError(ValueError):
     """A configuration problem; the message lists every problem found, one per line."""
 
 
-@dataclass(kw_only=True)
+class ConfigSection(Mapping[str, Any]):
+    """Base of the frozen dataclasses that hold a component's constructor arguments.
+
+    Attributes read the effective value (the yaml's, else the constructor's default); as a mapping a
+    section holds only the keys the yaml gave, so `cls(**section)` builds exactly what the yaml
+    describes and the constructor keeps owning its defaults.
+    """
+
+    def given(self) -> frozenset[str]:
+        """The keys the yaml set (every field for a section built by hand)."""
+        keys = self.__dict__.get("_given")
+        return keys if keys is not None else frozenset(f.name for f in dataclasses.fields(self))  # type: ignore[arg-type]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.given():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        given = self.given()
+        return iter([f.name for f in dataclasses.fields(self) if f.name in given])  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self.given())
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoraConfig:
     """LoRA adapters through peft (the paper: r 16, alpha 96 or 32, dropout 0.05)."""
 
@@ -54,7 +90,7 @@ class LoraConfig:
         return errs
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The causal LM: a hub name or local path, or an inline transformers config (random init).
 
@@ -89,7 +125,7 @@ class ModelConfig:
         return errs
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
     """Which shards to stream, and how (see `pipeline.dataset.DomainStreamingDataset`)."""
 
@@ -115,7 +151,7 @@ class DatasetConfig:
         return errs
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
     """A DataLoader over a `DatasetConfig`."""
 
@@ -133,7 +169,7 @@ class LoaderConfig:
         return errs
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     """Per-domain validation: one evaluator per domain, labelled `val/<domain>`.
 
@@ -152,7 +188,7 @@ class EvalConfig:
     guide_fraction: float = 0.5
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     name: str = "decoupled_adamw"
     lr: float = 3e-4
@@ -171,7 +207,7 @@ class OptimizerConfig:
         return errs
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     name: str = "linear_decay_with_warmup"
     t_warmup: str = "0ba"
@@ -187,7 +223,7 @@ class SchedulerConfig:
         return errs
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """A whole training run. Every field is spelled as in the yaml.
 
@@ -219,9 +255,10 @@ class TrainConfig:
     load_path: str | None = None
     load_weights_only: bool = False
     autoresume: bool = False
-    algorithms: dict[str, dict[str, Any]] = field(default_factory=dict)
-    callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
-    loggers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # name -> ConfigSection of that component's constructor arguments (see composer_algos.registry)
+    algorithms: dict[str, Any] = field(default_factory=dict)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    loggers: dict[str, Any] = field(default_factory=dict)
     console_log_interval: str = "10ba"
     progress_bar: bool = False
     python_log_level: str | None = "info"
@@ -269,8 +306,12 @@ class TrainConfig:
         if ev is not None and not 0.0 <= ev.guide_fraction < 1.0:
             errs.append(f"eval_loader.guide_fraction must be in [0, 1) (0: the whole split), got {ev.guide_fraction}")
         selection = self.algorithms.get("data_selection")
-        val = (selection or {}).get("validation") or {}
-        guide = val.get("guide_fraction", 0.5)
+        val = getattr(selection, "validation", None)
+        if isinstance(val, str):  # a shard directory: its options take their defaults
+            val = {"shard_dir": val}
+        val = val if isinstance(val, Mapping) else {}
+        guide = getattr(val, "guide_fraction", None)
+        guide = val.get("guide_fraction", 0.5) if guide is None else guide
         if selection is None or not isinstance(guide, (int, float)):
             return errs
         if not 0.0 < guide <= 1.0:
@@ -321,6 +362,9 @@ def parse_config(cfg: DictConfig | dict[str, Any], source: str = "<config>") -> 
     assert isinstance(data, dict)
     data.pop("variables", None)
     problems: list[str] = []
+    for section, kind in (("algorithms", "algorithm"), ("callbacks", "callback"), ("loggers", "logger")):
+        if isinstance(data.get(section), dict):
+            data[section] = _parse_components(kind, data[section], section, problems)
     out = _build(TrainConfig, data, "", problems)
     if not problems:
         problems += out.validate()
@@ -329,17 +373,59 @@ def parse_config(cfg: DictConfig | dict[str, Any], source: str = "<config>") -> 
     return out
 
 
+def build_section(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+    """Build the (frozen) dataclass `cls` from the yaml mapping `data`, appending every problem found.
+
+    Args:
+        cls: the dataclass; a `ConfigSection` subclass also records which keys `data` gave.
+        data: the mapping read from the yaml (an instance of `cls` is returned as is).
+        prefix: the yaml path of `data` followed by a dot (`algorithms.data_selection.`), or "".
+        problems: where each unknown, missing or mistyped key is appended, named by its yaml path.
+
+    Returns:
+        The instance, or None when a required key is missing or `data` is not a mapping.
+    """
+    return _build(cls, data, prefix, problems)
+
+
+def config_to_dict(value: Any) -> Any:
+    """The plain-container form of a config (for saving): sections keep only the keys the yaml gave."""
+    if isinstance(value, ConfigSection):
+        return {k: config_to_dict(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: config_to_dict(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k: config_to_dict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [config_to_dict(v) for v in value]
+    return value
+
+
+def _parse_components(kind: str, data: dict[str, Any], section: str, problems: list[str]) -> dict[str, Any]:
+    """Each `section.<name>` entry as its typed `ConfigSection` (see composer_algos.registry)."""
+    from composer_algos.registry import parse_component  # the training side's registries (torch, composer)
+
+    parsed = {}
+    for name, value in data.items():
+        typed = parse_component(kind, str(name), value, f"{section}.{name}", problems)
+        if typed is not None:
+            parsed[name] = typed
+    return parsed
+
+
 def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
     """Recursively build dataclass `cls` from `data`, appending every problem found."""
     where = prefix.rstrip(".") or "the top level"
+    if isinstance(data, cls):
+        return data
     if not isinstance(data, dict):
         problems.append(f"{where} must be a mapping, got {type(data).__name__}")
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
-    if unknown:
-        problems.append(f"unknown keys at {where}: {unknown}; allowed: {sorted(fields)}")
+    for key in unknown:
+        problems.append(f"{prefix}{key}: unknown key; allowed: {sorted(fields)}")
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -349,9 +435,12 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
             continue
         kwargs[name] = _convert(hints[name], data[name], f"{prefix}{name}", problems)
     try:
-        return cls(**kwargs)
+        out = cls(**kwargs)
     except TypeError:  # a missing required key, already reported
         return None
+    if isinstance(out, ConfigSection):
+        object.__setattr__(out, "_given", frozenset(k for k in data if k in fields))
+    return out
 
 
 def _convert(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
@@ -395,7 +484,9 @@ def _matches(tp: Any, value: Any) -> bool:
         _, inner = typing.get_args(tp) or (str, Any)
         return isinstance(value, dict) and all(_matches(inner, v) for v in value.values())
     if dataclasses.is_dataclass(tp):
-        return isinstance(value, dict)
+        return isinstance(value, (dict, tp))
+    if origin is tuple:
+        return isinstance(value, (list, tuple))  # yaml has no tuples
     return isinstance(value, tp) if isinstance(tp, type) else True
 
 

@@ -26,7 +26,7 @@ from composer_algos.features.targets import TargetLayer, choose_cut_module, reso
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FeatureError", "GradFeatureExtractor", "PRECONDITION_SIDES", "spearman"]
+__all__ = ["FeatureError", "GradFeatureExtractor", "PRECONDITION_SIDES", "feature_option_problems", "spearman"]
 
 # Where the optimizer's Adam preconditioner P = 1 / (sqrt(v_hat) + eps) is applied, as the power of P
 # on the (pool, validation) side. The first-order effect of an Adam step on the selected examples on
@@ -40,6 +40,39 @@ PRECONDITION_SIDES = {"pool": (1.0, 0.0), "split": (0.5, 0.5), "both": (1.0, 1.0
 
 class FeatureError(RuntimeError):
     """The features of this call are unusable (non-finite, or all zero); the caller should fall back for the step."""
+
+
+def feature_option_problems(
+    *,
+    normalization: str,
+    sketch_dim: int | tuple[int, int],
+    chunk_size: int,
+    proj_dim: int | None,
+    adam_betas: tuple[float, float],
+    adam_eps: float,
+    precondition: str,
+) -> list[str]:
+    """Every invalid value among `GradFeatureExtractor`'s options, one message each (none: valid).
+
+    The extractor raises with them; the run config reports them when the yaml is loaded.
+    """
+    problems = []
+    if normalization not in NORMALIZATIONS:
+        problems.append(f"`normalization` must be one of {list(NORMALIZATIONS)}, got {normalization!r}")
+    k_out, k_in = (sketch_dim, sketch_dim) if isinstance(sketch_dim, int) else tuple(sketch_dim)
+    if k_out < 1 or k_in < 1:
+        problems.append(f"`sketch_dim` must be >= 1 (or a pair of such), got {sketch_dim!r}")
+    if chunk_size < 1:
+        problems.append(f"`chunk_size` must be >= 1, got {chunk_size}")
+    if proj_dim is not None and proj_dim < 0:
+        problems.append(f"`proj_dim` must be None (hidden size), 0 (no compression) or positive, got {proj_dim}")
+    if not (0 <= adam_betas[0] < 1 and 0 <= adam_betas[1] < 1):
+        problems.append(f"`adam_betas` must lie in [0, 1), got {adam_betas}")
+    if adam_eps <= 0:
+        problems.append(f"`adam_eps` must be > 0, got {adam_eps}")
+    if precondition not in PRECONDITION_SIDES:
+        problems.append(f"`precondition` must be one of {list(PRECONDITION_SIDES)}, got {precondition!r}")
+    return problems
 
 
 class GradFeatureExtractor:
@@ -109,24 +142,18 @@ class GradFeatureExtractor:
         seed: int = 0,
         resample_projections: bool = False,
     ) -> None:
-        problems = []
-        if normalization not in NORMALIZATIONS:
-            problems.append(f"`normalization` must be one of {list(NORMALIZATIONS)}, got {normalization!r}")
-        k_out, k_in = (sketch_dim, sketch_dim) if isinstance(sketch_dim, int) else tuple(sketch_dim)
-        if k_out < 1 or k_in < 1:
-            problems.append(f"`sketch_dim` must be >= 1 (or a pair of such), got {sketch_dim!r}")
-        if chunk_size < 1:
-            problems.append(f"`chunk_size` must be >= 1, got {chunk_size}")
-        if proj_dim is not None and proj_dim < 0:
-            problems.append(f"`proj_dim` must be None (hidden size), 0 (no compression) or positive, got {proj_dim}")
-        if not (0 <= adam_betas[0] < 1 and 0 <= adam_betas[1] < 1):
-            problems.append(f"`adam_betas` must lie in [0, 1), got {adam_betas}")
-        if adam_eps <= 0:
-            problems.append(f"`adam_eps` must be > 0, got {adam_eps}")
-        if precondition not in PRECONDITION_SIDES:
-            problems.append(f"`precondition` must be one of {list(PRECONDITION_SIDES)}, got {precondition!r}")
+        problems = feature_option_problems(
+            normalization=normalization,
+            sketch_dim=sketch_dim,
+            chunk_size=chunk_size,
+            proj_dim=proj_dim,
+            adam_betas=adam_betas,
+            adam_eps=adam_eps,
+            precondition=precondition,
+        )
         if problems:
             raise ValueError("; ".join(problems))
+        k_out, k_in = (sketch_dim, sketch_dim) if isinstance(sketch_dim, int) else tuple(sketch_dim)
 
         self.model = unwrap_model(model)
         self.targets: list[TargetLayer] = resolve_targets(

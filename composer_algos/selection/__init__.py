@@ -5,11 +5,22 @@ Every strategy has the keyword-only signature::
     fn(*, features, val_feature, domain_ids, num_domains, kappa, eta, generator,
        capacities=None, gram=None, **options) -> SelectionResult
 
-and is looked up by name in ``STRATEGIES`` (or ``get_strategy``). Unknown or invalid options raise
-``ValueError``. Strategies without randomness never touch the generator. See docs/selection.md.
+and is looked up by name with ``get_strategy``: the built-in ``STRATEGIES``, then the entry-point
+group ``partitionsel.strategies``, through which another installed package adds a strategy (a
+``StrategySpec``; the ``@strategy`` decorator gives a body the signature and the shared prologue)::
+
+    # the plugin's pyproject.toml
+    [project.entry-points."partitionsel.strategies"]
+    first_k = "my_package.first_k:SPEC"
+
+Unknown or invalid options raise ``ValueError``. Strategies without randomness never touch the
+generator. See docs/selection.md.
 """
 
 from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
 
 from composer_algos.selection.apga import refit_apga
 from composer_algos.selection.capacities import compute_capacities, resolve_capacities
@@ -24,14 +35,30 @@ from composer_algos.selection.partitionsel import PartitionSelOptions, omp_selec
 from composer_algos.selection.random_select import select_random, select_random_stratified
 from composer_algos.selection.refit import refit_exact
 from composer_algos.selection.swap import refine_swap
-from composer_algos.selection.types import SelectionNumericsError, SelectionResult, StrategySpec
+from composer_algos.selection.types import (
+    NoOptions,
+    SelectionInputs,
+    SelectionNumericsError,
+    SelectionResult,
+    StrategySpec,
+    finish_result,
+    strategy,
+)
+
+log = logging.getLogger(__name__)
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
+    "SelectionInputs",
     "SelectionResult",
     "SelectionNumericsError",
     "StrategySpec",
+    "NoOptions",
     "STRATEGIES",
     "get_strategy",
+    "strategy_names",
+    "strategy",
+    "finish_result",
     "compute_capacities",
     "resolve_capacities",
     "conflict_fraction",
@@ -67,19 +94,41 @@ STRATEGIES: dict[str, StrategySpec] = {
 }
 
 
+ENTRY_POINT_GROUP = "partitionsel.strategies"
+
+
+def strategy_names() -> list[str]:
+    """Every strategy name: the built-ins, then those installed packages declare (none is imported)."""
+    plugins = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} - set(STRATEGIES))
+    return [*STRATEGIES, *plugins]
+
+
 def get_strategy(name: str) -> StrategySpec:
-    """The registry entry for a strategy name.
+    """The registry entry for a strategy name: a built-in, else an entry point of ``ENTRY_POINT_GROUP``.
+
+    A built-in name wins over an entry point of the same name (a plugin cannot replace a built-in).
 
     Args:
-        name: one of ``STRATEGIES``.
+        name: one of ``strategy_names()``.
 
     Returns:
         Its ``StrategySpec``.
 
     Raises:
         ValueError: for an unknown name, listing the known ones.
+        TypeError: when the entry point does not load a ``StrategySpec``, naming the entry point.
     """
-    try:
+    if name in STRATEGIES:
         return STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown selection strategy {name!r}; choose one of {sorted(STRATEGIES)}") from None
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
+        raise ValueError(f"unknown selection strategy {name!r}; choose one of {strategy_names()}")
+    ep = found[0]
+    spec = ep.load()
+    if not isinstance(spec, StrategySpec):
+        raise TypeError(
+            f"entry point {name!r} = {ep.value!r} of group {ENTRY_POINT_GROUP!r} loads a "
+            f"{type(spec).__name__}, not a composer_algos.selection.StrategySpec"
+        )
+    log.debug("strategy %r from entry point %s", name, ep.value)
+    return spec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,116 @@ def test_bad_values_name_field_and_value(tmp_path):
 def test_missing_yaml_file():
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config("nope.yaml")
+
+
+# ---------------------------------------------------------------------------- typed components (issue 11.3)
+TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+SEL = "algorithms.data_selection"
+
+
+@pytest.fixture
+def nothing_is_built(monkeypatch):
+    """Make every heavy build step raise, so a test proves config errors come before them."""
+    import composer_algos.models
+    import pipeline.loaders
+    import pipeline.manifest
+    import pipeline.tokenizer
+
+    def reached(*args, **kwargs):
+        raise AssertionError("a tokenizer, manifest, dataset or model was built before the config was checked")
+
+    monkeypatch.setattr(pipeline.tokenizer, "load_tokenizer", reached)
+    monkeypatch.setattr(pipeline.manifest, "load_manifest", reached)
+    monkeypatch.setattr(pipeline.loaders, "build_train_dataloader", reached)
+    monkeypatch.setattr(composer_algos.models, "build_causal_lm", reached)
+
+
+def test_selection_typos_bad_values_and_unknown_strategy_fail_together_before_anything_is_built(
+    nothing_is_built, capsys
+):
+    import train
+
+    overrides = [
+        f"{SEL}.strategy=partitionsell",  # unknown strategy
+        f"{SEL}.oversampeling=2",  # typo under data_selection
+        f"{SEL}.features.proj_dimm=8",  # typo under features
+        f"{SEL}.features.chunk_size=0",  # bad value (GradFeatureExtractor's rule)
+        f"{SEL}.strategy_options.partitionsel.refitt=exact",  # typo under strategy_options
+        f"{SEL}.strategy_options.partitionsel.ridge=5",  # bad value (PartitionSelOptions' rule)
+        f"{SEL}.validation.batch_sise=3",  # typo under validation
+        f"{SEL}.scope=everywhere",  # bad value (DataSelection's rule)
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([str(TINY), *overrides])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for needle in (
+        f"{SEL}.strategy",
+        "partitionsell",
+        f"{SEL}.oversampeling",
+        f"{SEL}.features.proj_dimm",
+        f"{SEL}.features.chunk_size",
+        f"{SEL}.strategy_options.partitionsel.refitt",
+        f"{SEL}.strategy_options.partitionsel.ridge",
+        f"{SEL}.validation.batch_sise",
+        "everywhere",
+    ):
+        assert needle in err, f"{needle!r} missing from:\n{err}"
+
+
+def test_unknown_keys_list_what_is_allowed_derived_from_the_code():
+    import inspect
+
+    from composer_algos.features import GradFeatureExtractor
+    from composer_algos.selection import PartitionSelOptions
+
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [f"{SEL}.features.proj_dimm=8", f"{SEL}.strategy_options.iwd.pik=greedy"])
+    lines = str(info.value).splitlines()
+    feat_line = next(line for line in lines if "features.proj_dimm" in line)
+    for name in inspect.signature(GradFeatureExtractor).parameters:
+        if name not in ("model", "seed"):  # the model is the run's; the seed is the algorithm's
+            assert name in feat_line, f"{name} not offered in {feat_line!r}"
+    opt_line = next(line for line in lines if "strategy_options.iwd.pik" in line)
+    for f in dataclasses.fields(PartitionSelOptions):
+        assert f.name in opt_line
+
+
+def test_strategy_options_keyed_by_a_non_strategy_and_the_wrong_type_are_reported():
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [f"{SEL}.strategy_options.partitionsell.refit=exact", f"{SEL}.interval=often"])
+    msg = str(info.value)
+    assert f"{SEL}.strategy_options.partitionsell" in msg and "partitionsel" in msg
+    assert f"{SEL}.interval" in msg and "'often'" in msg
+
+
+def test_the_selection_config_is_typed_frozen_and_defaults_come_from_the_algorithm():
+    import inspect
+
+    from composer_algos.selection_algorithm import DataSelection
+
+    cfg = load_config(TINY)
+    sel = cfg.algorithms["data_selection"]
+    assert dataclasses.is_dataclass(sel) and dataclasses.is_dataclass(sel.features)
+    assert sel.strategy == "partitionsel" and sel.features.proj_dim == 64 and sel.validation.batch_size == 4
+    assert sel.strategy_options["partitionsel"].refit == "exact"
+    # Omitted keys read as the algorithm's own defaults: one owner per default.
+    for name in ("scope", "interval", "weighted_loss", "start", "end"):
+        assert getattr(sel, name) == inspect.signature(DataSelection).parameters[name].default
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sel.strategy = "random"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_seq_len = 3  # type: ignore[misc]
+    # Building passes exactly the keys the yaml gave (so the built algorithm is the one the yaml describes).
+    assert dict(dict(sel)["features"]) == {"last_n_blocks": 1, "normalization": "adam_optimizer", "proj_dim": 64}
+
+
+def test_missing_yaml_and_config_errors_exit_2_with_one_message(tmp_path, capsys):
+    import train
+
+    with pytest.raises(SystemExit) as info:
+        train.main([str(tmp_path / "nope.yaml")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "nope.yaml" in err and "Traceback" not in err
