@@ -45,9 +45,10 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         build_scheduler,
     )
     from composer_algos.file_logger import AppendFileLogger
+    from composer_algos.mixture_io import read_mixture_json
     from composer_algos.models import build_causal_lm
     from pipeline.dataset import split_samples
-    from pipeline.loaders import build_domain_evaluators, build_train_dataloader, load_domain_weights_file
+    from pipeline.loaders import build_domain_evaluators, build_train_dataloader
     from pipeline.manifest import load_manifest
     from pipeline.tokenizer import load_tokenizer
 
@@ -75,7 +76,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
                 f"train_loader.dataset.domain_weights_file: no such file {data.domain_weights_file!r} "
                 "(for DoReMi's stage c, run the proxy stage first; it writes <run_dir>/doremi/mixture.json)"
             )
-        weights = load_domain_weights_file(data.domain_weights_file)
+        weights = dict(read_mixture_json(data.domain_weights_file).weights)  # DoReMi's or a selection run's
         log.info("stream proportions from %s: %s", data.domain_weights_file, weights)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_loader = build_train_dataloader(

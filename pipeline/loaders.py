@@ -16,7 +16,7 @@ from pipeline.manifest import load_manifest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_train_dataloader", "build_domain_evaluators", "load_domain_weights_file"]
+__all__ = ["build_train_dataloader", "build_domain_evaluators"]
 
 
 def build_train_dataloader(
@@ -138,13 +138,6 @@ def build_domain_evaluators(
             )
         )
     return evaluators
-
-
-def load_domain_weights_file(path: str) -> dict[str, float]:
-    """Domain weights from a `mixture.json` (DoReMi's output or a selection run's)."""
-    from composer_algos.mixture_io import read_mixture_json
-
-    return dict(read_mixture_json(path).weights)
 
 
 def _check_pool_fits_split(

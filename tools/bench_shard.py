@@ -29,9 +29,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sample_corpus import write_sample_corpus  # noqa: E402  (tools/sample_corpus.py)
 
 from pipeline.corpora import make_corpus_spec  # noqa: E402
-from pipeline.sample_corpus import write_sample_corpus  # noqa: E402
 from pipeline.sharding import ShardOptions, shard_corpus  # noqa: E402
 from pipeline.tokenizer import DEMO_TOKENIZER, load_tokenizer  # noqa: E402
 

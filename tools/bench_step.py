@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import shard as shard_tool
     import torch
-
-    from pipeline.sample_corpus import write_sample_corpus
+    from sample_corpus import write_sample_corpus
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

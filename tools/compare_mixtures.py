@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", help="figure title")
     args = parser.parse_args(argv)
     # torch (via composer_algos.mixture_io) loads after parsing, so --help is fast.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by file path
+    from comparison_plots import plot_grouped_bars, plot_trajectories  # tools/comparison_plots.py
+
     from composer_algos.doremi.compare import (
         build_columns,
         format_markdown,
@@ -45,8 +48,6 @@ def main(argv: list[str] | None = None) -> int:
         load_trajectory,
         natural_sample_shares,
         natural_token_shares,
-        plot_grouped_bars,
-        plot_trajectories,
         read_labelled,
         to_token_shares,
     )

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported after argument parsing so that --help answers at once.
     sys.path.insert(0, str(REPO))
-    from pipeline.sample_corpus import write_sample_corpus
+    sys.path.insert(0, str(REPO / "tools"))
+    from sample_corpus import write_sample_corpus
 
     start = time.perf_counter()
     out: Path = args.out.resolve()

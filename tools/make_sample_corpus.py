@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline.sample_corpus import write_sample_corpus  # noqa: E402
+from sample_corpus import write_sample_corpus  # noqa: E402  (tools/sample_corpus.py)
 
 
 def main(argv: list[str] | None = None) -> int:

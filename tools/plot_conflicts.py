@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-json", help="also write the per-strategy summary here")
     args = parser.parse_args(argv)
     # numpy and matplotlib load after parsing, so --help is fast.
-    from pipeline.evaluation.conflicts import load_conflict_curves, plot_conflicts, summarize_conflicts
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by file path
+    from comparison_plots import plot_conflicts  # tools/comparison_plots.py
+
+    from pipeline.evaluation.conflicts import load_conflict_curves, summarize_conflicts
 
     if args.window < 1:
         parser.error(f"--window must be >= 1, got {args.window}")

@@ -14,7 +14,7 @@ With --input, every record the shard readers accept is used once, in file order 
 --max-records): pretraining text as is, instruction records as the rendered prompt (Alpaca
 template for metamathqa and mol, as the sharder's default; --prompt-template to change it), a
 space, and the response. Bad records are skipped and counted; an unreadable file stops the run.
-Without --input the corpus is generated in memory (pipeline.sample_corpus, the same generator
+Without --input the corpus is generated in memory (tools/sample_corpus.py, the same generator
 as tools/make_sample_corpus.py), so the result depends only on the seed, the scale and the vocab
 size. The tokenizer has `<|endoftext|>` (EOS) and `<|pad|>` (padding) as special tokens, no
 BOS, and adds no special tokens on its own; it loads offline with
@@ -54,7 +54,8 @@ _STATS_TEXTS = 10_000  # chars/token is measured on the first texts only, to bou
 
 def corpus_texts(seed: int, scale: float) -> list[str]:
     """All texts of the sample corpus, prompts rendered with the Alpaca template, in a fixed order."""
-    from pipeline.sample_corpus import (
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sample_corpus import (
         generate_dolma_documents,
         generate_metamathqa,
         generate_mol_instructions,

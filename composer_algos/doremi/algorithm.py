@@ -15,6 +15,7 @@ from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 from composer.utils import dist
 
+from composer_algos.doremi.callback import DoReMiMixtureWriter
 from composer_algos.doremi.core import (
     clipped_excess_sums,
     domain_sums,
@@ -182,8 +183,6 @@ class DoReMi(Algorithm):
     # ---- events -------------------------------------------------------------------------------
 
     def _attach_writer(self, state: State) -> None:
-        from composer_algos.doremi.callback import DoReMiMixtureWriter
-
         if not any(isinstance(cb, DoReMiMixtureWriter) for cb in state.callbacks):
             state.callbacks.append(DoReMiMixtureWriter())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from composer.core import Callback, Event, State
@@ -112,10 +113,28 @@ class DoReMiMixtureWriter(Callback):
         )
 
 
-def _find_doremi(state: State):
-    from composer_algos.doremi.algorithm import DoReMi
+@runtime_checkable
+class DoReMiWeights(Protocol):
+    """What the writer reads from the run's DoReMi algorithm (``composer_algos.doremi.DoReMi``).
 
-    found = [a for a in state.algorithms if isinstance(a, DoReMi)]
+    A protocol rather than the class itself: the algorithm attaches this writer, so the writer
+    must not import the algorithm (imports point one way, algorithm -> callback).
+    """
+
+    domain_names: list[str]
+    run_dir: str
+    alpha_C: torch.Tensor
+    last_lam_C: torch.Tensor
+    initial_alpha_C: torch.Tensor
+    num_updates: int
+    eta_dro: float
+    smoothing: float
+
+    def averaged_weights(self) -> torch.Tensor: ...
+
+
+def _find_doremi(state: State) -> DoReMiWeights:
+    found = [a for a in state.algorithms if isinstance(a, DoReMiWeights)]
     if len(found) != 1:
         raise ValueError(f"DoReMiMixtureWriter needs exactly one DoReMi algorithm in the run, found {len(found)}")
     return found[0]

@@ -1,9 +1,8 @@
-"""Compare domain mixtures (DoReMi's weights, selection runs' mixture.json) as a table and plots."""
+"""Compare domain mixtures (DoReMi's weights, selection runs' mixture.json) as tables (plots: tools/comparison_plots.py)."""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ __all__ = [
     "build_columns",
     "format_table",
     "format_markdown",
-    "plot_grouped_bars",
-    "plot_trajectories",
     "load_trajectory",
     "read_labelled",
     "total_variation",
@@ -224,46 +221,6 @@ def format_markdown(names: Sequence[str], columns: Sequence[MixtureColumn]) -> s
     return "\n".join(lines) + "\n"
 
 
-def plot_grouped_bars(
-    names: Sequence[str], columns: Sequence[MixtureColumn], path: str | os.PathLike, *, title: str | None = None
-) -> Path:
-    """Grouped bar chart, one group per domain and one bar per method (the paper's domain-weights figure).
-
-    Returns:
-        The written path.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    num_cols = len(columns)
-    x = np.arange(len(names))
-    width = 0.8 / max(num_cols, 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 4.2))
-    colors = _colors(columns)
-    for i, col in enumerate(columns):
-        vals = [col.weights.get(n, 0.0) for n in names]
-        ax.bar(x - 0.4 + width * (i + 0.5), vals, width, label=col.label, color=colors[i], edgecolor="black",
-               linewidth=0.3)
-    ax.set_xticks(x)
-    ax.set_xticklabels(names, rotation=35, ha="right")
-    ax.set_ylabel("Domain weights")
-    # Headroom above the tallest bar for the legend row(s).
-    ax.set_ylim(0, 1.4 * max([c.weights.get(n, 0.0) for c in columns for n in names] + [0.1]))
-    ax.grid(axis="y", color="0.85")
-    ax.set_axisbelow(True)
-    ax.legend(frameon=False, loc="upper left", ncol=min(num_cols, 4))
-    if title:
-        ax.set_title(title)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=150)
-    plt.close(fig)
-    return out
-
-
 def load_trajectory(label: str, json_path: str | os.PathLike) -> Trajectory | None:
     """Read the `mixture_steps.csv` next to a `mixture.json`, or None when there is none."""
     csv_path = Path(json_path).with_name("mixture_steps.csv")
@@ -273,62 +230,6 @@ def load_trajectory(label: str, json_path: str | os.PathLike) -> Trajectory | No
     if not steps:
         return None
     return Trajectory(label, steps, names, weights_SC)
-
-
-def plot_trajectories(
-    trajectories: Sequence[Trajectory], path: str | os.PathLike, *, title: str | None = None
-) -> Path:
-    """One panel per method: per-step weights (thin) and their running mean (thick), per domain.
-
-    The running mean over the rows is what `mixture.json` reports (for DoReMi the first row is
-    the initial weights, which the average includes).
-
-    Returns:
-        The written path.
-
-    Raises:
-        ValueError: If `trajectories` is empty.
-    """
-    if not trajectories:
-        raise ValueError("no trajectories to plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    all_names: list[str] = []
-    for t in trajectories:
-        all_names += [n for n in t.domain_names if n not in all_names]
-    cmap = plt.get_cmap("tab10" if len(all_names) <= 10 else "tab20")
-    color = {n: cmap(i % cmap.N) for i, n in enumerate(all_names)}
-    ncols = min(3, len(trajectories))
-    nrows = math.ceil(len(trajectories) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False, sharey=True)
-    for ax, t in zip(axes.flat, trajectories):
-        running_SC = np.cumsum(t.weights_SC, axis=0) / np.arange(1, len(t.steps) + 1)[:, None]
-        for c, n in enumerate(t.domain_names):
-            ax.plot(t.steps, t.weights_SC[:, c], color=color[n], alpha=0.3, linewidth=0.7)
-            ax.plot(t.steps, running_SC[:, c], color=color[n], linewidth=1.8, label=n)
-        ax.set_title(t.label)
-        ax.set_xlabel("step")
-        ax.grid(color="0.9")
-    for ax in list(axes.flat)[len(trajectories) :]:
-        ax.set_visible(False)
-    axes[0][0].set_ylabel("weight (thin: per step, thick: running mean)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    seen = dict(zip(labels, handles))
-    for ax in list(axes.flat)[1 : len(trajectories)]:
-        h, lab = ax.get_legend_handles_labels()
-        seen.update({k: v for k, v in zip(lab, h) if k not in seen})
-    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(len(seen), 8), frameon=False)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
 
 
 def read_labelled(spec: str) -> tuple[str, MixtureFile, Path]:
@@ -349,18 +250,3 @@ def read_labelled(spec: str) -> tuple[str, MixtureFile, Path]:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
-
-
-def _colors(columns: Sequence[MixtureColumn]) -> list:
-    import matplotlib.pyplot as plt
-
-    fixed = {"natural": "0.55", "DoReMi initial": "0.8", "DoReMi": "tab:blue"}
-    cycle = [c for c in plt.get_cmap("tab10").colors if c != plt.get_cmap("tab10").colors[0]]  # type: ignore[attr-defined]
-    out, k = [], 0
-    for col in columns:
-        if col.label in fixed:
-            out.append(fixed[col.label])
-        else:
-            out.append(cycle[(k + 2) % len(cycle)])  # start at red, as the paper's PartitionSel bars
-            k += 1
-    return out

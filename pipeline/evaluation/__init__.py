@@ -11,7 +11,6 @@ _HOMES = {
     "normalize_number": "answers",
     "load_model_and_tokenizer": "checkpoint",
     "load_conflict_curves": "conflicts",
-    "plot_conflicts": "conflicts",
     "summarize_conflicts": "conflicts",
     "METAMATH_PROMPT": "generate",
     "generate_greedy": "generate",
@@ -51,7 +50,6 @@ __all__ = [
     "load_suite",
     "molecule_metrics",
     "normalize_number",
-    "plot_conflicts",
     "summarize_conflicts",
     "write_math_results",
 ]

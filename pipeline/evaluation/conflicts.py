@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import itertools
 import logging
 import math
 from collections import defaultdict
@@ -20,7 +19,6 @@ __all__ = [
     "StrategyConflicts",
     "aggregate_by_strategy",
     "load_conflict_curves",
-    "plot_conflicts",
     "read_selection_log",
     "smooth_curve",
     "summarize_conflicts",
@@ -31,19 +29,6 @@ log = logging.getLogger(__name__)
 #: File the selection callback (`composer_algos.mixture_monitor.MixtureMonitor`) writes per run.
 SELECTION_LOG_NAME = "selection_log.csv"
 _REQUIRED = ("step", "strategy", "conflict_fraction")
-# The paper's figure draws ID in blue and PartitionSel in red; keep that and give others tab10.
-_COLORS = {"partitionsel": "#b2182b", "id": "#2166ac"}
-_DISPLAY = {
-    "partitionsel": "PartitionSel",
-    "id": "ID",
-    "iwd": "IWD",
-    "greats": "GREATS",
-    "colm": "COLM",
-    "gradnorm": "GradNorm",
-    "random": "Random",
-    "random_stratified": "Random (stratified)",
-    "doremi": "DoReMi",
-}
 
 
 @dataclass
@@ -242,68 +227,6 @@ def summarize_conflicts(curves: Sequence[ConflictCurve], skip_steps: int = 0) ->
             "n_runs": float(agg.n_runs),
         }
     return summary
-
-
-def plot_conflicts(
-    curves: Sequence[ConflictCurve],
-    out_path: str | Path,
-    *,
-    window: int = 25,
-    show_band: bool = True,
-    title: str | None = None,
-) -> Path:
-    """Plot the smoothed per-step conflict fraction of each strategy (the paper's conflict figure).
-
-    Each strategy's runs are averaged step by step (`aggregate_by_strategy`), smoothed with a
-    centred moving average of ``window`` steps, and drawn as a line; with several runs the
-    smoothed min-max range over runs is shaded.
-
-    Args:
-        curves: From `load_conflict_curves`.
-        out_path: Image path (format from the suffix, e.g. ``.png`` or ``.pdf``).
-        window: Smoothing window in logged steps (default 25; 1 disables smoothing).
-        show_band: Shade the range over runs when a strategy has several (default True).
-        title: Optional title.
-
-    Returns:
-        The written path.
-
-    Raises:
-        ValueError: If there are no curves.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display on training/eval machines
-    import matplotlib.pyplot as plt
-
-    if not curves:
-        raise ValueError("no conflict curves to plot (no selection_log.csv row had a conflict_fraction)")
-    fig, ax = plt.subplots(figsize=(5.0, 3.75))
-    fallback_colors = itertools.cycle(plt.get_cmap("tab10").colors)  # type: ignore[attr-defined]
-    for agg in aggregate_by_strategy(curves):
-        color = _COLORS.get(agg.strategy.lower()) or next(fallback_colors)
-        w = min(window, max(1, agg.steps.size))
-        label = _DISPLAY.get(agg.strategy.lower(), agg.strategy)
-        if agg.n_runs > 1:
-            label += f" ({agg.n_runs} runs)"
-        ax.plot(agg.steps, smooth_curve(agg.mean, w), color=color, linewidth=1.5, label=label)
-        if show_band and agg.n_runs > 1:
-            low, high = smooth_curve(agg.low, w), smooth_curve(agg.high, w)
-            ax.fill_between(agg.steps, low, high, color=color, alpha=0.15, linewidth=0)
-    ax.set_xlabel("Steps")
-    ax.set_ylabel("Gradient conflicts\n" + r"fraction of pairs with $\langle g_i, g_j\rangle < 0$")
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
-    ax.grid(True, linestyle="--", alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small")
-    if title:
-        ax.set_title(title)
-    fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=150)
-    plt.close(fig)
-    return out
 
 
 def _to_float(value: str | None) -> float:

@@ -9,8 +9,10 @@ import pytest
 
 from composer_algos.doremi.compare import total_variation
 from composer_algos.mixture_io import read_mixture_csv, read_mixture_json
-from pipeline.sample_corpus import write_sample_corpus
 from tests.common.paths import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+from sample_corpus import write_sample_corpus  # noqa: E402  (tools/sample_corpus.py)
 
 pytestmark = pytest.mark.slow
 

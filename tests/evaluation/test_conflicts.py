@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -12,11 +13,14 @@ import pytest
 from pipeline.evaluation.conflicts import (
     aggregate_by_strategy,
     load_conflict_curves,
-    plot_conflicts,
     read_selection_log,
     smooth_curve,
     summarize_conflicts,
 )
+from tests.common.paths import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+from comparison_plots import plot_conflicts  # noqa: E402  (tools/comparison_plots.py)
 
 # The layout the selection callback writes (composer_algos.mixture_monitor.SELECTION_LOG_COLUMNS,
 # then mixture/<domain> and pool/<domain>); spelled out so this test does not import Composer.
@@ -120,8 +124,6 @@ def test_plot_writes_an_image(tmp_path):
 
 def test_plot_conflicts_tool(tmp_path, capsys):
     import importlib.util
-
-    from tests.common.paths import REPO_ROOT
 
     spec = importlib.util.spec_from_file_location("plot_conflicts", REPO_ROOT / "tools" / "plot_conflicts.py")
     assert spec is not None and spec.loader is not None

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.sample_corpus import write_sample_corpus
 from tests.common.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 import shard as shard_tool  # noqa: E402  (tools/shard.py, the CLI users run)
+from sample_corpus import write_sample_corpus  # noqa: E402  (tools/sample_corpus.py)
 
 SEQ_LEN = 64
 
