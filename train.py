@@ -18,7 +18,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import TrainConfig, load_config
+from pipeline.config import ConfigError, TrainConfig, config_to_dict, load_config
 
 if TYPE_CHECKING:
     from composer import Trainer
@@ -36,17 +36,11 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from composer.loggers import FileLogger
     from composer.utils import dist, reproducibility
 
-    from composer_algos.builders import (
-        ALGORITHMS,
-        CALLBACKS,
-        LOGGERS,
-        build_optimizer,
-        build_registered,
-        build_scheduler,
-    )
+    from composer_algos.builders import build_component, build_optimizer, build_scheduler
     from composer_algos.file_logger import AppendFileLogger
     from composer_algos.mixture_io import read_mixture_json
     from composer_algos.models import build_causal_lm
+    from composer_algos.selection_algorithm import find_data_selection_in
     from pipeline.dataset import split_samples
     from pipeline.loaders import build_domain_evaluators, build_train_dataloader
     from pipeline.manifest import load_manifest
@@ -59,11 +53,6 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             f"global_train_batch_size {cfg.global_train_batch_size} must be divisible by the world size {world}"
         )
     device_batch = cfg.global_train_batch_size // world
-    selection = cfg.algorithms.get("data_selection")
-    oversampling = float((selection or {}).get("oversampling", 1.0))
-    if oversampling < 1:
-        raise ValueError(f"algorithms.data_selection.oversampling must be >= 1, got {oversampling}")
-    device_pool = int(round(device_batch * oversampling))
 
     tokenizer = load_tokenizer(cfg.tokenizer_name)
     data = cfg.train_loader.dataset
@@ -79,6 +68,18 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         weights = dict(read_mixture_json(data.domain_weights_file).weights)  # DoReMi's or a selection run's
         log.info("stream proportions from %s: %s", data.domain_weights_file, weights)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    run_dir = cfg.save_folder or os.path.join("runs", cfg.run_name or "run")
+    context = {
+        "domain_names": domain_names,
+        "natural_weights": [split_samples(d, "train") for d in manifest.domains],
+        "run_dir": run_dir,
+        "output_dir": run_dir,
+        "seed": cfg.seed,
+    }
+    algorithms = [build_component("algorithm", n, kw, context) for n, kw in cfg.algorithms.items()]
+    # The pool is sized from the algorithm's own oversampling (its default included): one owner.
+    selection = find_data_selection_in(algorithms)
+    device_pool = int(round(device_batch * selection.oversampling)) if selection is not None else device_batch
     train_loader = build_train_dataloader(
         shard_dir=data.shard_dir,
         remote=data.remote,
@@ -122,24 +123,11 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     optimizer = build_optimizer(trainable, **dataclasses.asdict(cfg.optimizer))
     scheduler = build_scheduler(**dataclasses.asdict(cfg.scheduler))
 
-    run_dir = cfg.save_folder or os.path.join("runs", cfg.run_name or "run")
-    context = {
-        "domain_names": domain_names,
-        "natural_weights": [split_samples(d, "train") for d in manifest.domains],
-        "device_train_batch_size": device_batch,
-        "run_dir": run_dir,
-        "output_dir": run_dir,
-        "max_seq_len": cfg.max_seq_len,
-        "pad_token_id": pad_id,
-        "shard_dir": data.shard_dir,
-        "seed": cfg.seed,
-    }
-    algorithms = [build_registered("algorithm", ALGORITHMS, n, kw, context) for n, kw in cfg.algorithms.items()]
     callback_cfgs = dict(cfg.callbacks)
     callback_cfgs.setdefault("mixture_monitor", {})  # the trained domain mixture is always logged
     callback_cfgs.setdefault("eval_history", {})  # per-domain validation curves and final results
-    callbacks = [build_registered("callback", CALLBACKS, n, kw, context) for n, kw in callback_cfgs.items()]
-    loggers = [build_registered("logger", LOGGERS, n, kw, context) for n, kw in cfg.loggers.items()]
+    callbacks = [build_component("callback", n, kw, context) for n, kw in callback_cfgs.items()]
+    loggers = [build_component("logger", n, kw, context) for n, kw in cfg.loggers.items()]
     if cfg.save_folder and not any(isinstance(lg, FileLogger) for lg in loggers):
         log_file = os.path.join(cfg.save_folder, "log-rank{rank}.txt")
         loggers.append(AppendFileLogger(filename=log_file, flush_interval=50))  # kept across autoresume
@@ -207,7 +195,11 @@ def main(argv: list[str]) -> Trainer:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv else 2)
-    cfg = load_config(argv[0], argv[1:])
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except (ConfigError, FileNotFoundError) as e:  # one message naming every bad key, not a traceback
+        print(f"train.py: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     from composer.utils import dist
     from omegaconf import OmegaConf
@@ -219,7 +211,7 @@ def main(argv: list[str]) -> Trainer:
     trainer = build_trainer(cfg)
     if cfg.save_folder and dist.get_global_rank() == 0:
         os.makedirs(cfg.save_folder, exist_ok=True)
-        OmegaConf.save(OmegaConf.structured(dataclasses.asdict(cfg)), os.path.join(cfg.save_folder, "config.yaml"))
+        OmegaConf.save(OmegaConf.create(config_to_dict(cfg)), os.path.join(cfg.save_folder, "config.yaml"))
     trainer.fit()
     if dist.get_global_rank() == 0:
         print("\nPer-domain validation loss (log-perplexity) at the end of training:")

@@ -10,19 +10,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from composer.core import Callback, State
-from composer.loggers import Logger
+from composer.core import State
+from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
+
+from composer_algos.mixture_monitor import attach_destination
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EvalHistory"]
 
+_SELECTION_TIMES = ("selection/time_features_s", "selection/time_solve_s", "selection/time_exchange_s")
 
-class EvalHistory(Callback):
+
+class EvalHistory(LoggerDestination):
     """Appends `eval_history.csv` (step, domain, cross-entropy) after each evaluator runs and
     writes `eval_results.json` at the end of training (last per-domain losses, their unweighted
-    average, wall-clock time and the selection overhead measured by `DataSelection`).
+    average, wall-clock time and the selection overhead: the sum of the `selection/time_*_s`
+    metrics `DataSelection` logged, read as a logger destination it adds itself to at `INIT`).
 
     Only rank 0 writes. The metric values are Composer's (already reduced over ranks).
 
@@ -31,6 +36,7 @@ class EvalHistory(Callback):
     """
 
     def __init__(self, *, run_dir: str = "runs/run") -> None:
+        super().__init__()
         self.run_dir = Path(run_dir)
         self.last: dict[str, float] = {}
         self._t0: float | None = None
@@ -46,15 +52,13 @@ class EvalHistory(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         self._t0 = time.perf_counter()
 
-    def batch_end(self, state: State, logger: Logger) -> None:
-        from composer_algos.selection_algorithm import find_data_selection
+    def init(self, state: State, logger: Logger) -> None:
+        attach_destination(self, logger)
 
-        algo = find_data_selection(state)
-        if algo is not None:
-            m = algo.last_stats.get("metrics", {})
-            self._selection_s += sum(
-                float(m.get(f"selection/{k}", 0.0)) for k in ("time_features_s", "time_solve_s", "time_exchange_s")
-            )
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        for key in _SELECTION_TIMES:
+            if key in metrics:
+                self._selection_s += float(metrics[key])
 
     def eval_end(self, state: State, logger: Logger) -> None:
         label = state.dataloader_label or ""

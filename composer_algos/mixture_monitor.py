@@ -1,4 +1,4 @@
-"""A callback that logs the domain mixture each step trained on, and writes it as mixture.json / CSV."""
+"""A callback that logs the domain mixture each step trained on, and writes the logged metrics as mixture.json / CSV."""
 
 from __future__ import annotations
 
@@ -11,16 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from composer.core import Callback, State
-from composer.loggers import Logger
+from composer.core import State
+from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
 from composer_algos.mixture_io import MixtureCSVWriter, write_mixture_json
-from composer_algos.selection_algorithm import find_data_selection
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MixtureMonitor", "SELECTION_LOG_COLUMNS"]
+__all__ = ["MixtureMonitor", "SELECTION_LOG_COLUMNS", "attach_destination"]
 
 SELECTION_LOG_COLUMNS = (
     "step",
@@ -37,7 +36,7 @@ SELECTION_LOG_COLUMNS = (
 )
 
 
-class MixtureMonitor(Callback):
+class MixtureMonitor(LoggerDestination):
     """Logs the induced per-step domain mixture and writes DoReMi-comparable mixture files.
 
     Every step (after any selection algorithm ran) it counts the domains of the examples
@@ -50,8 +49,12 @@ class MixtureMonitor(Callback):
     - `data/pool/<domain>`: the share of each domain in the candidate pool (equal to the
       mixture when nothing is selected).
 
-    On rank 0 it appends `mixture_steps.csv` (per-step mixture) and `selection_log.csv` (the
-    selection metrics of `DataSelection` plus mixture and pool columns) in `run_dir`, and writes
+    It is also a logger destination (it adds itself to the run's `Logger` at `INIT`, so it can be
+    listed with the callbacks): the files are written from what was logged, never from another
+    object's attributes. `DataSelection` logs its `selection/*` metrics and its traces (the
+    strategy, the pool's per-domain counts and sample ids; `selection_step.record_step`) before
+    this callback sees the step. On rank 0 it appends `mixture_steps.csv` (per-step mixture) and
+    `selection_log.csv` (the logged selection metrics plus mixture and pool columns) in `run_dir`, and writes
     `mixture.json` (the running mean, in the shape of DoReMi's output) at every checkpoint and
     at the end of training. With `log_selected_ids`, it also appends `selected_ids.jsonl`: one
     line per step, `{"step", "pool", "selected"}`, the dataset sample indices (`sample_id`, the
@@ -59,25 +62,31 @@ class MixtureMonitor(Callback):
     all ranks, so overlaps between runs can be computed (`tools/run_experiment.py`).
 
     Args:
-        domain_names: Domain names by id (filled in by `train.py`).
+        domain_names: Domain names by id (filled in by `train.py`; default: the training dataset's
+            `domain_names`, else `domain_<i>` for each id seen).
         run_dir: Where the files go (filled in by `train.py`: the save folder or runs/<run_name>).
         natural_weights: Per-domain sample counts of the training split, recorded as the
             natural shares in mixture.json (filled in by `train.py`).
         method: The method name written into mixture.json (default: the selection strategy, or
             `natural` when no selection runs).
         log_selected_ids: Write `selected_ids.jsonl` (default False: a pool of ids per step).
+        domain_key: Batch field holding each example's domain id (default `domain_id`).
     """
 
     def __init__(
         self,
         *,
-        domain_names: Sequence[str],
+        domain_names: Sequence[str] | None = None,
         run_dir: str = "runs/run",
         natural_weights: Sequence[float] | None = None,
         method: str | None = None,
         log_selected_ids: bool = False,
+        domain_key: str = "domain_id",
     ) -> None:
-        self.domain_names = list(domain_names)
+        super().__init__()
+        self.domain_names = list(domain_names) if domain_names is not None else []
+        self._names_given = domain_names is not None
+        self.domain_key = domain_key
         self.run_dir = Path(run_dir)
         self.natural = None
         if natural_weights is not None:
@@ -92,12 +101,29 @@ class MixtureMonitor(Callback):
         self._mix_csv: MixtureCSVWriter | None = None
         self._sel_csv = None
         self._sel_writer = None
+        self._metrics: dict[str, float] = {}  # selection/* metrics logged this step
+        self._traces: dict[str, Any] = {}  # selection/* traces logged this step
+        self._logged_method: str | None = None
+
+    # ------------------------------------------------------------------ logger destination
+    def init(self, state: State, logger: Logger) -> None:
+        attach_destination(self, logger)
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self._metrics.update({k: v for k, v in metrics.items() if k.startswith("selection/")})
+
+    def log_traces(self, traces: dict[str, Any]) -> None:
+        self._traces.update({k: v for k, v in traces.items() if k.startswith("selection/")})
+        if "selection/method" in traces:
+            self._logged_method = str(traces["selection/method"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"sum": self.sum_C.tolist(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sum_C = torch.tensor(state["sum"], dtype=torch.float64)
+        if not self._names_given and len(self.domain_names) < len(self.sum_C):
+            self.domain_names += [f"domain_{i}" for i in range(len(self.domain_names), len(self.sum_C))]
         self.steps = int(state["steps"])
         self._resumed = True
 
@@ -107,11 +133,14 @@ class MixtureMonitor(Callback):
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
         batch = state.batch
+        metrics_logged, traces = self._metrics, self._traces
+        self._metrics, self._traces = {}, {}
+        domain_N = batch[self.domain_key].detach().cpu()
+        self._grow_domains(state, domain_N)
         C = len(self.domain_names)
-        trained_C = torch.bincount(batch["domain_id"].detach().cpu(), minlength=C).to(torch.float64)
-        stats = _selection_stats(state)
-        pool_C = stats.get("pool_counts_local")
-        pool_C = trained_C.clone() if pool_C is None else pool_C.to(torch.float64)
+        trained_C = torch.bincount(domain_N, minlength=C).to(torch.float64)
+        pool_C = traces.get("selection/pool_counts")
+        pool_C = trained_C.clone() if pool_C is None else _pad(pool_C.to(torch.float64), C)
         both = torch.cat([trained_C, pool_C])
         if dist.get_world_size() > 1:
             dist.all_reduce(both, reduce_operation="SUM")
@@ -128,9 +157,10 @@ class MixtureMonitor(Callback):
             metrics[f"data/pool/{name}"] = float(pool_mix_C[c])
         logger.log_metrics(metrics)
         if dist.get_global_rank() == 0:
-            self._write_rows(int(state.timestamp.batch.value), mix_C, pool_mix_C, stats)
+            strategy = traces.get("selection/strategy", self.method or "none")
+            self._write_rows(int(state.timestamp.batch.value), mix_C, pool_mix_C, strategy, metrics_logged)
         if self.log_selected_ids:
-            self._write_ids(int(state.timestamp.batch.value), batch, stats)
+            self._write_ids(int(state.timestamp.batch.value), batch, traces.get("selection/pool_sample_ids"))
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         self._write_json(state)
@@ -154,7 +184,21 @@ class MixtureMonitor(Callback):
             self._ids_file = None
 
     # ------------------------------------------------------------------ files (rank 0)
-    def _write_rows(self, step: int, mix_C: torch.Tensor, pool_C: torch.Tensor, stats: dict[str, Any]) -> None:
+    def _grow_domains(self, state: State, domain_N: torch.Tensor) -> None:
+        """Names for the ids seen (once from the training dataset, then domain_<i>); C only grows."""
+        if self._names_given:
+            return
+        if not self.domain_names:
+            dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
+            self.domain_names = list(getattr(dataset, "domain_names", None) or [])
+        top = int(domain_N.max()) + 1 if domain_N.numel() else 0
+        self.domain_names += [f"domain_{i}" for i in range(len(self.domain_names), top)]
+        if len(self.sum_C) < len(self.domain_names):
+            self.sum_C = _pad(self.sum_C, len(self.domain_names))
+
+    def _write_rows(
+        self, step: int, mix_C: torch.Tensor, pool_C: torch.Tensor, strategy: str, metrics: dict[str, Any]
+    ) -> None:
         if self._mix_csv is None:
             self._mix_csv = MixtureCSVWriter(self.run_dir / "mixture_steps.csv", self.domain_names, resume=self._resumed)
         self._mix_csv.write(step, mix_C.tolist())
@@ -171,24 +215,22 @@ class MixtureMonitor(Callback):
             self._sel_writer = csv.writer(self._sel_csv)
             self._sel_writer.writerow(header)
             self._sel_writer.writerows(rows)
-        m = stats.get("metrics", {})
-        row = [step, stats.get("strategy", self.method or "none")]
+        row = [step, strategy]
         for col in SELECTION_LOG_COLUMNS[2:]:
-            value = m.get(f"selection/{col}")
+            value = metrics.get(f"selection/{col}")
             row.append("" if value is None else repr(float(value)))
         row += [repr(float(x)) for x in mix_C] + [repr(float(x)) for x in pool_C]
         self._sel_writer.writerow(row)
         assert self._sel_csv is not None
         self._sel_csv.flush()
 
-    def _write_ids(self, step: int, batch: Any, stats: dict[str, Any]) -> None:
+    def _write_ids(self, step: int, batch: Any, pool_ids: torch.Tensor | None) -> None:
         if "sample_id" not in batch:
             raise ValueError(
                 "callbacks.mixture_monitor.log_selected_ids needs batches with a sample_id field "
                 "(DomainStreamingDataset with pipeline's collators); set log_selected_ids: false"
             )
         selected = batch["sample_id"].detach().cpu().tolist()
-        pool_ids = stats.get("pool_sample_ids_local")
         pool = selected if pool_ids is None else pool_ids.detach().cpu().tolist()
         if dist.get_world_size() > 1:
             gathered = dist.all_gather_object((pool, selected))
@@ -210,7 +252,7 @@ class MixtureMonitor(Callback):
     def _write_json(self, state: State) -> None:
         if dist.get_global_rank() != 0 or self.steps == 0:
             return
-        method = self.method or _method_name(state)
+        method = self.method or self._logged_method or "natural"
         os.makedirs(self.run_dir, exist_ok=True)
         mean = self.running_mean
         mean = mean / mean.sum()
@@ -225,11 +267,16 @@ class MixtureMonitor(Callback):
         )
 
 
-def _selection_stats(state: State) -> dict[str, Any]:
-    algo = find_data_selection(state)
-    return algo.last_stats if algo is not None else {}
+def attach_destination(destination: LoggerDestination, logger: Logger) -> None:
+    """Route the run's logging to `destination` too (call it at `INIT`), so it can be listed as a callback.
+
+    Composer sends `log_metrics` / `log_traces` only to the `loggers=` given to the Trainer; a
+    callback that consumes logged values adds itself here. At `INIT` Composer runs callbacks before
+    algorithms, so it sees everything algorithms log.
+    """
+    if destination not in logger.destinations:
+        logger.destinations = (*logger.destinations, destination)
 
 
-def _method_name(state: State) -> str:
-    algo = find_data_selection(state)
-    return algo.strategy if algo is not None else "natural"
+def _pad(x_C: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.cat([x_C, x_C.new_zeros(size - len(x_C))]) if len(x_C) < size else x_C

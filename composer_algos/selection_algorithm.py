@@ -1,16 +1,16 @@
 """The `DataSelection` Composer algorithm: oversample a pool, select a subset each step, train on it.
 
-Legend: N = pool size on this rank, P = pool size over all ranks (global scope),
-K = examples trained per step (this rank), C = domains, D = feature dimension.
+Legend: N = pool size on this rank, P = pool size over all ranks (global scope), K = examples
+trained per step (this rank), C = domains, D = feature dimension.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,13 +19,20 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
 
-from composer_algos.exchange import exchange_examples, gather_rows, plan_rebalance
+from composer_algos.features.val_average import ValidationAverage
 from composer_algos.seeding import mix_seed
-from composer_algos.validation_source import ValidationSource
+from composer_algos.selection_step import (
+    assemble_problem,
+    record_step,
+    redistribute,
+    selection_metrics,
+    solve_problem,
+)
+from composer_algos.validation_source import BatchValidationSource, ValidationSource, model_inputs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DataSelection", "SELECTION_STRATEGIES", "find_data_selection"]
+__all__ = ["DataSelection", "DEFAULT_OVERSAMPLING", "SELECTION_STRATEGIES", "find_data_selection", "find_data_selection_in"]
 
 # Strategies the algorithm accepts: the selection registry's plus "none" (train on the whole pool).
 SELECTION_STRATEGIES = (
@@ -40,29 +47,53 @@ SELECTION_STRATEGIES = (
     "none",
 )
 
+# The one default of the oversampling ratio r (pool = r x kappa); train.py sizes the loader from the
+# algorithm's value, so a yaml that omits it selects with r = 2.
+DEFAULT_OVERSAMPLING = 2.0
+
+VALIDATION_KEYS = ("shard_dir", "split", "domains", "batch_size", "remote", "guide_fraction", "average_beta", "batches")
+
 
 class DataSelection(Algorithm):
     """Select a subset of every oversampled batch with a data-selection strategy, then train on it.
 
-    The loader delivers a pool of `oversampling * kappa` examples per rank (`train.py` sizes it
-    from `global_train_batch_size`). At `AFTER_DATALOADER` this algorithm computes what the
-    strategy needs (per-example gradient features of the pool and of a small validation batch
-    for partitionsel, greats, id, iwd; features alone for gradnorm and colm; nothing for the
-    random ones), solves for kappa examples with the optimizer's current learning rate as eta
-    and replaces the batch with them (every per-example field subset together). See
-    docs/data_selection.md (the method card) and the PartitionSel paper.
+    Drop it into any Composer `Trainer` whose loader yields dict batches (`input_ids`, optional
+    `attention_mask` and `labels`, and a per-example domain id under `domain_key`), sized
+    `oversampling` times the examples to train per step::
+
+        DataSelection(strategy="partitionsel", oversampling=2, validation=val_batches)
+
+    Each step (`AFTER_DATALOADER`) runs four stages (composer_algos/selection_step.py): assemble
+    the problem (the pool's gradient features and the validation feature, gathered from every rank
+    under global scope), solve it for kappa = pool / oversampling examples per rank with the
+    optimizer's current learning rate as eta, redistribute the picks (every per-example field
+    subset together; under global scope each rank trains exactly kappa), and record the metrics
+    through Composer's logger. See docs/data_selection.md (the method card) and the PartitionSel
+    paper.
 
     Args:
-        strategy: One of `SELECTION_STRATEGIES`.
-        oversampling: Pool size / examples trained (r). `train.py` reads it to size the loader.
+        strategy: One of `SELECTION_STRATEGIES` (default `partitionsel`); `none` trains on the pool.
+        oversampling: Pool size / examples trained, r (default `DEFAULT_OVERSAMPLING` = 2). kappa
+            per rank is `round(pool / r)`, the pool being the train loader's batch size. A selecting
+            strategy needs r > 1 and a pool larger than kappa; `train.py` sizes its loader from this.
         scope: `global` (gather the problem from every rank, solve the same problem everywhere,
             then rebalance so each rank trains exactly kappa), `local` (select within each rank)
-            or `auto` (global when the world size is > 1).
-        validation: `{shard_dir, split, domains, batch_size, remote, guide_fraction}` for the
-            validation batch drawn each step (defaults: the training shards' `val` split, 4
-            examples, drawn from the guide half of it; evaluation reads the other half).
+            or `auto` (default: global when the world size is > 1).
+        validation: Where validation-guided strategies (partitionsel, greats, id, iwd) draw their
+            validation batch each step: a shard directory (str or path, the output of
+            `tools/shard.py`), an iterable of dict batches (a DataLoader, or a list: step s takes
+            the batch at position s mod its length, so a resumed run draws the same), or a mapping
+            with `shard_dir`, `split` (`val`), `domains`, `batch_size` (4), `remote`,
+            `guide_fraction` (0.5: draw from the guide half of each domain's split; evaluation reads
+            the other), `batches` (instead of `shard_dir`) and `average_beta` (0.0: a running mean of
+            the validation feature over steps, `ValidationAverage`). Default: the training dataset's
+            shards when it is a `DomainStreamingDataset`. The collator's pad id and length come from
+            the shards' manifest.
+        domain_key: Batch field holding each example's domain id (default `domain_id`).
+        domain_names: Names of the domains by id (default: the validation shards' or the training
+            dataset's manifest, else `domain_<i>` for each id seen).
         features: Keyword arguments of `GradFeatureExtractor` (target_modules, last_n_blocks,
-            include_lm_head, exact_max_numel, sketch_dim, normalization, proj_dim, chunk_size).
+            include_lm_head, exact_max_numel, sketch_dim, normalization, proj_dim, chunk_size, ...).
         strategy_options: Extra options per strategy name, e.g. `{partitionsel: {refit: exact,
             refine: swap}}`; only the running strategy's entry is used, so the strategy can be
             switched from the command line without editing the options.
@@ -71,25 +102,28 @@ class DataSelection(Algorithm):
         weighted_loss: Weight each selected example's loss by its refit weight, so the step
             optimises `sum_i w_i l_i / sum_i w_i` over the selected examples of all ranks and
             microbatches (weights normalised to mean 1 over all ranks); strategies without weights
-            train unweighted.
+            train unweighted. The model's loss must read the batch's `loss_weight` (DomainCausalLM).
         start, end: Fraction of training during which to select (outside, a uniform random
             subset of the same size is trained on, so every step costs the same).
         interval: Select every `interval` batches (random subsets in between).
         check_consistency: Verify (one all-gather) that every rank selected the same set; global
             scope only (rejected with `scope: local`, where ranks select different sets by design).
         seed: Seed of the per-step generators (selection and validation draws).
-        device_train_batch_size: kappa on this rank (filled in by `train.py`).
-        domain_names: Names of the domains by id (filled in by `train.py`).
-        shard_dir, pad_token_id, max_seq_len: Filled in by `train.py`.
+
+    Raises:
+        ValueError: every invalid argument at once (unknown strategy, oversampling below 1, or 1 with
+            a selecting strategy, bad scope, start/end, interval, validation keys or average_beta).
     """
 
     def __init__(
         self,
         *,
         strategy: str = "partitionsel",
-        oversampling: float = 2.0,
+        oversampling: float = DEFAULT_OVERSAMPLING,
         scope: str = "auto",
-        validation: Mapping[str, Any] | None = None,
+        validation: Mapping[str, Any] | str | os.PathLike | Iterable[Mapping[str, Any]] | None = None,
+        domain_key: str = "domain_id",
+        domain_names: Sequence[str] | None = None,
         features: Mapping[str, Any] | None = None,
         strategy_options: Mapping[str, Any] | None = None,
         capacity_fractions: Mapping[str, float] | None = None,
@@ -99,48 +133,52 @@ class DataSelection(Algorithm):
         interval: int = 1,
         check_consistency: bool = False,
         seed: int = 0,
-        device_train_batch_size: int | None = None,
-        domain_names: Sequence[str] | None = None,
-        shard_dir: str | None = None,
-        pad_token_id: int | None = None,
-        max_seq_len: int | None = None,
     ) -> None:
         problems = []
-        if strategy not in SELECTION_STRATEGIES:
-            problems.append(f"strategy must be one of {SELECTION_STRATEGIES}, got {strategy!r}")
+        from composer_algos.selection import strategy_names
+
+        # The built-ins, "none", and strategies other packages add (entry points partitionsel.strategies).
+        known = (*SELECTION_STRATEGIES, *(n for n in strategy_names() if n not in SELECTION_STRATEGIES))
+        if strategy not in known:
+            problems.append(f"strategy must be one of {known}, got {strategy!r}")
         if not oversampling >= 1:
             problems.append(f"oversampling must be >= 1, got {oversampling}")
+        elif oversampling == 1 and strategy != "none":
+            problems.append(
+                f"oversampling 1 with strategy {strategy!r}: the pool would equal kappa and nothing would be "
+                f"selected; use oversampling > 1 (default {DEFAULT_OVERSAMPLING:g}) or strategy none"
+            )
         if scope not in ("auto", "global", "local"):
             problems.append(f"scope must be auto, global or local, got {scope!r}")
         if not 0 <= start < end <= 1:
             problems.append(f"start and end must satisfy 0 <= start < end <= 1, got start={start}, end={end}")
         if interval < 1:
             problems.append(f"interval must be >= 1, got {interval}")
-        if device_train_batch_size is not None and device_train_batch_size < 1:
-            problems.append(f"device_train_batch_size must be >= 1, got {device_train_batch_size}")
-        val_keys = ("shard_dir", "split", "domains", "batch_size", "remote", "guide_fraction")
-        unknown_val = sorted(set(validation or {}) - set(val_keys))
+        validation_cfg = _validation_config(validation)
+        unknown_val = sorted(set(validation_cfg) - set(VALIDATION_KEYS))
         if unknown_val:
-            problems.append(
-                f"validation does not take {unknown_val}; allowed: {', '.join(val_keys)}"
-            )
+            problems.append(f"validation does not take {unknown_val}; allowed: {', '.join(VALIDATION_KEYS)}")
+        beta = validation_cfg.get("average_beta", 0.0)
+        if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
+            problems.append(f"validation.average_beta must be in [0, 1), got {beta!r}")
         if check_consistency and scope == "local":
             problems.append(
                 "check_consistency: true needs scope global or auto (with local scope every rank selects "
                 "from its own pool, so the selections differ by design); got scope 'local'"
             )
-        bad_opts = sorted(k for k in (strategy_options or {}) if k not in SELECTION_STRATEGIES)
+        bad_opts = sorted(k for k in (strategy_options or {}) if k not in known)
         if bad_opts:
             problems.append(
                 f"strategy_options is keyed by strategy name; {bad_opts} are not strategies "
-                f"(allowed: {SELECTION_STRATEGIES}), e.g. strategy_options: {{partitionsel: {{refit: exact}}}}"
+                f"(allowed: {known}), e.g. strategy_options: {{partitionsel: {{refit: exact}}}}"
             )
         if problems:
             raise ValueError("algorithms.data_selection: " + "; ".join(problems))
         self.strategy = strategy
         self.oversampling = float(oversampling)
         self.scope = scope
-        self.validation_cfg = dict(validation or {})
+        self.validation_cfg = validation_cfg
+        self.domain_key = domain_key
         self.feature_cfg = dict(features or {})
         self.strategy_options = dict(strategy_options or {})
         self.capacity_fractions = dict(capacity_fractions) if capacity_fractions else None
@@ -148,19 +186,18 @@ class DataSelection(Algorithm):
         self.start, self.end, self.interval = start, end, interval
         self.check_consistency = check_consistency
         self.seed = seed
-        self.kappa = device_train_batch_size
         self.domain_names = list(domain_names) if domain_names is not None else None
-        self.shard_dir = shard_dir
-        self.pad_token_id = pad_token_id
-        self.max_seq_len = max_seq_len
+        self._names_given = domain_names is not None
 
+        self.kappa: int | None = None  # per rank, from the first pool (see _resolve_kappa)
         self.spec = None
         self._fractions: list[float] | None = None
+        self._fractions_for: int = -1  # number of domains the fractions were resolved for
         self.extractor = None
-        self.validation: ValidationSource | None = None
+        self.validation: ValidationSource | BatchValidationSource | None = None
+        self.val_average = ValidationAverage(float(beta))
         self.fallbacks = 0
         self._extractor_state: dict[str, Any] | None = None
-        self.last_stats: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ Composer hooks
     def match(self, event: Event, state: State) -> bool:
@@ -175,6 +212,7 @@ class DataSelection(Algorithm):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["fallbacks"] = self.fallbacks
+        sd["val_average"] = self.val_average.state_dict()
         if self.extractor is not None:
             sd["extractor"] = self.extractor.state_dict()
         elif self._extractor_state is not None:
@@ -183,57 +221,102 @@ class DataSelection(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.fallbacks = int(state.get("fallbacks", 0))
+        if state.get("val_average") is not None:
+            self.val_average.load_state_dict(state["val_average"])
         self._extractor_state = state.get("extractor")
         if self.extractor is not None and self._extractor_state is not None:
             self.extractor.load_state_dict(self._extractor_state)
+
+    @property
+    def num_domains(self) -> int:
+        return len(self.domain_names or [])
 
     # ------------------------------------------------------------------ setup
     def _init(self, state: State) -> None:
         if self.strategy == "none":
             return
-        from composer_algos.selection import STRATEGIES
+        from composer_algos.selection import get_strategy
 
-        self.spec = STRATEGIES[self.strategy]
-        if self.kappa is None:
+        self.spec = get_strategy(self.strategy)
+        if self.val_average.beta > 0 and self.scope == "local" and dist.get_world_size() > 1:
             raise ValueError(
-                "algorithms.data_selection needs device_train_batch_size (train.py fills it in from "
-                "global_train_batch_size); give it explicitly when building the algorithm by hand"
+                f"algorithms.data_selection.validation.average_beta {self.val_average.beta} needs scope global or "
+                "auto on more than one rank (with scope local each rank would average its own validation "
+                "feature and only rank 0's average would be checkpointed); set average_beta: 0 or scope: auto"
             )
+        cfg = self.validation_cfg
+        if self.spec.needs_validation and ("shard_dir" in cfg or "batches" in cfg):
+            self._build_validation(None)  # fail at INIT on a missing split rather than at the first batch
+
+    def _build_validation(self, state: State | None) -> None:
+        """The validation source: the configured batches or shards, else the training dataset's shards."""
+        cfg = self.validation_cfg
+        if cfg.get("batches") is not None:
+            self.validation = BatchValidationSource(cfg["batches"])
+            return
+        shard_dir, remote = cfg.get("shard_dir"), cfg.get("remote")
+        if shard_dir is None and state is not None:
+            dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
+            shard_dir = getattr(dataset, "shard_dir", None)
+            remote = remote if remote is not None else getattr(dataset, "remote", None)
+        if shard_dir is None:
+            raise ValueError(
+                f"strategy {self.strategy!r} needs a validation stream: pass validation= a shard directory, a "
+                "dataloader or list of batches, or {shard_dir: ...} (algorithms.data_selection.validation.shard_dir; "
+                "default: the training dataset's shards when it is a DomainStreamingDataset)"
+            )
+        try:
+            self.validation = ValidationSource(
+                shard_dir=str(shard_dir),
+                split=cfg.get("split", "val"),
+                domains=cfg.get("domains"),
+                batch_size=int(cfg.get("batch_size", 4)),
+                remote=remote,
+                guide_fraction=float(cfg.get("guide_fraction", 0.5)),
+                seed=self.seed,
+                rank=dist.get_global_rank(),
+            )
+        except ValueError as e:
+            raise ValueError(f"strategy {self.strategy!r} needs a validation stream, and it failed: {e}") from e
         if self.domain_names is None:
-            raise ValueError("algorithms.data_selection needs domain_names (train.py fills them in from the manifest)")
-        self._fractions = None
-        if self.capacity_fractions is not None:
+            self.domain_names = list(self.validation.dataset.domain_names)
+
+    def _prepare(self, state: State, n: int, domain_N: torch.Tensor) -> None:
+        """Settle what the first batch tells: kappa, the validation source, the domain names."""
+        if self.kappa is None:
+            self.kappa = self._resolve_kappa(state, n)
+        if self.domain_names is None:
+            dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
+            names = getattr(dataset, "domain_names", None)
+            self.domain_names = list(names) if names is not None else []
+        if not self._names_given and domain_N.numel():
+            # Ids beyond the known names (no manifest): name them domain_<i>; C only grows.
+            top = int(domain_N.max()) + 1
+            assert self.domain_names is not None
+            self.domain_names += [f"domain_{i}" for i in range(len(self.domain_names), top)]
+        if self.capacity_fractions is not None and self._fractions_for != self.num_domains:
             from pipeline.dataset import resolve_domain_weights
 
             # Missing domains get 0 (with a warning); the rest is normalised to sum to 1.
             weights = resolve_domain_weights(
                 self.capacity_fractions, self.domain_names, source="algorithms.data_selection.capacity_fractions"
             )
-            self._fractions = [weights[name] for name in self.domain_names]
-        if self.spec.needs_validation:
-            shard_dir = self.validation_cfg.get("shard_dir", self.shard_dir)
-            if shard_dir is None:
-                raise ValueError(
-                    f"strategy {self.strategy!r} needs a validation stream: set "
-                    "algorithms.data_selection.validation.shard_dir (default: the training shards)"
-                )
-            if self.pad_token_id is None or self.max_seq_len is None:
-                raise ValueError("algorithms.data_selection needs pad_token_id and max_seq_len (filled in by train.py)")
-            try:
-                self.validation = ValidationSource(
-                    shard_dir=shard_dir,
-                    split=self.validation_cfg.get("split", "val"),
-                    domains=self.validation_cfg.get("domains"),
-                    batch_size=int(self.validation_cfg.get("batch_size", 4)),
-                    remote=self.validation_cfg.get("remote"),
-                    guide_fraction=float(self.validation_cfg.get("guide_fraction", 0.5)),
-                    seed=self.seed,
-                    rank=dist.get_global_rank(),
-                    pad_token_id=self.pad_token_id,
-                    max_seq_len=self.max_seq_len,
-                )
-            except ValueError as e:
-                raise ValueError(f"strategy {self.strategy!r} needs a validation stream, and it failed: {e}") from e
+            self._fractions = [weights[name] for name in self.domain_names or []]
+            self._fractions_for = self.num_domains
+
+    def _resolve_kappa(self, state: State, n: int) -> int:
+        """kappa per rank = round(pool / oversampling), the pool being the loader's batch size (else this batch's)."""
+        pool = getattr(getattr(state, "train_dataloader", None), "batch_size", None)
+        if not isinstance(pool, int) or pool < 1:
+            pool = n
+        kappa = int(round(pool / self.oversampling))
+        if self.strategy != "none" and not 1 <= kappa < pool:
+            raise ValueError(
+                f"algorithms.data_selection: a pool of {pool} examples per rank with oversampling "
+                f"{self.oversampling:g} gives kappa {kappa}; strategy {self.strategy!r} needs 1 <= kappa < pool "
+                "(the loader's batch size must be oversampling x the examples trained per rank)"
+            )
+        return kappa
 
     def _build_extractor(self, state: State) -> None:
         from composer_algos.features import GradFeatureExtractor
@@ -246,206 +329,98 @@ class DataSelection(Algorithm):
     # ------------------------------------------------------------------ the step
     def _select(self, state: State, logger: Logger) -> None:
         batch = state.batch
-        if not isinstance(batch, Mapping) or "domain_id" not in batch:
-            raise TypeError("DataSelection needs dict batches with a domain_id tensor (use pipeline's collators)")
+        if not isinstance(batch, Mapping) or self.domain_key not in batch:
+            keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+            raise TypeError(
+                f"DataSelection needs dict batches with a per-example domain id tensor under domain_key "
+                f"{self.domain_key!r}; got {keys} (set domain_key, or use pipeline's collators)"
+            )
+        domain_N = batch[self.domain_key]
+        n = int(domain_N.shape[0])
+        self._prepare(state, n, domain_N)
+        pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
+        pool_ids = batch.get("sample_id")  # the pool's dataset indices, for MixtureMonitor(log_selected_ids=True)
         if self.strategy == "none":
-            self.last_stats = {}
+            record_step(logger, method="none", strategy="none", pool_counts_C=pool_C, pool_sample_ids_N=pool_ids)
             return
-        from composer_algos.selection import STRATEGIES
+        from composer_algos.selection import get_strategy
 
+        assert self.kappa is not None
         step = int(state.timestamp.batch.value)
-        n = int(batch["domain_id"].shape[0])
-        active = self._is_active(state, step)
         world = dist.get_world_size()
-        rank = dist.get_global_rank()
         use_global = self.scope == "global" or (self.scope == "auto" and world > 1)
         multi = use_global and world > 1
-        C = len(self.domain_names or [])
-        gen_seed = mix_seed(self.seed, step, 0 if use_global else rank)
-        gen = torch.Generator().manual_seed(gen_seed)
+        gen_seed = mix_seed(self.seed, step, 0 if use_global else dist.get_global_rank())
         eta = float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0
+        strategy = self.strategy if self._is_active(state, step) else "random"
+        needs_features = get_strategy(strategy).needs_features
 
-        pool_local_C = torch.bincount(batch["domain_id"].cpu(), minlength=C)
+        # Stage 1: assemble the problem (this rank's pool, or every rank's under global scope).
         t0 = time.perf_counter()
         feats_ND, gbar_D, fallback = None, None, None  # fallback: why this step selects at random
-        strategy = self.strategy if active else "random"
-        spec = STRATEGIES[strategy]
-        needs_features = spec.needs_features
         if needs_features:
             feats_ND, gbar_D, fallback = self._features(state, batch, step, defer_commits=multi)
         t_feat = _sync_time(t0)
-
-        # Assemble the problem (this rank's pool, or every rank's under global scope).
-        domain_N = batch["domain_id"]
-        device = feats_ND.device if feats_ND is not None else domain_N.device
-        domain_N = domain_N.to(device)
-        owner_P = local_P = None
-        if multi:
-            t1 = time.perf_counter()
-            sizes = torch.cat(dist.all_gather(torch.tensor([n], device=device)))
-            n_max = int(sizes.max())
-            valid_P = (torch.arange(n_max, device=device)[None, :] < sizes[:, None]).flatten()
-            owner_P = torch.arange(world, device=device).repeat_interleave(n_max)[valid_P]
-            local_P = torch.arange(n_max, device=device).repeat(world)[valid_P]
-            domain_N = gather_rows(domain_N, n_max)[valid_P]
-            if needs_features:
-                # Every rank decides the same fallback: fall back if any rank failed.
-                flag = torch.tensor([0 if fallback is None else 1], device=device)
-                dist.all_reduce(flag, reduce_operation="MAX")
-                if int(flag) and fallback is None:
-                    fallback = "the gradient features failed on another rank"
-                if fallback is None:
-                    assert feats_ND is not None
-                    feats_ND = gather_rows(feats_ND, n_max)[valid_P]
-                    if gbar_D is not None:
-                        n_val = float(self.validation.batch_size) if self.validation else 1.0
-                        gbar_D = (torch.stack(dist.all_gather(gbar_D * n_val)).sum(0)) / (n_val * world)
-            # Solve for a budget every rank can train an equal share of: an uneven end-of-epoch pool
-            # lowers the budget (the strategy chooses among every candidate) rather than trimming picks.
-            kappa = min(self.kappa, int(sizes.sum()) // world) * world
-            t_gather = time.perf_counter() - t1
-        else:
-            kappa = min(self.kappa, n)
-            t_gather = 0.0
+        t1 = time.perf_counter()
+        problem = assemble_problem(
+            domain_N,
+            kappa_rank=self.kappa,
+            gather=multi,
+            needs_features=needs_features,
+            features_ND=feats_ND,
+            gbar_D=gbar_D,
+            n_val=self.validation.last_batch_size if self.validation is not None else 1,
+            fallback=fallback,
+            average_gbar=self.val_average.update,
+        )
+        t_gather = time.perf_counter() - t1 if multi else 0.0
         if needs_features:
-            self._settle_simulated_adam(multi, failed=fallback is not None)
-        if fallback is not None:
-            feats_ND, gbar_D = None, None
-            strategy, spec = "random_stratified", STRATEGIES["random_stratified"]
+            self._settle_simulated_adam(multi, failed=problem.fallback is not None)
 
+        # Stage 2: solve (falling back to random within capacities when the problem is broken).
         t2 = time.perf_counter()
-        result, error = self._solve(spec, strategy, feats_ND, gbar_D, domain_N, C, kappa, eta, gen)
-        if multi and spec.needs_features:
-            # Ranks solve the same problem; still, a failure on one must not leave the others diverged.
-            flag = torch.tensor([0 if error is None else 1], device=device)
-            dist.all_reduce(flag, reduce_operation="MAX")
-            if int(flag) and error is None:
-                error = "the solver failed on another rank"
-        if error is not None:
-            fallback = error
-            strategy, spec = "random_stratified", STRATEGIES["random_stratified"]
-            feats_ND = None
-            gen = torch.Generator().manual_seed(gen_seed)
-            result, _ = self._solve(spec, strategy, None, None, domain_N, C, kappa, eta, gen)
+        options = self.strategy_options.get(strategy) if strategy == self.strategy else None
+        outcome = solve_problem(
+            problem,
+            strategy,
+            eta=eta,
+            seed=gen_seed,
+            num_domains=self.num_domains,
+            options=options,
+            fractions=self._fractions,
+        )
         t_solve = _sync_time(t2)
 
+        # Stage 3: redistribute (subset locally, or rebalance the global picks across ranks).
         t3 = time.perf_counter()
-        sel_K = result.indices
         if self.check_consistency and multi:
-            self._check_same_selection(sel_K)
-        weights_K = result.weights
-        if owner_P is not None:
-            per_rank = kappa // world
-            owner_K, lidx_K = owner_P[sel_K], local_P[sel_K]
-            target_K = plan_rebalance(owner_K, world, per_rank)
-            new_batch = exchange_examples(
-                batch,
-                owner_K=owner_K.cpu(),
-                local_index_K=lidx_K.cpu(),
-                target_K=target_K.cpu(),
-                rank=rank,
-                world_size=world,
-                n_local=n,
-            )
-            if result.weights is not None:
-                # Same order as the exchanged batch: kept examples first, then received ones.
-                mine = (target_K == rank) & (owner_K == rank)
-                theirs = (target_K == rank) & (owner_K != rank)
-                weights_K = torch.cat([result.weights[mine], result.weights[theirs]])
-        else:
-            idx = sel_K.to(batch["domain_id"].device)
-            new_batch = _subset(batch, idx, n)
-        if self.weighted_loss:
-            n_trained = int(new_batch["domain_id"].shape[0])
-            loss_weight_K = self._loss_weights(
-                weights_K, result.weights, multi=multi, world=world, n_trained=n_trained, device=device
-            )
-            if loss_weight_K is not None:
-                new_batch["loss_weight"] = loss_weight_K
-        t_exchange = time.perf_counter() - t3 + t_gather
-
-        state.batch = new_batch
-        if fallback is not None:
-            self._note_fallback(step, fallback)
-        self._record(
-            logger,
-            result=result,
-            feats_ND=feats_ND,
-            pool_local_C=pool_local_C,
-            new_batch=new_batch,
-            strategy=strategy,
-            fallback=fallback is not None,
-            times=(t_feat, t_solve, t_exchange),
+            self._check_same_selection(outcome.result.indices)
+        new_batch = redistribute(
+            batch, problem, outcome.result, domain_key=self.domain_key, weighted_loss=self.weighted_loss
         )
-        if "sample_id" in batch:  # the pool's dataset indices, for MixtureMonitor(log_selected_ids=True)
-            self.last_stats["pool_sample_ids_local"] = batch["sample_id"]
+        t_exchange = time.perf_counter() - t3 + t_gather
+        state.batch = new_batch
 
-    def _solve(self, spec, strategy, feats_ND, gbar_D, domain_N, C, kappa, eta, gen):
-        """Run the strategy; returns `(result, None)`, or `(None, reason)` when the problem is numerically broken."""
-        from composer_algos.selection import SelectionNumericsError, compute_capacities
-
-        capacities = None
-        if spec.uses_capacities:
-            counts_C = torch.bincount(domain_N, minlength=C)
-            capacities = compute_capacities(counts_C, kappa, self._fractions, generator=gen)
-        options = dict(self.strategy_options.get(strategy, {})) if strategy == self.strategy else {}
-        try:
-            result = spec.fn(
-                features=feats_ND,
-                val_feature=gbar_D,
-                domain_ids=domain_N,
-                num_domains=C,
-                kappa=kappa,
-                eta=eta,
-                generator=gen,
-                capacities=capacities,
-                **options,
-            )
-        except (SelectionNumericsError, torch.linalg.LinAlgError) as e:
-            return None, f"{strategy} failed numerically ({e})"
-        if result.objective is not None and not bool(torch.isfinite(result.objective).all()):
-            return None, f"{strategy} returned a non-finite objective ({float(result.objective)})"
-        if result.weights is not None and not bool(torch.isfinite(result.weights).all()):
-            return None, f"{strategy} returned non-finite weights"
-        return result, None
-
-    def _loss_weights(
-        self,
-        weights_K: torch.Tensor | None,
-        all_weights: torch.Tensor | None,
-        *,
-        multi: bool,
-        world: int,
-        n_trained: int,
-        device: torch.device,
-    ) -> torch.Tensor | None:
-        """Per-example loss weights `w_i / mean(w)`, the mean taken over the selected examples of ALL ranks.
-
-        Composer scales each microbatch's loss by its share of the mean per-rank batch and DDP
-        averages the ranks, so with the model's loss `sum_i w_i l_i / n_microbatch` (see
-        `DomainCausalLM`) the step optimises `sum_i w_i l_i / sum_i w_i` over every selected example
-        of every rank and microbatch. Under global scope every rank holds all weights; under local
-        scope one all-reduce (every step, on every rank) sums them, and a rank without weights (a
-        fallback) gives its examples the mean weight. None (unweighted) when no rank has weights.
-        """
-        if multi:
-            if all_weights is None:
-                return None
-            total = float(all_weights.detach().double().sum())
-            count = float(all_weights.numel())
-        else:
-            sums = torch.zeros(2, dtype=torch.float64, device=device)
-            if weights_K is not None:
-                sums[0], sums[1] = weights_K.detach().double().sum(), float(weights_K.numel())
-            if world > 1:
-                dist.all_reduce(sums, reduce_operation="SUM")
-            total, count = sums.tolist()
-        mean = total / count if count > 0 else 0.0
-        if not (mean > 0 and math.isfinite(mean)):
-            return None
-        if weights_K is None:
-            return torch.ones(n_trained, dtype=torch.float32)
-        return (weights_K.detach().double().cpu() / mean).to(torch.float32)
+        # Stage 4: record, through Composer's logger only.
+        if outcome.fallback is not None:
+            self._note_fallback(step, outcome.fallback)
+        metrics = selection_metrics(
+            outcome.result,
+            features_PD=problem.features_PD if outcome.fallback is None else None,
+            new_batch=new_batch,
+            domain_key=self.domain_key,
+            fallback=outcome.fallback is not None,
+            fallbacks_total=self.fallbacks,
+            times_s=(t_feat, t_solve, t_exchange),
+        )
+        record_step(
+            logger,
+            method=self.strategy,
+            strategy=outcome.strategy,
+            pool_counts_C=pool_C,
+            metrics=metrics,
+            pool_sample_ids_N=pool_ids,
+        )
 
     def _settle_simulated_adam(self, multi: bool, *, failed: bool) -> None:
         """Under global scope, advance the simulated-Adam filter with every rank's pool (or with none).
@@ -480,11 +455,13 @@ class DataSelection(Algorithm):
         assert self.extractor is not None
         self.extractor.simulated.defer_commits = defer_commits
         device = next(p.device for p in state.model.parameters())
-        pool = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
+        pool = model_inputs(batch, device)
         val = None
-        if self.spec is not None and self.spec.needs_validation and self.validation is not None:
-            vb = self.validation.batch_for_step(step)
-            val = {k: vb[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
+        if self.spec is not None and self.spec.needs_validation:
+            if self.validation is None:
+                self._build_validation(state)
+            assert self.validation is not None
+            val = model_inputs(self.validation.batch_for_step(step), device)
         try:
             feats, gbar = self.extractor.compute(
                 pool, val, step=step, optimizer=state.optimizers[0] if state.optimizers else None
@@ -505,55 +482,30 @@ class DataSelection(Algorithm):
         if not bool((all_ == all_[0]).all()):
             raise RuntimeError(f"data_selection: ranks selected different sets (hashes {all_.tolist()})")
 
-    def _record(self, logger, *, result, feats_ND, pool_local_C, new_batch, strategy, fallback, times) -> None:
-        from composer_algos.selection import conflict_fraction
-
-        metrics: dict[str, float] = {
-            "selection/time_features_s": times[0],
-            "selection/time_solve_s": times[1],
-            "selection/time_exchange_s": times[2],
-            "selection/kept_samples": float(new_batch["domain_id"].shape[0]),
-            "selection/kept_tokens": float(new_batch["attention_mask"].sum()) if "attention_mask" in new_batch else 0.0,
-            "selection/fallback": float(fallback),
-            "selection/fallbacks_total": float(self.fallbacks),
-        }
-        # The scale-free objective: Phi = eta * f(S) for the weighted strategies (solved in v = eta * w,
-        # so it does not blow up as 1/eta during warm-up); the strategy's own score otherwise.
-        objective = result.info.get("objective_scaled", result.objective)
-        if objective is not None:
-            metrics["selection/objective"] = float(objective)
-        for key in ("singular_pivots", "ridge_share"):
-            if key in result.info:
-                metrics[f"selection/{key}"] = float(result.info[key])
-        # A 24-bit digest of the selected pool positions (exact in float32 loggers), so runs and
-        # ranks can be compared step by step.
-        digest = hashlib.sha1(torch.sort(result.indices.cpu()).values.numpy().tobytes()).digest()
-        metrics["selection/selected_hash"] = float(int.from_bytes(digest[:3], "little"))
-        if feats_ND is not None and result.indices.numel() > 1:
-            metrics["selection/conflict_fraction"] = float(conflict_fraction(feats_ND, result.indices))
-        logger.log_metrics(metrics)
-        self.last_stats = {
-            "strategy": strategy,
-            "pool_counts_local": pool_local_C,
-            "metrics": metrics,
-        }
-
 
 def find_data_selection(state: State) -> DataSelection | None:
     """The run's `DataSelection` algorithm, or None when the run selects nothing."""
-    return next((a for a in state.algorithms if isinstance(a, DataSelection)), None)
+    return find_data_selection_in(state.algorithms)
 
 
-def _subset(batch: Mapping[str, Any], idx: torch.Tensor, n: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
-            out[key] = value[idx]
-        elif isinstance(value, (list, tuple)) and len(value) == n:
-            out[key] = [value[i] for i in idx.tolist()]
-        else:
-            out[key] = value
-    return out
+def find_data_selection_in(algorithms: Iterable[Any]) -> DataSelection | None:
+    """The `DataSelection` among `algorithms`, or None (train.py sizes the loader from its oversampling)."""
+    return next((a for a in algorithms if isinstance(a, DataSelection)), None)
+
+
+def _validation_config(validation: Any) -> dict[str, Any]:
+    """The `validation` argument as a mapping: a shard directory or an iterable of batches become one key."""
+    if validation is None:
+        return {}
+    if isinstance(validation, (str, os.PathLike)):
+        return {"shard_dir": os.fspath(validation)}
+    if isinstance(validation, Mapping):
+        return dict(validation)
+    if isinstance(validation, Iterable):
+        return {"batches": validation}
+    raise TypeError(
+        f"validation must be a shard directory, an iterable of batches or a mapping of options, got {type(validation).__name__}"
+    )
 
 
 def _sync_time(t0: float) -> float:

@@ -1,21 +1,22 @@
-"""A seeded, cycling source of small validation batches for validation-guided selection."""
+"""Sources of the small validation batch drawn each step for validation-guided selection: shards or given batches."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from composer_algos.seeding import mix_seed
-from pipeline.collators import build_collator
+from pipeline.collators import IGNORE_INDEX, build_collator
 from pipeline.dataset import DomainStreamingDataset
 from pipeline.holdout import DEFAULT_GUIDE_FRACTION, dataset_guide_mask
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ValidationSource"]
+__all__ = ["ValidationSource", "BatchValidationSource", "model_inputs"]
 
 
 class ValidationSource:
@@ -37,8 +38,8 @@ class ValidationSource:
         batch_size: Examples per step (the paper uses 2 to 4).
         seed: Base seed.
         rank: This process's global rank.
-        pad_token_id: Padding id for the collator.
-        max_seq_len: Sequence length of the run.
+        pad_token_id: Padding id for the collator (default: the manifest's pad id, else its eos id).
+        max_seq_len: Sequence length (default: the manifest's, which the run's must equal).
         remote: Optional remote root of the shards.
         guide_fraction: Share of each domain's split to draw from (default 0.5; 1 draws from
             all of it, leaving nothing held out for evaluation).
@@ -56,8 +57,8 @@ class ValidationSource:
         batch_size: int = 4,
         seed: int = 0,
         rank: int = 0,
-        pad_token_id: int,
-        max_seq_len: int,
+        pad_token_id: int | None = None,
+        max_seq_len: int | None = None,
         remote: str | None = None,
         guide_fraction: float = DEFAULT_GUIDE_FRACTION,
     ) -> None:
@@ -79,7 +80,19 @@ class ValidationSource:
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
-        self.collate = build_collator(self.dataset.manifest.mode, pad_token_id=pad_token_id, max_seq_len=max_seq_len)
+        manifest = self.dataset.manifest
+        if pad_token_id is None:
+            pad_token_id = manifest.pad_token_id if manifest.pad_token_id is not None else manifest.eos_token_id
+        if pad_token_id is None:
+            raise ValueError(f"{shard_dir}/manifest.json has neither pad_token_id nor eos_token_id; pass pad_token_id")
+        self.collate = build_collator(
+            manifest.mode, pad_token_id=pad_token_id, max_seq_len=max_seq_len or manifest.max_seq_len
+        )
+
+    @property
+    def last_batch_size(self) -> int:
+        """Examples in each drawn batch (the weight of this rank's validation feature across ranks)."""
+        return self.batch_size
 
     def indices_for_step(self, step: int) -> list[int]:
         """Global sample ids drawn at `step` (deterministic)."""
@@ -96,3 +109,66 @@ class ValidationSource:
     def batch_for_step(self, step: int) -> dict[str, torch.Tensor]:
         """The collated validation batch for `step`."""
         return self.collate([self.dataset[i] for i in self.indices_for_step(step)])
+
+
+class BatchValidationSource:
+    """Validation batches handed in by the user: a DataLoader, a list of dict batches, any iterable.
+
+    Step `s` takes the batch at position `s mod len(batches)` of its iteration when `batches` has a
+    length (a list is indexed; an iterable is re-iterated and skipped ahead as needed), so a
+    resumed run draws what the uninterrupted one drew as long as the iterable yields the same
+    batches each pass; an iterable without a length is cycled. Batches need `input_ids`;
+    `attention_mask` defaults to ones and `labels` to the inputs with padding ignored.
+
+    Args:
+        batches: The validation batches.
+    """
+
+    def __init__(self, batches: Iterable[Mapping[str, Any]]) -> None:
+        self.batches = batches
+        self.last_batch_size = 1
+        self._it: Iterator[Mapping[str, Any]] | None = None
+        self._pos = 0
+
+    def batch_for_step(self, step: int) -> Mapping[str, Any]:
+        """The batch for `step`."""
+        batch = self._draw(step)
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise TypeError(f"validation batches must be dicts with input_ids, got {type(batch).__name__}")
+        self.last_batch_size = int(batch["input_ids"].shape[0])
+        return batch
+
+    def _draw(self, step: int) -> Mapping[str, Any]:
+        if isinstance(self.batches, Sequence):
+            if not self.batches:
+                raise ValueError("validation: the list of validation batches is empty")
+            return self.batches[step % len(self.batches)]
+        length = len(self.batches) if hasattr(self.batches, "__len__") else None  # type: ignore[arg-type]
+        if length is not None:
+            target = step % length
+            if self._it is None or self._pos > target:
+                self._it, self._pos = iter(self.batches), 0
+            while self._pos < target:
+                next(self._it)
+                self._pos += 1
+            self._pos += 1
+            return next(self._it)
+        if self._it is None:
+            self._it = iter(self.batches)
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.batches)
+            return next(self._it)
+
+
+def model_inputs(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """`input_ids`, `attention_mask` and `labels` of a batch on `device` (defaults: all ones; inputs, padding ignored)."""
+    input_ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    labels = batch.get("labels")
+    if labels is None:
+        labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}

@@ -66,6 +66,7 @@ class DomainStreamingDataset(StreamingDataset):
         self.domain_names: list[str] = [d.name for d in self.manifest.domains]
         self.stream_domain_ids: list[int] = list(stream_domain_ids)  # manifest domain id of each stream
         self.split = split
+        self.shard_dir, self.remote = shard_dir, remote  # DataSelection's default validation shards
         super().__init__(streams=streams, **kwargs)
         # stream index -> domain id in the manifest's order.
         self._domain_per_shard = np.asarray(stream_domain_ids, dtype=np.int64)[self.stream_per_shard]

@@ -92,10 +92,14 @@ class FakeState:
 
 
 class ListLogger:
-    """Collects `log_metrics` calls."""
+    """Collects `log_metrics` and `log_traces` calls."""
 
     def __init__(self) -> None:
         self.metrics: list[dict[str, float]] = []
+        self.traces: list[dict[str, Any]] = []
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         self.metrics.append(dict(metrics))
+
+    def log_traces(self, traces: dict[str, Any]) -> None:
+        self.traces.append(dict(traces))

@@ -43,8 +43,9 @@ def _features(n: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _algo(strategy: str = "partitionsel", kappa: int = 2, feats=None, **kwargs) -> DataSelection:
-    algo = DataSelection(strategy=strategy, device_train_batch_size=kappa, domain_names=DOMAINS, **kwargs)
+    algo = DataSelection(strategy=strategy, domain_names=DOMAINS, **kwargs)
     algo.spec = STRATEGIES[strategy]
+    algo.kappa = kappa  # as derived from a full pool of oversampling x kappa (these pools may be a last, smaller one)
     if feats is not None:
         algo._features = lambda state, batch, step, **_: (feats[0], feats[1], None)
     return algo
@@ -61,7 +62,7 @@ def _step(algo: DataSelection, batch: dict, step: int = 0, lr: float = 1e-3) -> 
 
 def test_check_consistency_with_local_scope_is_rejected_at_construction():
     with pytest.raises(ValueError, match="check_consistency.*scope"):
-        DataSelection(scope="local", check_consistency=True, device_train_batch_size=2, domain_names=DOMAINS)
+        DataSelection(scope="local", check_consistency=True, domain_names=DOMAINS)
 
 
 def test_check_consistency_under_global_scope_passes_on_two_ranks(monkeypatch):

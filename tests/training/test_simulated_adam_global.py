@@ -67,11 +67,11 @@ def _algo() -> DataSelection:
     algo = DataSelection(
         strategy="gradnorm",
         scope="global",
-        device_train_batch_size=2,
         domain_names=DOMAINS,
         features={"normalization": "adam_simulated", "proj_dim": 16, "exact_max_numel": 0, "sketch_dim": 4},
     )
     algo.spec = STRATEGIES["gradnorm"]
+    algo.kappa = 2
     return algo
 
 

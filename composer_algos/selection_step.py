@@ -1,0 +1,419 @@
+"""One selection step as four stages: assemble the problem, solve it, redistribute the picks, record them.
+
+`DataSelection` (composer_algos/selection_algorithm.py) runs them in order at `AFTER_DATALOADER`;
+each is a function of tensors, numbers and Composer's `dist`, so each is unit-tested alone
+(tests/training/test_selection_stages.py, with ranks as threads).
+
+Legend: N = pool size on this rank, P = pool size over all ranks (global scope; P = N otherwise),
+K = examples selected, C = domains, D = feature dimension, W = world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from composer.utils import dist
+
+from composer_algos.exchange import exchange_examples, gather_rows, plan_rebalance
+
+__all__ = [
+    "SelectionProblem",
+    "SolveOutcome",
+    "assemble_problem",
+    "solve_problem",
+    "redistribute",
+    "record_step",
+    "selection_metrics",
+]
+
+# Used when the strategy fails (bad features, a broken solve): uniform within the capacities.
+FALLBACK_STRATEGY = "random_stratified"
+
+
+@dataclass
+class SelectionProblem:
+    """What the solver sees: this rank's pool (local scope) or every rank's (global scope).
+
+    Attributes:
+        domain_P: (P,) domain id of each candidate.
+        kappa: examples to select: this rank's budget, or under global scope the budget of all
+            ranks together (a multiple of W, so every rank trains an equal share).
+        features_PD: (P, D) gradient features, None when the strategy needs none or the step falls back.
+        gbar_D: (D,) validation feature (averaged over ranks under global scope; after the running
+            average when one is configured), or None.
+        fallback: why this step selects at random within capacities, or None.
+        owner_P, local_P: global scope only: the rank holding each candidate and its row there.
+        world: W when gathered, else 1.
+    """
+
+    domain_P: torch.Tensor
+    kappa: int
+    features_PD: torch.Tensor | None = None
+    gbar_D: torch.Tensor | None = None
+    fallback: str | None = None
+    owner_P: torch.Tensor | None = None
+    local_P: torch.Tensor | None = None
+    world: int = 1
+
+    @property
+    def gathered(self) -> bool:
+        return self.owner_P is not None
+
+
+@dataclass
+class SolveOutcome:
+    """The solver's result, the strategy that produced it and why it fell back (None when it did not)."""
+
+    result: Any  # composer_algos.selection.SelectionResult
+    strategy: str
+    fallback: str | None
+
+
+def assemble_problem(
+    domain_N: torch.Tensor,
+    *,
+    kappa_rank: int,
+    gather: bool,
+    needs_features: bool = False,
+    features_ND: torch.Tensor | None = None,
+    gbar_D: torch.Tensor | None = None,
+    n_val: int = 1,
+    fallback: str | None = None,
+    average_gbar: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> SelectionProblem:
+    """Build the selection problem of this step, from this rank's pool or, with `gather`, from every rank's.
+
+    Under `gather` the ranks all-gather their domain ids, features and validation features (the
+    pools may differ in size); every rank then holds the same problem. If any rank's features
+    failed, every rank falls back. The budget is `min(kappa_rank, P // W) * W`: an uneven
+    end-of-epoch pool lowers the budget (the strategy chooses among every candidate) rather than
+    trimming picks. Locally the budget is `min(kappa_rank, N)`.
+
+    Args:
+        domain_N: (N,) domain ids of this rank's pool.
+        kappa_rank: examples each rank trains on.
+        gather: assemble the global problem (needs a world size above 1 to differ from local).
+        needs_features: the strategy computed features this step (a failed rank makes all fall back).
+        features_ND, gbar_D: this rank's features and validation feature (None when absent).
+        n_val: validation examples behind this rank's `gbar_D` (the ranks' features are averaged
+            with these weights).
+        fallback: this rank's reason to fall back, or None.
+        average_gbar: applied to the (gathered) validation feature, e.g. `ValidationAverage.update`;
+            under `gather` every rank applies it to the same vector, so all hold one state.
+
+    Returns:
+        The `SelectionProblem`; its features and gbar are None when the step falls back.
+    """
+    device = features_ND.device if features_ND is not None else domain_N.device
+    domain_N = domain_N.to(device)
+    n = int(domain_N.shape[0])
+    world = dist.get_world_size() if gather else 1
+    if world <= 1:
+        problem = SelectionProblem(domain_N, min(kappa_rank, n), features_ND, gbar_D, fallback)
+    else:
+        sizes_W = torch.cat(dist.all_gather(torch.tensor([n], device=device)))
+        n_max = int(sizes_W.max())
+        valid_P = (torch.arange(n_max, device=device)[None, :] < sizes_W[:, None]).flatten()
+        owner_P = torch.arange(world, device=device).repeat_interleave(n_max)[valid_P]
+        local_P = torch.arange(n_max, device=device).repeat(world)[valid_P]
+        domain_P = gather_rows(domain_N, n_max)[valid_P]
+        feats_PD = None
+        if needs_features:
+            # Every rank decides the same fallback: fall back if any rank failed.
+            flag = torch.tensor([0 if fallback is None else 1], device=device)
+            dist.all_reduce(flag, reduce_operation="MAX")
+            if int(flag) and fallback is None:
+                fallback = "the gradient features failed on another rank"
+            if fallback is None:
+                assert features_ND is not None
+                feats_PD = gather_rows(features_ND, n_max)[valid_P]
+                if gbar_D is not None:
+                    # One gather of (n_val * gbar, n_val): the mean over every rank's validation examples.
+                    packed = torch.cat([gbar_D * float(n_val), gbar_D.new_tensor([float(n_val)])])
+                    summed = torch.stack(dist.all_gather(packed)).sum(0)
+                    gbar_D = summed[:-1] / summed[-1]
+        kappa = min(kappa_rank, int(sizes_W.sum()) // world) * world
+        problem = SelectionProblem(domain_P, kappa, feats_PD, gbar_D, fallback, owner_P, local_P, world)
+    if problem.fallback is not None:
+        problem.features_PD, problem.gbar_D = None, None
+    elif problem.gbar_D is not None and average_gbar is not None:
+        problem.gbar_D = average_gbar(problem.gbar_D)
+    return problem
+
+
+def solve_problem(
+    problem: SelectionProblem,
+    strategy: str,
+    *,
+    eta: float,
+    seed: int,
+    num_domains: int,
+    options: Mapping[str, Any] | None = None,
+    fractions: list[float] | None = None,
+) -> SolveOutcome:
+    """Run `strategy` on the problem; fall back to random selection within capacities when it breaks.
+
+    Capacities (for strategies that use them) are drawn with the step's generator, seeded by
+    `seed`, so every rank solving the same problem draws the same ones. A numerically broken solve
+    (a `SelectionNumericsError`, a failed factorisation, a non-finite objective or weights) falls
+    back; under global scope a failure on one rank makes every rank fall back. Invalid `options`
+    raise.
+
+    Args:
+        problem: from `assemble_problem`.
+        strategy: registry name of the strategy to run.
+        eta: the optimizer's current learning rate.
+        seed: seed of the step's generator.
+        num_domains: C.
+        options: the strategy's own options (dropped when falling back).
+        fractions: fixed per-domain shares of the budget (default: proportional to the pool).
+
+    Returns:
+        A `SolveOutcome` (result, the strategy that produced it, the fallback reason or None).
+    """
+    from composer_algos.selection import get_strategy
+
+    fallback = problem.fallback
+    if fallback is not None:
+        strategy, options = FALLBACK_STRATEGY, None
+    spec = get_strategy(strategy)  # a built-in or one another package adds (entry points)
+    features = problem.features_PD if spec.needs_features else None
+    gbar = problem.gbar_D if spec.needs_validation else None
+    result, error = _run_strategy(
+        spec, strategy, problem, features, gbar, num_domains, eta, seed, options, fractions
+    )
+    if problem.gathered and spec.needs_features:
+        # Ranks solve the same problem; still, a failure on one must not leave the others diverged.
+        flag = torch.tensor([0 if error is None else 1], device=problem.domain_P.device)
+        dist.all_reduce(flag, reduce_operation="MAX")
+        if int(flag) and error is None:
+            error = "the solver failed on another rank"
+    if error is not None:
+        fallback, strategy = error, FALLBACK_STRATEGY
+        spec = get_strategy(strategy)
+        result, _ = _run_strategy(
+            spec, strategy, problem, None, None, num_domains, eta, seed, None, fractions
+        )
+    return SolveOutcome(result, strategy, fallback)
+
+
+def redistribute(
+    batch: Mapping[str, Any],
+    problem: SelectionProblem,
+    result: Any,
+    *,
+    domain_key: str = "domain_id",
+    weighted_loss: bool = False,
+) -> dict[str, Any]:
+    """This rank's training batch: the selected rows of its pool, or under global scope its share.
+
+    Locally, every per-example field (first dimension N, tensors and lists) is subset together.
+    Under global scope the picks are rebalanced so each rank trains `kappa / W` (examples stay
+    where they are while their rank has room; only the overflow moves, `exchange_examples`).
+    With `weighted_loss`, a `loss_weight` field carries each example's refit weight divided by
+    the mean weight over the selected examples of ALL ranks (see `loss_weights`).
+
+    Args:
+        batch: this rank's pool.
+        problem: the step's problem.
+        result: the solver's `SelectionResult` (indices into the problem's rows, optional weights).
+        domain_key: the batch field holding domain ids (sizes the pool).
+        weighted_loss: add `loss_weight`.
+
+    Returns:
+        The new batch.
+    """
+    n = int(batch[domain_key].shape[0])
+    sel_K = result.indices
+    weights_K = result.weights
+    if problem.gathered:
+        assert problem.owner_P is not None and problem.local_P is not None
+        world, rank = problem.world, dist.get_global_rank()
+        owner_K, lidx_K = problem.owner_P[sel_K], problem.local_P[sel_K]
+        target_K = plan_rebalance(owner_K, world, problem.kappa // world)
+        new_batch = exchange_examples(
+            batch,
+            owner_K=owner_K.cpu(),
+            local_index_K=lidx_K.cpu(),
+            target_K=target_K.cpu(),
+            rank=rank,
+            world_size=world,
+            n_local=n,
+        )
+        if result.weights is not None:
+            # Same order as the exchanged batch: kept examples first, then received ones.
+            mine = (target_K == rank) & (owner_K == rank)
+            theirs = (target_K == rank) & (owner_K != rank)
+            weights_K = torch.cat([result.weights[mine], result.weights[theirs]])
+    else:
+        new_batch = subset_batch(batch, sel_K.to(batch[domain_key].device), n)
+    if weighted_loss:
+        loss_weight_K = loss_weights(
+            weights_K,
+            result.weights,
+            gathered=problem.gathered,
+            n_trained=int(new_batch[domain_key].shape[0]),
+            device=problem.domain_P.device,
+        )
+        if loss_weight_K is not None:
+            new_batch["loss_weight"] = loss_weight_K
+    return new_batch
+
+
+def loss_weights(
+    weights_K: torch.Tensor | None,
+    all_weights: torch.Tensor | None,
+    *,
+    gathered: bool,
+    n_trained: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Per-example loss weights `w_i / mean(w)`, the mean taken over the selected examples of ALL ranks.
+
+    Composer scales each microbatch's loss by its share of the mean per-rank batch and DDP
+    averages the ranks, so with the model's loss `sum_i w_i l_i / n_microbatch` (see
+    `DomainCausalLM`) the step optimises `sum_i w_i l_i / sum_i w_i` over every selected example
+    of every rank and microbatch. Under global scope every rank holds all weights; under local
+    scope one all-reduce (every step, on every rank) sums them, and a rank without weights (a
+    fallback) gives its examples the mean weight. None (unweighted) when no rank has weights.
+    """
+    if gathered:
+        if all_weights is None:
+            return None
+        total = float(all_weights.detach().double().sum())
+        count = float(all_weights.numel())
+    else:
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        if weights_K is not None:
+            sums[0], sums[1] = weights_K.detach().double().sum(), float(weights_K.numel())
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sums, reduce_operation="SUM")
+        total, count = sums.tolist()
+    mean = total / count if count > 0 else 0.0
+    if not (mean > 0 and math.isfinite(mean)):
+        return None
+    if weights_K is None:
+        return torch.ones(n_trained, dtype=torch.float32)
+    return (weights_K.detach().double().cpu() / mean).to(torch.float32)
+
+
+def selection_metrics(
+    result: Any,
+    *,
+    features_PD: torch.Tensor | None,
+    new_batch: Mapping[str, Any],
+    domain_key: str,
+    fallback: bool,
+    fallbacks_total: int,
+    times_s: tuple[float, float, float],
+) -> dict[str, float]:
+    """The step's `selection/*` metrics (see docs/data_selection.md, Logged metrics)."""
+    from composer_algos.selection import conflict_fraction
+
+    mask = new_batch.get("attention_mask")
+    metrics: dict[str, float] = {
+        "selection/time_features_s": times_s[0],
+        "selection/time_solve_s": times_s[1],
+        "selection/time_exchange_s": times_s[2],
+        "selection/kept_samples": float(new_batch[domain_key].shape[0]),
+        "selection/kept_tokens": float(mask.sum()) if isinstance(mask, torch.Tensor) else 0.0,
+        "selection/fallback": float(fallback),
+        "selection/fallbacks_total": float(fallbacks_total),
+    }
+    # The scale-free objective: Phi = eta * f(S) for the weighted strategies (solved in v = eta * w,
+    # so it does not blow up as 1/eta during warm-up); the strategy's own score otherwise.
+    objective = result.info.get("objective_scaled", result.objective)
+    if objective is not None:
+        metrics["selection/objective"] = float(objective)
+    for key in ("singular_pivots", "ridge_share"):
+        if key in result.info:
+            metrics[f"selection/{key}"] = float(result.info[key])
+    metrics["selection/selected_hash"] = float(selection_hash(result.indices))
+    if features_PD is not None and result.indices.numel() > 1:
+        metrics["selection/conflict_fraction"] = float(conflict_fraction(features_PD, result.indices))
+    return metrics
+
+
+def selection_hash(indices_K: torch.Tensor) -> int:
+    """A 24-bit digest of the selected pool positions (exact in float32 loggers), to compare runs and ranks."""
+    digest = hashlib.sha1(torch.sort(indices_K.cpu()).values.numpy().tobytes()).digest()
+    return int.from_bytes(digest[:3], "little")
+
+
+def record_step(
+    logger: Any,
+    *,
+    method: str,
+    strategy: str,
+    pool_counts_C: torch.Tensor,
+    metrics: Mapping[str, float] | None = None,
+    pool_sample_ids_N: torch.Tensor | None = None,
+) -> None:
+    """Log the step through Composer's logger: numbers as metrics, the rest as traces.
+
+    Metrics: `selection/*` (see `selection_metrics`). Traces (`Logger.log_traces`, which the
+    console and file loggers print only with `log_traces=True`): `selection/method` (the configured
+    strategy), `selection/strategy` (the one that ran this step: `random` outside the selection
+    window, `random_stratified` after a fallback), `selection/pool_counts` ((C,) this rank's pool
+    per domain) and `selection/pool_sample_ids` ((N,) the pool's dataset indices, when the batch
+    has `sample_id`). `MixtureMonitor` turns them into `data/pool/*`, `selection_log.csv` and
+    `selected_ids.jsonl`.
+    """
+    if metrics:
+        logger.log_metrics(dict(metrics))
+    traces: dict[str, Any] = {
+        "selection/method": method,
+        "selection/strategy": strategy,
+        "selection/pool_counts": pool_counts_C.detach().cpu(),
+    }
+    if pool_sample_ids_N is not None:
+        traces["selection/pool_sample_ids"] = pool_sample_ids_N.detach().cpu()
+    logger.log_traces(traces)
+
+
+def subset_batch(batch: Mapping[str, Any], idx: torch.Tensor, n: int) -> dict[str, Any]:
+    """Rows `idx` of every per-example field (first dimension `n`); other fields unchanged."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+            out[key] = value[idx]
+        elif isinstance(value, (list, tuple)) and len(value) == n:
+            out[key] = [value[i] for i in idx.tolist()]
+        else:
+            out[key] = value
+    return out
+
+
+def _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, seed, options, fractions):
+    """`(result, None)`, or `(None, reason)` when the problem is numerically broken."""
+    from composer_algos.selection import SelectionNumericsError, compute_capacities
+
+    gen = torch.Generator().manual_seed(seed)
+    capacities = None
+    if spec.uses_capacities:
+        counts_C = torch.bincount(problem.domain_P, minlength=num_domains)
+        capacities = compute_capacities(counts_C, problem.kappa, fractions, generator=gen)
+    try:
+        result = spec.fn(
+            features=features,
+            val_feature=gbar,
+            domain_ids=problem.domain_P,
+            num_domains=num_domains,
+            kappa=problem.kappa,
+            eta=eta,
+            generator=gen,
+            capacities=capacities,
+            **dict(options or {}),
+        )
+    except (SelectionNumericsError, torch.linalg.LinAlgError) as e:
+        return None, f"{strategy} failed numerically ({e})"
+    if result.objective is not None and not bool(torch.isfinite(result.objective).all()):
+        return None, f"{strategy} returned a non-finite objective ({float(result.objective)})"
+    if result.weights is not None and not bool(torch.isfinite(result.weights).all()):
+        return None, f"{strategy} returned non-finite weights"
+    return result, None
