@@ -24,8 +24,12 @@ class FirstKOptions:
     reverse: bool = False
 
 
+CALLS = []  # (pool size, examples selected) of every call
+
+
 @strategy("first_k", options=FirstKOptions, needs_features=False, needs_validation=False)
 def select_first_k(inputs: SelectionInputs, opts: FirstKOptions, *, num_domains, generator):
+    CALLS.append((inputs.n, inputs.k))
     order = torch.arange(inputs.n, device=inputs.device)
     if opts.reverse:
         order = order.flip(0)
@@ -37,11 +41,11 @@ NOT_A_SPEC = 3
 '''
 
 
-@pytest.fixture
-def plugin_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Install a tiny distribution (module + dist-info with entry points) on sys.path."""
-    (tmp_path / "first_k_plugin.py").write_text(PLUGIN)
-    info = tmp_path / "first_k_plugin-0.1.dist-info"
+def install_plugin(root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Install a tiny distribution (module + dist-info with entry points) under `root`, on sys.path."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "first_k_plugin.py").write_text(PLUGIN)
+    info = root / "first_k_plugin-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: first-k-plugin\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
@@ -53,8 +57,13 @@ def plugin_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
             """
         )
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
+    monkeypatch.syspath_prepend(str(root))
+    return root
+
+
+@pytest.fixture
+def plugin_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    return install_plugin(tmp_path, monkeypatch)
 
 
 def test_a_strategy_from_an_entry_point_is_found_and_runs(plugin_on_path):

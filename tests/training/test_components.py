@@ -4,6 +4,7 @@ registry name, this project's beside them, all checked when the yaml is loaded."
 from __future__ import annotations
 
 import inspect
+import sys
 
 import pytest
 
@@ -105,3 +106,36 @@ def test_a_component_built_from_the_config_gets_the_runs_context_only_where_the_
     )
     assert mon.domain_names == ["a", "b"] and str(mon.run_dir) == "/tmp/x" and mon.method == "custom"
     assert "run_dir" in inspect.signature(type(mon)).parameters
+
+
+def test_train_builds_composer_components_and_a_plugin_strategy_selects(dolma_shards, tmp_path, monkeypatch):
+    """Through train.py: gradient_clipping, speed_monitor and an entry-point strategy in one short run."""
+    from composer.algorithms import GradientClipping
+    from composer.callbacks import SpeedMonitor
+
+    import train
+    from composer_algos.selection import get_strategy
+    from composer_algos.selection_algorithm import DataSelection
+    from tests.selection.test_entry_points import install_plugin
+    from tests.training.conftest import tiny_overrides
+
+    install_plugin(tmp_path / "plugin", monkeypatch)
+    extra = [
+        "algorithms.data_selection.strategy=first_k",
+        "algorithms.data_selection.strategy_options.first_k.reverse=true",
+        "algorithms.gradient_clipping.clipping_type=norm",
+        "algorithms.gradient_clipping.clipping_threshold=1.0",
+        "callbacks.speed_monitor.window_size=10",
+        "max_duration=2ba",
+        "eval_interval=2ba",
+    ]
+    cfg = load_config(TINY, tiny_overrides(dolma_shards, tmp_path / "run", *extra))
+    trainer = train.build_trainer(cfg)
+    trainer.fit()
+    algos = {type(a): a for a in trainer.state.algorithms}
+    assert algos[GradientClipping].clipping_threshold == 1.0
+    assert any(isinstance(c, SpeedMonitor) for c in trainer.state.callbacks)
+    selection = algos[DataSelection]
+    assert selection.spec is get_strategy("first_k") and int(trainer.state.timestamp.batch) == 2
+    # The plugin chose every step's subset: a pool of 4 x 3 (oversampling 3), 4 trained.
+    assert sys.modules["first_k_plugin"].CALLS[-2:] == [(12, 4), (12, 4)]
