@@ -11,14 +11,7 @@ import torch
 from composer_algos.selection.capacities import compute_capacities
 from composer_algos.selection.objective import compute_gram
 from composer_algos.selection.segments import count_per_domain, segmented_argmax_mask
-from composer_algos.selection.types import (
-    NoOptions,
-    SelectionInputs,
-    SelectionResult,
-    check_finite,
-    finish_result,
-    strategy,
-)
+from composer_algos.selection.types import NoOptions, SelectionInputs, SelectionResult, strategy
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +47,7 @@ def select_colm(
     if gram_NN is None:
         assert inputs.features is not None
         gram_NN = compute_gram(inputs.features)
-    check_finite("colm", diag_K=torch.diagonal(gram_NN))
+    inputs.check_finite(diag_K=torch.diagonal(gram_NN))
     counts_C = torch.bincount(dom_N, minlength=num_domains)
     small_C, budgets_C = colm_budgets(counts_C, inputs.k, generator)
     small_N = small_C.index_select(0, dom_N)
@@ -80,9 +73,7 @@ def select_colm(
         rem_C -= count_per_domain(picked_N, dom_N, num_domains)
         best_N = torch.maximum(best_N, torch.where(picked_N.unsqueeze(0), sim_NN, torch.zeros_like(sim_NN)).amax(1))
     sel_S = torch.nonzero(taken_N).flatten()
-    return finish_result(
-        sel_S, dom_N, num_domains, objective=best_N.sum(), info={"small_sources": small_C}
-    )
+    return inputs.finish(sel_S, objective=best_N.sum(), info={"small_sources": small_C})
 
 
 def colm_budgets(

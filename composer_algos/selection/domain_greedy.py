@@ -12,14 +12,7 @@ from composer_algos.selection.capacities import resolve_capacities
 from composer_algos.selection.greats import greats_greedy
 from composer_algos.selection.objective import binary_utility, compute_gram
 from composer_algos.selection.partitionsel import PartitionSelOptions, run_weighted_selection
-from composer_algos.selection.types import (
-    NoOptions,
-    SelectionInputs,
-    SelectionResult,
-    check_finite,
-    finish_result,
-    strategy,
-)
+from composer_algos.selection.types import NoOptions, SelectionInputs, SelectionResult, strategy
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +38,11 @@ def select_id(
     gram_NN = inputs.gram if inputs.gram is not None else compute_gram(inputs.features)
     block_NN = gram_NN * (dom_N.unsqueeze(1) == dom_N.unsqueeze(0))
     align_N = inputs.features @ inputs.val_feature
-    check_finite("id", diag_K=torch.diagonal(gram_NN), align=align_N)
+    inputs.check_finite(diag_K=torch.diagonal(gram_NN), align=align_N)
     caps_C = resolve_capacities("id", inputs.capacities, dom_N, num_domains, inputs.k)
     sel_S = greats_greedy(block_NN, align_N, inputs.eta, inputs.k, domain_ids_N=dom_N, capacities_C=caps_C)
     objective = binary_utility(sel_S, block_NN, align_N, inputs.eta)
-    return finish_result(sel_S, dom_N, num_domains, objective=objective)
+    return inputs.finish(sel_S, objective=objective)
 
 
 @strategy("iwd", options=PartitionSelOptions, needs_features=True, needs_validation=True, weighted=True)

@@ -8,14 +8,7 @@ import logging
 
 import torch
 
-from composer_algos.selection.types import (
-    NoOptions,
-    SelectionInputs,
-    SelectionResult,
-    check_finite,
-    finish_result,
-    strategy,
-)
+from composer_algos.selection.types import NoOptions, SelectionInputs, SelectionResult, strategy
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +33,7 @@ def select_gradnorm(
     else:
         assert inputs.gram is not None
         norms_N = torch.diagonal(inputs.gram).clamp_min(0.0).sqrt()
-    check_finite("gradnorm", norms=norms_N)
+    inputs.check_finite(norms=norms_N)
     # A stable descending sort keeps ties in pool order (topk does not promise that).
     sel_S = torch.sort(norms_N, descending=True, stable=True).indices[: inputs.k]
-    return finish_result(sel_S, inputs.domain_ids, num_domains, objective=norms_N[sel_S].sum())
+    return inputs.finish(sel_S, objective=norms_N[sel_S].sum())

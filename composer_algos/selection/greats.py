@@ -9,14 +9,7 @@ import logging
 import torch
 
 from composer_algos.selection.objective import binary_utility, compute_gram
-from composer_algos.selection.types import (
-    NoOptions,
-    SelectionInputs,
-    SelectionResult,
-    check_finite,
-    finish_result,
-    strategy,
-)
+from composer_algos.selection.types import NoOptions, SelectionInputs, SelectionResult, strategy
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +35,10 @@ def select_greats(
     assert inputs.features is not None and inputs.val_feature is not None
     gram_NN = inputs.gram if inputs.gram is not None else compute_gram(inputs.features)
     align_N = inputs.features @ inputs.val_feature
-    check_finite("greats", diag_K=torch.diagonal(gram_NN), align=align_N)
+    inputs.check_finite(diag_K=torch.diagonal(gram_NN), align=align_N)
     sel_S = greats_greedy(gram_NN, align_N, inputs.eta, inputs.k)
     objective = binary_utility(sel_S, gram_NN, align_N, inputs.eta)
-    return finish_result(sel_S, inputs.domain_ids, num_domains, objective=objective)
+    return inputs.finish(sel_S, objective=objective)
 
 
 def greats_scores(

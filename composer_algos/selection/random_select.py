@@ -9,13 +9,7 @@ import logging
 import torch
 
 from composer_algos.selection.capacities import resolve_capacities
-from composer_algos.selection.types import (
-    NoOptions,
-    SelectionInputs,
-    SelectionResult,
-    finish_result,
-    strategy,
-)
+from composer_algos.selection.types import NoOptions, SelectionInputs, SelectionResult, strategy
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +31,7 @@ def select_random(
     """
     gen = generator if generator is not None else torch.Generator(device=inputs.device)
     perm_N = torch.randperm(inputs.n, generator=gen, device=gen.device).to(inputs.device)
-    return finish_result(perm_N[: inputs.k], inputs.domain_ids, num_domains)
+    return inputs.finish(perm_N[: inputs.k])
 
 
 @strategy("random_stratified", needs_features=False, needs_validation=False)
@@ -71,4 +65,4 @@ def select_random_stratified(
     # Among the keepable examples take the k with the smallest keys (the scan stops at k).
     masked_keys_N = torch.where(keep_N, keys_N, torch.full_like(keys_N, 2.0))
     sel_S = torch.sort(masked_keys_N, stable=True).indices[: inputs.k]
-    return finish_result(sel_S, dom_N, num_domains)
+    return inputs.finish(sel_S)

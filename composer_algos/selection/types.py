@@ -105,6 +105,8 @@ class SelectionInputs:
         gram: ``(N, N)`` on ``device`` in ``dtype``, or None.
         capacities: ``(C,)`` int64 on ``device``, or None.
         eta: the learning rate as a Python float.
+        strategy: the strategy name, for error messages.
+        num_domains: ``C``.
     """
 
     n: int
@@ -117,6 +119,25 @@ class SelectionInputs:
     gram: torch.Tensor | None
     capacities: torch.Tensor | None
     eta: float
+    strategy: str = ""
+    num_domains: int = 0
+
+    def finish(
+        self,
+        indices_S: torch.Tensor,
+        *,
+        weights_S: torch.Tensor | None = None,
+        objective: torch.Tensor | None = None,
+        info: dict[str, torch.Tensor] | None = None,
+    ) -> SelectionResult:
+        """The result for the selected pool positions (``finish_result`` with this pool's domains)."""
+        return finish_result(
+            indices_S, self.domain_ids, self.num_domains, weights_S=weights_S, objective=objective, info=info
+        )
+
+    def check_finite(self, **tensors: torch.Tensor) -> None:
+        """``check_finite`` under this strategy's name."""
+        check_finite(self.strategy, **tensors)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,6 +378,8 @@ def validate_inputs(
         gram=gram,
         capacities=capacities,
         eta=eta_f,
+        strategy=strategy,
+        num_domains=num_domains,
     )
 
 
