@@ -79,6 +79,13 @@ def test_library_never_imports_tools_or_plotting():
     assert not _offences(files, ("tools", "matplotlib")), "library code must not import tools/ or plot"
 
 
+def test_selection_and_feature_cores_never_import_composer():
+    # The pure functional cores take tensors and numbers; only the Algorithm/Callback shells touch State.
+    files = sorted((REPO_ROOT / "composer_algos" / "selection").rglob("*.py"))
+    files += sorted((REPO_ROOT / "composer_algos" / "features").rglob("*.py"))
+    assert not _offences(files, ("composer",)), "the selection and feature cores must not depend on Composer"
+
+
 def test_library_holds_no_corpus_generator():
     assert not (REPO_ROOT / "pipeline" / "sample_corpus.py").exists(), (
         "the synthetic corpus belongs in tools/"
