@@ -18,7 +18,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import ConfigError, TrainConfig, config_to_dict, load_config
+from pipeline.config import ConfigError, TrainConfig, config_to_dict
 
 if TYPE_CHECKING:
     from composer import Trainer
@@ -40,12 +40,14 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from composer_algos.file_logger import AppendFileLogger
     from composer_algos.mixture_io import read_mixture_json
     from composer_algos.models import build_causal_lm
+    from composer_algos.registry import type_components
     from composer_algos.selection_algorithm import find_data_selection_in
     from pipeline.dataset import split_samples
     from pipeline.loaders import build_domain_evaluators, build_train_dataloader
     from pipeline.manifest import load_manifest
     from pipeline.tokenizer import load_tokenizer
 
+    cfg = type_components(cfg)  # a config from pipeline.config.load_config: its components checked first
     reproducibility.seed_all(cfg.seed)
     world = dist.get_world_size()
     if cfg.global_train_batch_size % world:
@@ -196,7 +198,9 @@ def main(argv: list[str]) -> Trainer:
         print(__doc__)
         raise SystemExit(0 if argv else 2)
     try:
-        cfg = load_config(argv[0], argv[1:])
+        from composer_algos.registry import load_run_config  # the registries import composer lazily
+
+        cfg = load_run_config(argv[0], argv[1:])
     except (ConfigError, FileNotFoundError) as e:  # one message naming every bad key, not a traceback
         print(f"train.py: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -27,10 +27,18 @@ import functools
 import inspect
 import logging
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigSection, build_section
+from pipeline.config import (
+    ConfigError,
+    ConfigSection,
+    TrainConfig,
+    build_section,
+    load_config,
+    parse_components,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +48,9 @@ __all__ = [
     "component_class",
     "component_names",
     "component_section",
+    "load_run_config",
     "parse_component",
+    "type_components",
 ]
 
 KINDS = ("algorithm", "callback", "logger")
@@ -48,6 +58,35 @@ KINDS = ("algorithm", "callback", "logger")
 # Constructor arguments train.py fills in from the run when the yaml leaves them out
 # (`composer_algos.builders.build_component`); they are never reported missing.
 CONTEXT_KEYS = frozenset({"domain_names", "natural_weights", "run_dir", "output_dir", "seed"})
+
+
+def load_run_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """`pipeline.config.load_config` with every algorithm, callback and logger typed by this registry.
+
+    Raises:
+        FileNotFoundError: `yaml_path` does not exist.
+        ConfigError: every unknown, missing or invalid key (components included), with its yaml path.
+    """
+    return load_config(yaml_path, overrides, parse_component=parse_component)
+
+
+def type_components(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with untyped component mappings (from `load_config` without the hook) parsed; else `cfg`.
+
+    Raises:
+        ConfigError: every problem of the components, with its yaml path.
+    """
+    sections = {"algorithms": "algorithm", "callbacks": "callback", "loggers": "logger"}
+    if all(isinstance(v, ConfigSection) for name in sections for v in getattr(cfg, name).values()):
+        return cfg
+    problems: list[str] = []
+    typed = {
+        name: parse_components(parse_component, kind, getattr(cfg, name), name, problems)
+        for name, kind in sections.items()
+    }
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    return dataclasses.replace(cfg, **typed)
 
 
 def component_names(kind: str) -> list[str]:

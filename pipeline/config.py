@@ -1,10 +1,10 @@
 """Typed run configuration: yaml + `key=value` overrides -> validated, frozen kw_only dataclasses.
 
-Every section is a frozen dataclass, the components under `algorithms`, `callbacks` and `loggers`
-included: each is parsed into a `ConfigSection` derived from its class's constructor by
-`composer_algos.registry` (the one place this module reaches into the training side, lazily, so
-that the data side imports no torch). Every problem is collected and raised as one `ConfigError`
-that names the yaml path of each key.
+Every section is a frozen dataclass. The components under `algorithms`, `callbacks` and `loggers`
+are parsed by a `parse_component` hook that the training side supplies
+(`composer_algos.registry.load_run_config` passes its registry's), so this module never imports
+the training side: each becomes a `ConfigSection` derived from its class's constructor. Every
+problem is collected and raised as one `ConfigError` that names the yaml path of each key.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,10 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "TrainConfig",
+    "ComponentParser",
     "build_section",
     "config_to_dict",
+    "parse_components",
     "load_config",
     "parse_config",
 ]
@@ -306,12 +308,11 @@ class TrainConfig:
         if ev is not None and not 0.0 <= ev.guide_fraction < 1.0:
             errs.append(f"eval_loader.guide_fraction must be in [0, 1) (0: the whole split), got {ev.guide_fraction}")
         selection = self.algorithms.get("data_selection")
-        val = getattr(selection, "validation", None)
+        val = (selection or {}).get("validation") if isinstance(selection, Mapping | None) else None
         if isinstance(val, str):  # a shard directory: its options take their defaults
             val = {"shard_dir": val}
         val = val if isinstance(val, Mapping) else {}
-        guide = getattr(val, "guide_fraction", None)
-        guide = val.get("guide_fraction", 0.5) if guide is None else guide
+        guide = val.get("guide_fraction", 0.5)
         if selection is None or not isinstance(guide, (int, float)):
             return errs
         if not 0.0 < guide <= 1.0:
@@ -331,8 +332,21 @@ class TrainConfig:
         return errs
 
 
-def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+ComponentParser = Callable[[str, str, Any, str, list[str]], Any]
+"""`(kind, name, value, where, problems) -> section`: parses one `algorithms`/`callbacks`/`loggers` entry."""
+
+
+def load_config(
+    yaml_path: str | Path, overrides: Sequence[str] = (), *, parse_component: ComponentParser | None = None
+) -> TrainConfig:
     """Read a run yaml, apply `a.b=value` overrides, resolve `${variables...}` and validate.
+
+    Args:
+        yaml_path: the run yaml.
+        overrides: `a.b=value` strings applied on top.
+        parse_component: types each `algorithms`/`callbacks`/`loggers` entry (see `ComponentParser`);
+            None keeps them as the yaml's mappings (`composer_algos.registry.load_run_config` passes
+            the registry's, and `train.build_trainer` parses untyped ones before building anything).
 
     Raises:
         FileNotFoundError: `yaml_path` does not exist.
@@ -348,10 +362,12 @@ def load_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> TrainCo
     if overrides:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
     assert isinstance(cfg, DictConfig)
-    return parse_config(cfg, source=str(path))
+    return parse_config(cfg, source=str(path), parse_component=parse_component)
 
 
-def parse_config(cfg: DictConfig | dict[str, Any], source: str = "<config>") -> TrainConfig:
+def parse_config(
+    cfg: DictConfig | dict[str, Any], source: str = "<config>", *, parse_component: ComponentParser | None = None
+) -> TrainConfig:
     """Convert a merged config tree into a validated `TrainConfig` (see `load_config`)."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(cfg)
@@ -363,8 +379,8 @@ def parse_config(cfg: DictConfig | dict[str, Any], source: str = "<config>") -> 
     data.pop("variables", None)
     problems: list[str] = []
     for section, kind in (("algorithms", "algorithm"), ("callbacks", "callback"), ("loggers", "logger")):
-        if isinstance(data.get(section), dict):
-            data[section] = _parse_components(kind, data[section], section, problems)
+        if parse_component is not None and isinstance(data.get(section), dict):
+            data[section] = parse_components(parse_component, kind, data[section], section, problems)
     out = _build(TrainConfig, data, "", problems)
     if not problems:
         problems += out.validate()
@@ -401,10 +417,10 @@ def config_to_dict(value: Any) -> Any:
     return value
 
 
-def _parse_components(kind: str, data: dict[str, Any], section: str, problems: list[str]) -> dict[str, Any]:
-    """Each `section.<name>` entry as its typed `ConfigSection` (see composer_algos.registry)."""
-    from composer_algos.registry import parse_component  # the training side's registries (torch, composer)
-
+def parse_components(
+    parse_component: ComponentParser, kind: str, data: Mapping[str, Any], section: str, problems: list[str]
+) -> dict[str, Any]:
+    """Each `section.<name>` entry of `data` typed by `parse_component`; problems are appended."""
     parsed = {}
     for name, value in data.items():
         typed = parse_component(kind, str(name), value, f"{section}.{name}", problems)

@@ -91,12 +91,13 @@ def test_without_the_plugin_the_name_is_unknown():
 
 
 def test_the_config_accepts_the_plugin_and_checks_its_options(plugin_on_path):
-    from pipeline.config import ConfigError, load_config
+    from composer_algos.registry import load_run_config
+    from pipeline.config import ConfigError
     from tests.common.paths import REPO_ROOT
 
     tiny = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
     sel = "algorithms.data_selection"
-    cfg = load_config(tiny, [f"{sel}.strategy=first_k", f"{sel}.strategy_options.first_k.reverse=true"])
+    cfg = load_run_config(tiny, [f"{sel}.strategy=first_k", f"{sel}.strategy_options.first_k.reverse=true"])
     assert cfg.algorithms["data_selection"].strategy_options["first_k"].reverse is True
     with pytest.raises(ConfigError, match=f"{sel}.strategy_options.first_k.reverze"):
-        load_config(tiny, [f"{sel}.strategy=first_k", f"{sel}.strategy_options.first_k.reverze=true"])
+        load_run_config(tiny, [f"{sel}.strategy=first_k", f"{sel}.strategy_options.first_k.reverze=true"])

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
+from composer_algos.registry import load_run_config
+from pipeline.config import ConfigError
 from tests.common.paths import REPO_ROOT
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
@@ -20,7 +21,7 @@ def test_composer_gradient_clipping_and_speed_monitor_are_accepted_and_built():
 
     from composer_algos.builders import build_component
 
-    cfg = load_config(
+    cfg = load_run_config(
         TINY,
         [
             "algorithms.gradient_clipping.clipping_type=norm",
@@ -79,7 +80,7 @@ def test_this_projects_components_are_registered_the_same_way():
 
 def test_composer_component_keys_and_names_are_checked_at_load_time():
     with pytest.raises(ConfigError) as info:
-        load_config(
+        load_run_config(
             TINY,
             [
                 "algorithms.gradient_clipping.clipping_treshold=1.0",  # typo; clipping_type is required
@@ -97,7 +98,7 @@ def test_composer_component_keys_and_names_are_checked_at_load_time():
 def test_a_component_built_from_the_config_gets_the_runs_context_only_where_the_yaml_is_silent():
     from composer_algos.builders import build_component
 
-    cfg = load_config(TINY, ["callbacks.mixture_monitor.method=custom"])
+    cfg = load_run_config(TINY, ["callbacks.mixture_monitor.method=custom"])
     mon = build_component(
         "callback",
         "mixture_monitor",
@@ -129,7 +130,7 @@ def test_train_builds_composer_components_and_a_plugin_strategy_selects(dolma_sh
         "max_duration=2ba",
         "eval_interval=2ba",
     ]
-    cfg = load_config(TINY, tiny_overrides(dolma_shards, tmp_path / "run", *extra))
+    cfg = load_run_config(TINY, tiny_overrides(dolma_shards, tmp_path / "run", *extra))
     trainer = train.build_trainer(cfg)
     trainer.fit()
     algos = {type(a): a for a in trainer.state.algorithms}

@@ -83,6 +83,12 @@ TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 SEL = "algorithms.data_selection"
 
 
+def load_run_config(*args, **kwargs):
+    from composer_algos.registry import load_run_config
+
+    return load_run_config(*args, **kwargs)
+
+
 @pytest.fixture
 def nothing_is_built(monkeypatch):
     """Make every heavy build step raise, so a test proves config errors come before them."""
@@ -141,7 +147,7 @@ def test_unknown_keys_list_what_is_allowed_derived_from_the_code():
     from composer_algos.selection import PartitionSelOptions
 
     with pytest.raises(ConfigError) as info:
-        load_config(TINY, [f"{SEL}.features.proj_dimm=8", f"{SEL}.strategy_options.iwd.pik=greedy"])
+        load_run_config(TINY, [f"{SEL}.features.proj_dimm=8", f"{SEL}.strategy_options.iwd.pik=greedy"])
     lines = str(info.value).splitlines()
     feat_line = next(line for line in lines if "features.proj_dimm" in line)
     for name in inspect.signature(GradFeatureExtractor).parameters:
@@ -154,7 +160,7 @@ def test_unknown_keys_list_what_is_allowed_derived_from_the_code():
 
 def test_strategy_options_keyed_by_a_non_strategy_and_the_wrong_type_are_reported():
     with pytest.raises(ConfigError) as info:
-        load_config(TINY, [f"{SEL}.strategy_options.partitionsell.refit=exact", f"{SEL}.interval=often"])
+        load_run_config(TINY, [f"{SEL}.strategy_options.partitionsell.refit=exact", f"{SEL}.interval=often"])
     msg = str(info.value)
     assert f"{SEL}.strategy_options.partitionsell" in msg and "partitionsel" in msg
     assert f"{SEL}.interval" in msg and "'often'" in msg
@@ -165,7 +171,7 @@ def test_the_selection_config_is_typed_frozen_and_defaults_come_from_the_algorit
 
     from composer_algos.selection_algorithm import DataSelection
 
-    cfg = load_config(TINY)
+    cfg = load_run_config(TINY)
     sel = cfg.algorithms["data_selection"]
     assert dataclasses.is_dataclass(sel) and dataclasses.is_dataclass(sel.features)
     assert sel.strategy == "partitionsel" and sel.features.proj_dim == 64 and sel.validation.batch_size == 4
@@ -189,3 +195,13 @@ def test_missing_yaml_and_config_errors_exit_2_with_one_message(tmp_path, capsys
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "nope.yaml" in err and "Traceback" not in err
+
+
+def test_a_config_loaded_without_the_registry_is_checked_before_build_trainer_builds_anything(nothing_is_built):
+    import train
+
+    cfg = load_config(TINY, [f"{SEL}.features.proj_dimm=8", "callbacks.speed_monitr.window_size=3"])
+    assert isinstance(cfg.algorithms["data_selection"], dict)  # the data side alone leaves them untyped
+    with pytest.raises(ConfigError) as info:
+        train.build_trainer(cfg)
+    assert f"{SEL}.features.proj_dimm" in str(info.value) and "callbacks.speed_monitr" in str(info.value)
