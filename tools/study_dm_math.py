@@ -61,11 +61,8 @@ ARMS = [
     "pool_1024=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=4",
     "pool_1024_w=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=4,weighted_loss=true",
     "pool_1024_w_g16=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=16,weighted_loss=true",
-    "pool_1024_w_g32=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=32,weighted_loss=true",
     "id=id,features.precondition=pool,features.proj_dim=1024,guide_size=4",
-    "greats=greats,features.precondition=pool,features.proj_dim=1024,guide_size=4",
     "oracle_g4=oracle,guide_size=4",
-    "oracle_g32=oracle,guide_size=32",
     "oracle_eval=oracle_eval",
 ]
 
