@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--eval-size",
                 "128",
                 "--guide-size",
-                "32",
+                "16",
                 "--sgd-lr",
                 "1e-3",
                 "--out",
