@@ -28,6 +28,11 @@ def tool_paths() -> list[Path]:
     return [REPO / "train.py", *tools]
 
 
+def has_command_line(path: Path) -> bool:
+    """Whether the file runs as a program; helper modules kept in tools/ (imported by the tools) do not."""
+    return '__name__ == "__main__"' in path.read_text(encoding="utf-8")
+
+
 def time_help(path: Path, repeats: int, timeout_s: float) -> tuple[float, int, str]:
     """(best wall seconds, exit status of the last run, its stderr tail) of `python PATH --help`."""
     best, code, err = float("inf"), 0, ""
@@ -60,17 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    failed = 0
+    failed = n_tools = 0
     for path in tool_paths():
+        if not has_command_line(path):
+            print(f"SKIP            {path.relative_to(REPO)}  (a helper module: no command line)")
+            continue
+        n_tools += 1
         seconds, code, err = time_help(path, args.repeats, args.timeout)
         ok = code == 0 and seconds < args.limit
         failed += not ok
         note = "" if code == 0 else f"  (exit {code}: {err.splitlines()[-1] if err else 'no stderr'})"
         print(f"{'PASS' if ok else 'FAIL'}  {seconds:6.2f} s  {path.relative_to(REPO)}{note}", flush=True)
     print(
-        f"{failed} of {len(tool_paths())} over {args.limit:g} s or failing"
+        f"{failed} of {n_tools} over {args.limit:g} s or failing"
         if failed
-        else f"all under {args.limit:g} s"
+        else f"all {n_tools} under {args.limit:g} s"
     )
     return 1 if failed else 0
 
