@@ -58,17 +58,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-STRATEGIES = (
-    "partitionsel",
-    "greats",
-    "id",
-    "iwd",
-    "gradnorm",
-    "colm",
-    "random",
-    "random_stratified",
-    "none",
-)
 DEFAULT_STEP_CAP = 1_000_000
 
 
@@ -81,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in strategies if s not in STRATEGIES]
+    known = known_strategies()
+    bad = [s for s in strategies if s not in known]
     if bad:
-        parser.error(f"--strategies: unknown {bad}; allowed: {', '.join(STRATEGIES)}")
+        parser.error(f"--strategies: unknown {bad}; allowed: {', '.join(known)}")
     # label -> (strategy, overrides): plain strategies, then the named variants.
     runs_of: dict[str, tuple[str, list[str]]] = {s: (s, []) for s in strategies}
     for text in args.variant:
@@ -91,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             label, strategy, overrides = parse_variant(text)
         except ValueError as e:
             parser.error(str(e))
-        if strategy not in STRATEGIES:
-            parser.error(f"--variant {text!r}: unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+        if strategy not in known:
+            parser.error(f"--variant {text!r}: unknown strategy {strategy!r}; allowed: {', '.join(known)}")
         if label in runs_of:
             parser.error(f"--variant {text!r}: the name {label!r} is already used")
         runs_of[label] = (strategy, overrides)
@@ -211,6 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gpus", default=None, help="comma-separated GPU ids handed out to jobs in turn")
     return parser
+
+
+def known_strategies() -> tuple[str, ...]:
+    """What `algorithms.data_selection.strategy` accepts (the algorithm's names, plugins included).
+
+    Imported here, after argument parsing, so `--help` stays free of torch and Composer.
+    """
+    from composer_algos.selection import strategy_names
+    from composer_algos.selection_algorithm import SELECTION_STRATEGIES
+
+    return (*SELECTION_STRATEGIES, *(n for n in strategy_names() if n not in SELECTION_STRATEGIES))
 
 
 def parse_variant(text: str) -> tuple[str, str, list[str]]:

@@ -39,8 +39,11 @@ def fake_training(monkeypatch):
     """Replace train.py processes by a stub that records the command and environment and writes results."""
     tool = _tool()
     launched: list[tuple[list[str], dict[str, str]]] = []
+    real_popen = tool.subprocess.Popen
 
-    def popen(cmd, cwd=None, stdout=None, stderr=None, env=None):
+    def popen(cmd, cwd=None, stdout=None, stderr=None, env=None, **kwargs):
+        if not any(str(a).endswith("train.py") for a in cmd):  # not a training run (e.g. a library probe)
+            return real_popen(cmd, cwd=cwd, stdout=stdout, stderr=stderr, env=env, **kwargs)
         launched.append((cmd, env))
         run_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("save_folder="))
         from pathlib import Path
