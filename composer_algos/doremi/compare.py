@@ -74,14 +74,7 @@ def natural_token_shares(shard_dir: str | os.PathLike, split: str = "train") -> 
     Raises:
         ValueError: If the split holds no tokens.
     """
-    from pipeline.manifest import load_manifest
-
-    manifest = load_manifest(shard_dir)
-    tokens = {d.name: d.splits[split].tokens if split in d.splits else 0 for d in manifest.domains}
-    total = sum(tokens.values())
-    if total <= 0:
-        raise ValueError(f"{shard_dir}: split {split!r} holds no tokens; cannot compute natural shares")
-    return {n: t / total for n, t in tokens.items()}
+    return _split_shares(shard_dir, split, "tokens")
 
 
 def natural_sample_shares(shard_dir: str | os.PathLike, split: str = "train") -> dict[str, float]:
@@ -94,14 +87,19 @@ def natural_sample_shares(shard_dir: str | os.PathLike, split: str = "train") ->
     Raises:
         ValueError: If the split holds no samples.
     """
+    return _split_shares(shard_dir, split, "samples")
+
+
+def _split_shares(shard_dir: str | os.PathLike, split: str, field: str) -> dict[str, float]:
+    """Each domain's share of the split's `field` (`tokens` or `samples`) from the manifest."""
     from pipeline.manifest import load_manifest
 
     manifest = load_manifest(shard_dir)
-    samples = {d.name: d.splits[split].samples if split in d.splits else 0 for d in manifest.domains}
-    total = sum(samples.values())
+    counts = {d.name: getattr(d.splits[split], field) if split in d.splits else 0 for d in manifest.domains}
+    total = sum(counts.values())
     if total <= 0:
-        raise ValueError(f"{shard_dir}: split {split!r} holds no samples; cannot compute natural shares")
-    return {n: c / total for n, c in samples.items()}
+        raise ValueError(f"{shard_dir}: split {split!r} holds no {field}; cannot compute natural shares")
+    return {n: c / total for n, c in counts.items()}
 
 
 def to_token_shares(
