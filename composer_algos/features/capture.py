@@ -6,8 +6,8 @@ Shapes: n examples, T tokens, V vocabulary, I = d_in, O = d_out, D features of o
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -90,6 +90,7 @@ def capture_layer_signals(
     batch: Mapping[str, torch.Tensor],
     targets: list[TargetLayer],
     cut_module: nn.Module,
+    precision_context: Callable[[], AbstractContextManager] | None = None,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """One truncated forward + backward: per target, its inputs `a` and per-example output-gradients `delta`.
 
@@ -105,9 +106,14 @@ def capture_layer_signals(
             masked (default: `input_ids` with padding masked).
         targets: from `resolve_targets`.
         cut_module: from `choose_cut_module`.
+        precision_context: a factory of the context the forward and the loss run in, e.g. the
+            training run's autocast (`composer.core.precision.get_precision_context`); None runs
+            them as the model is. The backward runs outside it, as autocast's recipe asks: its
+            ops take the dtypes the forward recorded.
 
     Returns:
-        ([(a_nTI, delta_nTO) per target, detached], losses_n detached).
+        ([(a_nTI, delta_nTO) per target, detached, in the dtypes the forward produced (bfloat16
+        under a bf16 autocast)], losses_n detached).
 
     Raises:
         ValueError: when a target does not run in the forward, or its activations are not batch-major.
@@ -130,8 +136,9 @@ def capture_layer_signals(
     handles = [t.module.register_forward_hook(make_hook(t.index)) for t in targets]
     try:
         with truncated_graph(cut_module) as status:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            losses_n = per_example_losses(out.logits, labels)
+            with (precision_context or nullcontext)():
+                out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                losses_n = per_example_losses(out.logits, labels)
             if not status["fired"]:
                 raise ValueError(f"the cut module {type(cut_module).__name__} did not run in the forward")
             missing = [t.name for t in targets if not records[t.index]]

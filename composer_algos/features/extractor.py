@@ -6,7 +6,8 @@ Shapes: n examples, T tokens, O = d_out, I = d_in, K = k_out, J = k_in, D featur
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -26,7 +27,23 @@ from composer_algos.features.targets import TargetLayer, choose_cut_module, reso
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FeatureError", "GradFeatureExtractor", "PRECONDITION_SIDES", "feature_option_problems", "spearman"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "FeatureError",
+    "GradFeatureExtractor",
+    "PRECONDITION_SIDES",
+    "feature_option_problems",
+    "is_out_of_memory",
+    "spearman",
+]
+
+# Examples per scoring forward when `chunk_size` is "auto" and the caller gives no microbatch size
+# (DataSelection passes the run's device microbatch size, so this is for standalone use).
+DEFAULT_CHUNK_SIZE = 16
+
+# The messages Composer's auto microbatching takes for an out-of-memory error (composer/trainer/
+# trainer.py `_is_cuda_oom`), besides torch's own OutOfMemoryError; this core does not import Composer.
+_OOM_MESSAGES = ("CUDA out of memory", "CUDA error: out of memory")
 
 # Where the optimizer's Adam preconditioner P = 1 / (sqrt(v_hat) + eps) is applied, as the power of P
 # on the (pool, validation) side. The first-order effect of an Adam step on the selected examples on
@@ -46,7 +63,7 @@ def feature_option_problems(
     *,
     normalization: str,
     sketch_dim: int | tuple[int, int],
-    chunk_size: int,
+    chunk_size: int | str,
     proj_dim: int | None,
     adam_betas: tuple[float, float],
     adam_eps: float,
@@ -62,8 +79,11 @@ def feature_option_problems(
     k_out, k_in = (sketch_dim, sketch_dim) if isinstance(sketch_dim, int) else tuple(sketch_dim)
     if k_out < 1 or k_in < 1:
         problems.append(f"`sketch_dim` must be >= 1 (or a pair of such), got {sketch_dim!r}")
-    if chunk_size < 1:
-        problems.append(f"`chunk_size` must be >= 1, got {chunk_size}")
+    if chunk_size != "auto" and not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
+        problems.append(
+            f"`chunk_size` must be 'auto' or an int >= 1, got {chunk_size!r} "
+            f"('auto': the run's device microbatch size)"
+        )
     if proj_dim is not None and proj_dim < 0:
         problems.append(f"`proj_dim` must be None (hidden size), 0 (no compression) or positive, got {proj_dim}")
     if not (0 <= adam_betas[0] < 1 and 0 <= adam_betas[1] < 1):
@@ -115,7 +135,11 @@ class GradFeatureExtractor:
             kept to reproduce older runs). `normalization_in_use` names it, e.g. "adam_optimizer/pool".
         proj_dim: compressed width; None uses the model's hidden size, 0 keeps the raw features. A
             value at least the raw width also keeps them raw.
-        chunk_size: examples per forward, bounding activation and logits memory.
+        chunk_size: examples per forward, bounding activation and logits memory; "auto" (default)
+            takes the `auto_chunk_size` given to `compute` (DataSelection passes the run's device
+            microbatch size), else `DEFAULT_CHUNK_SIZE`. An out-of-memory error while scoring
+            halves the chunk and retries (down to 1); the halved size is kept for later calls and
+            `chunk_size_in_use` tells the size of the last call.
         seed: base seed of all projections (each layer's index is folded in).
         resample_projections: fold `step` into the seeds so projections change every step (default
             False: fixed projections, required for `adam_simulated` in sketch mode to be meaningful).
@@ -138,7 +162,7 @@ class GradFeatureExtractor:
         adam_eps: float = 1e-8,
         precondition: str = "pool",
         proj_dim: int | None = None,
-        chunk_size: int = 16,
+        chunk_size: int | str = "auto",
         seed: int = 0,
         resample_projections: bool = False,
     ) -> None:
@@ -169,6 +193,9 @@ class GradFeatureExtractor:
         self.adam_eps = adam_eps
         self.precondition = precondition
         self.chunk_size = chunk_size
+        self.chunk_size_in_use: int | None = None
+        self._oom_chunk_cap: int | None = None  # the chunk an out-of-memory error settled on
+        self._attempt_rows = 0  # rows of the chunk being scored (for the retry after an OOM)
         self.seed = seed
         self.resample_projections = resample_projections
         self.simulated = SimulatedAdam(adam_betas, adam_eps)
@@ -204,6 +231,8 @@ class GradFeatureExtractor:
         *,
         step: int = 0,
         optimizer: torch.optim.Optimizer | None = None,
+        precision_context: Callable[[], AbstractContextManager] | None = None,
+        auto_chunk_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Features of the pool and the mean feature of the validation batch.
 
@@ -213,6 +242,12 @@ class GradFeatureExtractor:
             val_batch: same layout, or None.
             step: the training step (folded into the seeds only with `resample_projections`).
             optimizer: the training optimizer, read (never written) by `adam_optimizer`.
+            precision_context: factory of the context every scoring forward runs in (the run's
+                autocast, e.g. `lambda: get_precision_context(state.precision)`); the layer
+                signals it produces are upcast to float32 before any product (docs/features.md,
+                Precision). None: the model's own dtype.
+            auto_chunk_size: what `chunk_size="auto"` means for this call (the run's device
+                microbatch size); ignored when `chunk_size` is an int.
 
         Returns:
             G (n, d) float32 and gbar (d,) float32 (None without `val_batch`), on the model's device;
@@ -220,24 +255,42 @@ class GradFeatureExtractor:
 
         Raises:
             FeatureError: when some feature is non-finite, or G (or gbar) is all zero.
+            ValueError: for an `auto_chunk_size` below 1.
+            RuntimeError: an out-of-memory error with chunks of one example, or any other error.
         """
         self.last_step = step
         device = next(self.model.parameters()).device
         preconditioners = self._adam_preconditioners(optimizer)
         use_sim = self.normalization == "adam_simulated"
-        bad_rows = []  # per-call tensors; one host sync at the end
-        try:
-            with scoring_mode(self.model):
-                pool_pre, val_pre = _split_preconditioners(preconditioners, self.precondition)
-                G_nd = self._features(pool_batch, device, step, pool_pre, bad_rows, accumulate=use_sim)
-                gbar_d = None
-                if val_batch is not None:
-                    V_nd = self._features(val_batch, device, step, val_pre, bad_rows, accumulate=False)
-                    gbar_d = V_nd.mean(dim=0)
-            self._check(G_nd, gbar_d, bad_rows)
-        except BaseException:
-            self.simulated.discard()
-            raise
+        pool_pre, val_pre = _split_preconditioners(preconditioners, self.precondition)
+        chunk = self._resolve_chunk(auto_chunk_size)
+        while True:
+            bad_rows: list[torch.Tensor] = []  # per-call tensors; one host sync at the end
+            oom = False
+            try:
+                with scoring_mode(self.model):
+                    G_nd = self._features(
+                        pool_batch, device, step, pool_pre, bad_rows, accumulate=use_sim, chunk=chunk,
+                        precision_context=precision_context,
+                    )
+                    gbar_d = None
+                    if val_batch is not None:
+                        V_nd = self._features(
+                            val_batch, device, step, val_pre, bad_rows, accumulate=False, chunk=chunk,
+                            precision_context=precision_context,
+                        )
+                        gbar_d = V_nd.mean(dim=0)
+                self._check(G_nd, gbar_d, bad_rows)
+                break
+            except BaseException as e:
+                self.simulated.discard()
+                if not (isinstance(e, Exception) and is_out_of_memory(e)) or self._attempt_rows <= 1:
+                    raise
+                oom = True
+            if oom:
+                # Outside the except block, so the failed attempt's frames (and their tensors) are freed.
+                chunk = self._halve_chunk(chunk)
+        self.chunk_size_in_use = chunk
         if use_sim:
             self.simulated.commit()
         G_nd = G_nd.float()
@@ -266,14 +319,16 @@ class GradFeatureExtractor:
         device = next(self.model.parameters()).device
         pre = self._adam_preconditioners(optimizer)
         pool_pre, val_pre = _split_preconditioners(pre, self.precondition)
+        chunk = self._resolve_chunk(None)
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         saved = self.proj_dim
         try:
             with scoring_mode(self.model):
                 for width in (saved, 0):
                     self.proj_dim = width
-                    G = self._features(pool_batch, device, step, pool_pre, [], accumulate=False).double()
-                    V = self._features(val_batch, device, step, val_pre, [], accumulate=False).double()
+                    G = self._features(pool_batch, device, step, pool_pre, [], accumulate=False, chunk=chunk)
+                    V = self._features(val_batch, device, step, val_pre, [], accumulate=False, chunk=chunk)
+                    G, V = G.double(), V.double()
                     out.append((G, V.mean(dim=0)))
         finally:
             self.proj_dim = saved
@@ -320,18 +375,24 @@ class GradFeatureExtractor:
         bad_rows: list[torch.Tensor],
         *,
         accumulate: bool,
+        chunk: int,
+        precision_context: Callable[[], AbstractContextManager] | None = None,
     ) -> torch.Tensor:
-        """Normalised, compressed features of one batch, chunk by chunk."""
+        """Normalised, compressed features of one batch, `chunk` examples a forward."""
         n = batch["input_ids"].shape[0]
         if n == 0:
             raise ValueError("a batch passed to GradFeatureExtractor.compute has no rows")
         rows = []
-        for start in range(0, n, self.chunk_size):
-            chunk = {k: v[start : start + self.chunk_size].to(device) for k, v in batch.items() if torch.is_tensor(v)}
-            signals, _ = capture_layer_signals(self.model, chunk, self.targets, self._cut)
+        for start in range(0, n, chunk):
+            part = {k: v[start : start + chunk].to(device) for k, v in batch.items() if torch.is_tensor(v)}
+            self._attempt_rows = int(part["input_ids"].shape[0])
+            signals, _ = capture_layer_signals(self.model, part, self.targets, self._cut, precision_context)
             out_nd = None
             raw_parts = []
             for t, (a_nTI, delta_nTO) in zip(self.targets, signals):
+                # Upcast before any product: under a bf16 autocast the captured inputs and output
+                # gradients are bf16, and the per-example sums over T tokens, the Adam scales, the
+                # FFT and the solver all run in float32 (float64 models keep float64).
                 dtype = torch.promote_types(a_nTI.dtype, torch.float32)
                 a_nTI, delta_nTO = a_nTI.to(dtype), delta_nTO.to(dtype)
                 pre = preconditioners[t.index] if preconditioners is not None else None
@@ -370,6 +431,32 @@ class GradFeatureExtractor:
             P_out_KO = P_out_KO * s_out_O.to(P_out_KO.dtype)
             P_in_JI = P_in_JI * s_in_I.to(P_in_JI.dtype)
         return sketch_layer_grads(a_nTI, delta_nTO, P_out_KO, P_in_JI), None
+
+    def _resolve_chunk(self, auto_chunk_size: int | None) -> int:
+        """Examples per forward: `chunk_size`, or for "auto" the caller's microbatch size; at most the OOM cap."""
+        if auto_chunk_size is not None and not (isinstance(auto_chunk_size, int) and auto_chunk_size >= 1):
+            raise ValueError(f"`auto_chunk_size` must be an int >= 1 (the run's microbatch size), got {auto_chunk_size!r}")
+        if isinstance(self.chunk_size, int):
+            chunk = self.chunk_size
+        else:
+            chunk = auto_chunk_size if auto_chunk_size is not None else DEFAULT_CHUNK_SIZE
+        return min(chunk, self._oom_chunk_cap) if self._oom_chunk_cap is not None else chunk
+
+    def _halve_chunk(self, chunk: int) -> int:
+        """After an out-of-memory error: half the rows that failed, kept as the cap for later calls."""
+        failed = min(chunk, self._attempt_rows)
+        new = max(failed // 2, 1)
+        self._oom_chunk_cap = new
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        log.warning(
+            "out of memory while scoring %d examples a forward: chunk size %d -> %d, retrying the step's "
+            "features (as Composer's auto microbatching halves the microbatch)",
+            failed,
+            failed,
+            new,
+        )
+        return new
 
     def _adam_preconditioners(self, optimizer: torch.optim.Optimizer | None) -> list[tuple[torch.Tensor, ...]] | None:
         """Per target, the Adam scale from the optimizer's v_hat, computed once per call.
@@ -450,6 +537,13 @@ class GradFeatureExtractor:
                 raise FeatureError("the validation mean feature gbar is non-finite")
             if not gbar_nonzero:
                 raise FeatureError("the validation mean feature gbar is all zero (no validation target tokens?)")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an accelerator out-of-memory error, as Composer's auto microbatching recognises them."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MESSAGES)
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
