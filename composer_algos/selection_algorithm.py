@@ -106,8 +106,10 @@ class DataSelection(Algorithm):
         start, end: Fraction of training during which to select (outside, a uniform random
             subset of the same size is trained on, so every step costs the same).
         interval: Select every `interval` batches (random subsets in between).
-        check_consistency: Verify (one all-gather) that every rank selected the same set; global
-            scope only (rejected with `scope: local`, where ranks select different sets by design).
+        check_consistency: Verify (one all-gather of a digest) that every rank assembled the same
+            gathered problem (features, validation feature, domains, budget); the selections are
+            identical by construction, rank 0's being broadcast. Global scope only (rejected with
+            `scope: local`, where ranks select from their own pools by design).
         seed: Seed of the per-step generators (selection and validation draws).
 
     Raises:
@@ -376,6 +378,8 @@ class DataSelection(Algorithm):
         t_gather = time.perf_counter() - t1 if multi else 0.0
         if needs_features:
             self._settle_simulated_adam(multi, failed=problem.fallback is not None)
+        if self.check_consistency and multi:
+            self._check_same_problem(problem)
 
         # Stage 2: solve (falling back to random within capacities when the problem is broken).
         t2 = time.perf_counter()
@@ -393,8 +397,6 @@ class DataSelection(Algorithm):
 
         # Stage 3: redistribute (subset locally, or rebalance the global picks across ranks).
         t3 = time.perf_counter()
-        if self.check_consistency and multi:
-            self._check_same_selection(outcome.result.indices)
         new_batch = redistribute(
             batch, problem, outcome.result, domain_key=self.domain_key, weighted_loss=self.weighted_loss
         )
@@ -475,12 +477,24 @@ class DataSelection(Algorithm):
         frac = float(elapsed.value) if elapsed is not None else 0.0
         return self.start <= frac < self.end and step % self.interval == 0
 
-    def _check_same_selection(self, sel_K: torch.Tensor) -> None:
-        digest = hashlib.sha1(sel_K.cpu().numpy().tobytes()).digest()[:8]
-        mine = torch.tensor([int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF], dtype=torch.int64)
-        all_ = torch.cat(dist.all_gather(mine.to(sel_K.device)))
+    def _check_same_problem(self, problem: Any) -> None:
+        """Verify (one all-gather of a digest) that every rank assembled the same gathered problem.
+
+        The selections are identical by construction (rank 0's are broadcast); what can differ is
+        the problem each rank holds: the gathered features `G`, the validation feature `gbar`, the
+        domains and the budget. A difference there means the ranks' feature passes disagree.
+        """
+        digest = hashlib.sha1(str(problem.kappa).encode())
+        for t in (problem.domain_P, problem.features_PD, problem.gbar_D):
+            digest.update(b"|" if t is None else t.detach().contiguous().cpu().numpy().tobytes())
+        mine = int.from_bytes(digest.digest()[:8], "little") & 0x7FFFFFFFFFFFFFFF
+        all_ = torch.cat(dist.all_gather(torch.tensor([mine], dtype=torch.int64, device=problem.domain_P.device)))
         if not bool((all_ == all_[0]).all()):
-            raise RuntimeError(f"data_selection: ranks selected different sets (hashes {all_.tolist()})")
+            raise RuntimeError(
+                f"data_selection check_consistency: ranks assembled different selection problems (digests of "
+                f"the gathered features, validation feature, domains and budget by rank: {all_.tolist()}); "
+                f"the gathered features should be bit-identical on every rank"
+            )
 
 
 def find_data_selection(state: State) -> DataSelection | None:

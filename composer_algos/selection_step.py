@@ -10,6 +10,7 @@ K = examples selected, C = domains, D = feature dimension, W = world size.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ __all__ = [
     "SelectionProblem",
     "SolveOutcome",
     "assemble_problem",
+    "broadcast_selection",
     "solve_problem",
     "redistribute",
     "record_step",
@@ -162,7 +164,8 @@ def solve_problem(
     `seed`, so every rank solving the same problem draws the same ones. A numerically broken solve
     (a `SelectionNumericsError`, a failed factorisation, a non-finite objective or weights) falls
     back; under global scope a failure on one rank makes every rank fall back. Invalid `options`
-    raise.
+    raise. Under global scope rank 0's result is then broadcast (`broadcast_selection`), so every
+    rank holds the same selection whether or not the replicated solves agree bit for bit.
 
     Args:
         problem: from `assemble_problem`.
@@ -199,7 +202,54 @@ def solve_problem(
         result, _ = _run_strategy(
             spec, strategy, problem, None, None, num_domains, eta, seed, None, fractions
         )
+    if problem.gathered:
+        result = broadcast_selection(result, problem.domain_P, num_domains)
     return SolveOutcome(result, strategy, fallback)
+
+
+def broadcast_selection(result: Any, domain_P: torch.Tensor, num_domains: int) -> Any:
+    """Rank 0's selection on every rank: its indices, weights and objective, in one broadcast.
+
+    Under global scope every rank solves the same gathered problem, but bit-identical solves are
+    not guaranteed (different GPUs, nondeterministic kernels, a reduction order that differs): one
+    pick apart and the ranks would exchange examples by different plans. Broadcasting rank 0's
+    result makes the selection identical by construction. Every rank ran the same strategy (the
+    fallback decision is agreed before), so the number of picks and the presence of weights match;
+    the packet is float64, exact for indices below 2^53 and for float32/float64 weights.
+
+    Args:
+        result: this rank's `SelectionResult` (indices (K,), optional weights (K,) and objective).
+        domain_P: (P,) domain ids of the gathered pool (the domain counts are recomputed from them).
+        num_domains: C.
+
+    Returns:
+        A `SelectionResult` equal to rank 0's on every rank (this rank's `info` is kept).
+    """
+    k = int(result.indices.numel())
+    device = domain_P.device
+    has_weights = result.weights is not None
+    packet = torch.zeros(2 + k * (2 if has_weights else 1), dtype=torch.float64, device=device)
+    packet[0] = float(result.objective) if result.objective is not None else float("nan")
+    packet[1] = 1.0 if result.objective is not None else 0.0
+    packet[2 : 2 + k] = result.indices.to(device=device, dtype=torch.float64)
+    if has_weights:
+        packet[2 + k :] = result.weights.to(device=device, dtype=torch.float64)
+    dist.broadcast(packet, src=0)
+    indices_K = packet[2 : 2 + k].to(dtype=result.indices.dtype, device=result.indices.device)
+    weights_K = None
+    if has_weights:
+        weights_K = packet[2 + k :].to(dtype=result.weights.dtype, device=result.weights.device)
+    objective = None
+    if result.objective is not None and bool(packet[1]):
+        objective = packet[0].to(dtype=result.objective.dtype, device=result.objective.device)
+    counts_C = torch.bincount(domain_P[indices_K.to(device)], minlength=num_domains)
+    return dataclasses.replace(
+        result,
+        indices=indices_K,
+        weights=weights_K,
+        objective=objective,
+        domain_counts=counts_C.to(result.domain_counts.device, result.domain_counts.dtype),
+    )
 
 
 def redistribute(

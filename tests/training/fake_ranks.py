@@ -36,6 +36,7 @@ class ThreadRanks:
         monkeypatch.setattr(dist, "get_global_rank", self.rank)
         monkeypatch.setattr(dist, "all_gather", self.all_gather)
         monkeypatch.setattr(dist, "all_reduce", self.all_reduce)
+        monkeypatch.setattr(dist, "broadcast", self.broadcast)
 
     def rank(self) -> int:
         return getattr(self._local, "rank", 0)
@@ -50,6 +51,9 @@ class ThreadRanks:
         stacked = torch.stack(self.all_gather(tensor))
         ops = {"SUM": lambda x: x.sum(0), "MAX": lambda x: x.amax(0), "MIN": lambda x: x.amin(0)}
         tensor.copy_(ops[reduce_operation.upper()](stacked))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        tensor.copy_(self.all_gather(tensor)[src])
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
         results: list[Any] = [None] * self.world
