@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from composer.core import Algorithm, Event, State
+from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
@@ -94,6 +95,9 @@ class DataSelection(Algorithm):
             dataset's manifest, else `domain_<i>` for each id seen).
         features: Keyword arguments of `GradFeatureExtractor` (target_modules, last_n_blocks,
             include_lm_head, exact_max_numel, sketch_dim, normalization, proj_dim, chunk_size, ...).
+            Scoring runs in the run's precision context (`state.precision`, as the training
+            forward); `chunk_size: auto` (default) scores the run's device microbatch size (at most
+            the examples a rank trains) per forward, halved on an out-of-memory error.
         strategy_options: Extra options per strategy name, e.g. `{partitionsel: {refit: exact,
             refine: swap}}`; only the running strategy's entry is used, so the strategy can be
             switched from the command line without editing the options.
@@ -415,6 +419,8 @@ class DataSelection(Algorithm):
             fallbacks_total=self.fallbacks,
             times_s=(t_feat, t_solve, t_exchange),
         )
+        if needs_features and self.extractor is not None and self.extractor.chunk_size_in_use is not None:
+            metrics["selection/score_chunk_size"] = float(self.extractor.chunk_size_in_use)
         record_step(
             logger,
             method=self.strategy,
@@ -464,13 +470,42 @@ class DataSelection(Algorithm):
                 self._build_validation(state)
             assert self.validation is not None
             val = model_inputs(self.validation.batch_for_step(step), device)
+        precision = getattr(state, "precision", None)
+        context = None
+        if precision is not None:
+            # The training forward's own context (Composer's trainer enters the same around it).
+            precision_config = getattr(state, "precision_config", None)
+
+            def context():
+                return get_precision_context(precision, precision_config)
+
         try:
             feats, gbar = self.extractor.compute(
-                pool, val, step=step, optimizer=state.optimizers[0] if state.optimizers else None
+                pool,
+                val,
+                step=step,
+                optimizer=state.optimizers[0] if state.optimizers else None,
+                precision_context=context,
+                auto_chunk_size=self._auto_chunk_size(state),
             )
             return feats, gbar, None
         except FeatureError as e:
             return None, None, f"unusable gradient features ({e})"
+
+    def _auto_chunk_size(self, state: State) -> int | None:
+        """What `chunk_size: auto` scores per forward: the run's device microbatch, at most kappa.
+
+        `state.device_train_microbatch_size` is the configured microbatch or, under auto
+        microbatching, the size it has settled on (it starts at the loader's batch, the pool); a
+        training microbatch never holds more than the kappa examples a rank trains. Without a
+        microbatch size, kappa (the whole training batch is one microbatch); None when neither is
+        known (the extractor's default then applies).
+        """
+        microbatch = getattr(state, "device_train_microbatch_size", None)
+        if not isinstance(microbatch, (int, float)) or isinstance(microbatch, bool) or microbatch < 1:
+            return self.kappa
+        chunk = int(microbatch)
+        return min(chunk, self.kappa) if self.kappa is not None else chunk
 
     def _is_active(self, state: State, step: int) -> bool:
         elapsed = state.get_elapsed_duration()
