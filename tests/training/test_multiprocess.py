@@ -54,7 +54,11 @@ def test_global_scope_same_selection_on_both_ranks_and_equal_batches(dolma_shard
             "algorithms.data_selection.check_consistency=true")
     r0, r1 = _metrics(run, 0), _metrics(run, 1)
     assert len(r0["selection/selected_hash"]) == 3
+    # Identical by construction (rank 0's selection is broadcast); check_consistency compared the
+    # gathered problems, so the run reaching here means the ranks' features were bit-identical.
     assert r0["selection/selected_hash"] == r1["selection/selected_hash"]
+    # chunk_size auto scores the run's microbatch (default: the 2 examples a rank trains) per forward.
+    assert set(r0["selection/score_chunk_size"].values()) == {2.0} == set(r1["selection/score_chunk_size"].values())
     # global_train_batch_size 4 over 2 ranks: each trains exactly 2 of the 12 pooled candidates.
     assert set(r0["selection/kept_samples"].values()) == {2.0} == set(r1["selection/kept_samples"].values())
     assert (run / "mixture.json").exists()
