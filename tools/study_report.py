@@ -91,7 +91,12 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
             "strategy and PartitionSel variant (regime a, equal steps).",
             "",
         ]
-    lines += ["## What the paired comparisons say", "", *conclusions, ""]
+    if conclusions:
+        lines += ["## What the paired comparisons say", "", *conclusions, ""]
+    # The hand-written reading of the tables lives beside the document, so a re-run keeps it.
+    reading = doc.with_name(f"{stem}_reading.md")
+    if reading.exists():
+        lines += [reading.read_text().strip(), ""]
     doc.write_text("\n".join(lines))
 
 
