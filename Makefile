@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all test-dist lint bench clean
+.PHONY: setup demo test test-all test-dist test-gpu lint bench clean
 
 # Creates .venv/ (reused when present and up to date with pyproject.toml).
 $(STAMP): pyproject.toml
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 test-dist: $(STAMP)
 	$(PY) -m pytest -q -m world_size
+
+# The GPU suite (tests/gpu): skips each test with the reason on a machine without CUDA.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''

@@ -3,6 +3,7 @@
 Example:
     python tools/bench_step.py                  # tiny config, r = 2 and r = 8, about 5 minutes on 2 cores
     python tools/bench_step.py --steps 20 --ratios 2,4,8
+    python tools/bench_step.py --device cuda    # on a GPU, in amp_bf16 as a real run
 
 For each oversampling ratio r, side by side in one run, on the tiny config (yamls/testing/
 tiny_dolma.yaml, kappa 16 sequences of 128 tokens): the median step time of partitionsel, greats,
@@ -10,11 +11,19 @@ random and none (a real Trainer, data loading to optimizer step), the no-grad fo
 and the feature extraction of the pool and validation batch measured alone with the same model.
 Target: partitionsel's step time minus random's is at most 1.15x the feature extraction alone,
 i.e. solving, exchanging and bookkeeping add at most 15% on top of the features.
+
+Memory: the peak the scoring pass (pool and validation features, in the run's precision context
+and chunks of `chunk_size: auto`, the run's microbatch) adds over the trained model, optimizer
+state included, next to the peak of one training microbatch of the same size (forward and
+backward, the outputs held through the backward as Composer's trainer holds them). Target: scoring peak <= training peak. On CUDA torch.cuda.max_memory_allocated; on CPU
+the rise of the peak RSS (VmHWM), with large allocations served by mmap so freed memory leaves
+the RSS (the script re-executes itself with MALLOC_MMAP_THRESHOLD_ set; bench_features.py's method).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -63,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's; 1 is steadier on a busy machine)"
     )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cpu (fp32) or cuda (amp_bf16, the recipes' precision) (default: cpu)",
+    )
     args = parser.parse_args(argv)
     import shard as shard_tool
     import torch
@@ -73,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [float(r) for r in args.ratios.split(",")]
     if args.steps < 5:
         parser.error("--steps must be at least 5 (3 warm-up steps are dropped)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine; use --device cpu")
 
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         root = Path(tmp)
@@ -84,15 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         if rc:
             return rc
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.steps} steps per run\n")
+        where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
+        print(f"torch {torch.__version__}, {args.device} ({where}); {args.steps} steps per run\n")
         rows = []
         for r in ratios:
-            rows.append(bench_ratio(args.yaml, shards, root / f"runs-r{r:g}", r, args.steps, args.repeats))
+            rows.append(
+                bench_ratio(args.yaml, shards, root / f"runs-r{r:g}", r, args.steps, args.repeats, args.device)
+            )
         print_table(rows)
     return 0
 
 
-def bench_ratio(yaml: Path, shards: Path, run_root: Path, r: float, steps: int, repeats: int) -> dict:
+def bench_ratio(yaml: Path, shards: Path, run_root: Path, r: float, steps: int, repeats: int, device: str) -> dict:
     import train
     from composer_algos.selection_algorithm import DataSelection
     from pipeline.config import load_config
@@ -111,6 +129,7 @@ def bench_ratio(yaml: Path, shards: Path, run_root: Path, r: float, steps: int, 
                 "console_log_interval=1000ba",
                 f"algorithms.data_selection.strategy={strategy}",
                 f"algorithms.data_selection.oversampling={r}",
+                *(["device=gpu", "precision=amp_bf16"] if device == "cuda" else ["device=cpu", "precision=fp32"]),
             ],
         )
         trainer = train.build_trainer(cfg)
@@ -121,6 +140,7 @@ def bench_ratio(yaml: Path, shards: Path, run_root: Path, r: float, steps: int, 
         if strategy == "partitionsel":
             algo = next(a for a in trainer.state.algorithms if isinstance(a, DataSelection))
             out.update(standalone(trainer, algo, repeats))
+            out.update(peak_memory(trainer, algo))
         trainer.close()
         print(f"  r={r:g} {strategy:13s} {1000 * out[strategy]:8.1f} ms/step", flush=True)
     return out
@@ -130,25 +150,22 @@ def standalone(trainer, algo: DataSelection, repeats: int) -> dict:
     """Time the pool's no-grad forward and the feature extraction alone, on a real pool batch."""
     import torch
 
-    batch = next(iter(trainer.state.train_dataloader))
-    pool = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
-    assert algo.validation is not None and algo.extractor is not None
-    vb = algo.validation.batch_for_step(0)
-    val = {k: vb[k] for k in ("input_ids", "attention_mask", "labels")}
+    pool, val, context, chunk = _scoring_inputs(trainer, algo)
     hf = trainer.state.model.model
     optimizer = trainer.state.optimizers[0]
+    device = next(hf.parameters()).device
 
     def forward() -> None:
-        with torch.no_grad():
-            hf(input_ids=pool["input_ids"], attention_mask=pool["attention_mask"])
+        with torch.no_grad(), context():
+            hf(input_ids=pool["input_ids"].to(device), attention_mask=pool["attention_mask"].to(device))
 
     def features() -> None:
-        algo.extractor.compute(pool, val, step=1, optimizer=optimizer)
+        algo.extractor.compute(pool, val, step=1, optimizer=optimizer, precision_context=context, auto_chunk_size=chunk)
 
     def feature_path() -> None:  # what the algorithm pays: validation draw + features
         vb2 = algo.validation.batch_for_step(1)
         val2 = {k: vb2[k] for k in ("input_ids", "attention_mask", "labels")}
-        algo.extractor.compute(pool, val2, step=1, optimizer=optimizer)
+        algo.extractor.compute(pool, val2, step=1, optimizer=optimizer, precision_context=context, auto_chunk_size=chunk)
 
     was_training = hf.training
     hf.eval()
@@ -159,12 +176,73 @@ def standalone(trainer, algo: DataSelection, repeats: int) -> dict:
     return out
 
 
+def peak_memory(trainer, algo: DataSelection) -> dict:
+    """Peak bytes added by scoring the pool, and by one training microbatch of the same size (forward + backward)."""
+    from bench_features import _memory_peak, _memory_reset
+
+    pool, val, context, chunk = _scoring_inputs(trainer, algo)
+    hf = trainer.state.model.model
+    device = next(hf.parameters()).device
+    optimizer = trainer.state.optimizers[0]
+    for p in hf.parameters():
+        p.grad = None  # gradients are part of the training peak, not of the baseline
+
+    base = _memory_reset(device)
+    algo.extractor.compute(pool, val, step=1, optimizer=optimizer, precision_context=context, auto_chunk_size=chunk)
+    _sync(device)
+    score = _memory_peak(device) - base
+
+    micro = {k: v[:chunk].to(device) for k, v in pool.items()}
+    was_training = hf.training
+    hf.train()
+    base = _memory_reset(device)
+    with context():
+        # Held through the backward, as Composer's trainer holds state.outputs (logits included).
+        outputs = hf(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], labels=micro["labels"])
+    outputs.loss.backward()
+    del outputs
+    _sync(device)
+    train_peak = _memory_peak(device) - base
+    hf.train(was_training)
+    for p in hf.parameters():
+        p.grad = None
+    return {"microbatch": chunk, "score_peak": score, "train_peak": train_peak}
+
+
+def _scoring_inputs(trainer, algo: DataSelection):
+    """A real pool and validation batch, the run's precision context and the scoring chunk (as the algorithm uses them)."""
+    from composer.core.precision import get_precision_context
+
+    batch = next(iter(trainer.state.train_dataloader))
+    pool = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    assert algo.validation is not None and algo.extractor is not None
+    vb = algo.validation.batch_for_step(0)
+    val = {k: vb[k] for k in ("input_ids", "attention_mask", "labels")}
+    state = trainer.state
+
+    def context():
+        return get_precision_context(state.precision, state.precision_config)
+
+    return pool, val, context, algo._auto_chunk_size(state)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _median(fn, repeats: int) -> float:
+    import torch
+
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -186,7 +264,20 @@ def print_table(rows: list[dict]) -> None:
     worst = max((r["partitionsel"] - r["random"]) / r["features"] for r in rows)
     verdict = "PASS" if worst <= 1.15 else "FAIL"
     print(f"\ntarget (partitionsel - random) <= 1.15 x features alone: worst {worst:.3f} -> {verdict}")
+    print("\npeak memory added over the trained model (scoring: pool + validation features, chunks of the microbatch):")
+    for row in rows:
+        ratio = row["score_peak"] / max(row["train_peak"], 1)
+        print(
+            f"  r={row['r']:g} microbatch {row['microbatch']}: scoring {row['score_peak'] / 2**20:.1f} MB, "
+            f"training step {row['train_peak'] / 2**20:.1f} MB, scoring/training {ratio:.2f} "
+            f"(target <= 1) -> {'PASS' if ratio <= 1 else 'FAIL'}"
+        )
 
 
 if __name__ == "__main__":
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        # glibc keeps freed heap memory for reuse; serving every allocation above 64 KiB by mmap
+        # makes the RSS track live tensors, so the CPU peak-memory line measures something.
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
     raise SystemExit(main())

@@ -139,6 +139,9 @@ def capture_layer_signals(
             with (precision_context or nullcontext)():
                 out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
                 losses_n = per_example_losses(out.logits, labels)
+            # The loss's backward needs its own saved tensors, not the logits: dropping them here
+            # keeps the n x T x V logits out of the backward's peak.
+            del out
             if not status["fired"]:
                 raise ValueError(f"the cut module {type(cut_module).__name__} did not run in the forward")
             missing = [t.name for t in targets if not records[t.index]]

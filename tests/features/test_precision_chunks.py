@@ -154,3 +154,26 @@ def test_chunk_size_option_accepts_auto_or_a_positive_int():
     assert "`chunk_size` must be 'auto' or an int >= 1, got 'big'" in msg
     (msg,) = feature_option_problems(chunk_size=0, **base)
     assert "got 0" in msg
+
+
+def test_logits_are_freed_before_the_backward(monkeypatch):
+    # The n x T x V logits are the largest tensor of the scoring pass; the loss's backward does not
+    # need them, so they must be gone when it runs (the scoring peak then stays under a training
+    # microbatch's, which keeps Composer's state.outputs through its backward).
+    import weakref
+
+    import composer_algos.features.capture as capture_module
+
+    model = tiny_llama(seed=14)
+    logits_refs: list[weakref.ref] = []
+    model.lm_head.register_forward_hook(lambda m, a, out: logits_refs.append(weakref.ref(out)))
+    alive_at_backward: list[bool] = []
+    real_grad = torch.autograd.grad
+
+    def spy(*args, **kwargs):
+        alive_at_backward.append(logits_refs[-1]() is not None)
+        return real_grad(*args, **kwargs)
+
+    monkeypatch.setattr(capture_module.torch.autograd, "grad", spy)
+    GradFeatureExtractor(model, **OPTIONS).compute(make_batch(n=3, seed=15))
+    assert alive_at_backward == [False]

@@ -1,4 +1,7 @@
-"""CUDA parity of every strategy with the CPU result (deselected by default; run with -m gpu)."""
+"""CUDA parity of every strategy with the CPU result (deselected by default; run with -m gpu).
+
+The `cuda` fixture (tests/gpu/conftest.py) skips with the reason on a machine without CUDA.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +16,15 @@ pytestmark = pytest.mark.gpu
 NAMES = ["partitionsel", "greats", "id", "iwd", "gradnorm", "colm"]
 
 
-@pytest.fixture(scope="module")
-def cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    return torch.device("cuda")
-
-
 @pytest.mark.parametrize(
     "options",
-    [{}, {"refine": "swap"}, {"refit": "apga"}, {"refit": "apga_pool"}, {"gram_rows": "lazy", "refine": "swap"}],
+    [
+        {},
+        {"refine": "swap"},
+        {"refit": "apga"},
+        {"refit": "apga_pool"},
+        {"gram_rows": "lazy", "refine": "swap"},
+    ],
 )
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_matches_cpu(cuda, name, options):
@@ -31,7 +33,9 @@ def test_cuda_matches_cpu(cuda, name, options):
     features, val_feature, dom = make_instance(3, 300, dim=64, num_domains=5)
     kw = dict(num_domains=5, kappa=60, eta=0.3, generator=None, **options)
     cpu = STRATEGIES[name].fn(features=features, val_feature=val_feature, domain_ids=dom, **kw)
-    gpu = STRATEGIES[name].fn(features=features.to(cuda), val_feature=val_feature.to(cuda), domain_ids=dom.to(cuda), **kw)
+    gpu = STRATEGIES[name].fn(
+        features=features.to(cuda), val_feature=val_feature.to(cuda), domain_ids=dom.to(cuda), **kw
+    )
     assert gpu.indices.device.type == "cuda"
     assert gpu.indices.cpu().tolist() == cpu.indices.tolist()
     if cpu.objective is not None:
