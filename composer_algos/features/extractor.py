@@ -19,11 +19,19 @@ from composer_algos.features.normalize import (
     exact_adam_scale,
     factored_adam_scales,
     optimizer_second_moments,
+    sharded_adam_scales,
     unit_rows,
 )
 from composer_algos.features.projection import FJLTPlan, apply_fjlt, make_fjlt_plan
 from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
-from composer_algos.features.targets import TargetLayer, choose_cut_module, resolve_targets, unwrap_model
+from composer_algos.features.targets import (
+    TargetLayer,
+    choose_cut_module,
+    forward_module,
+    fsdp_param_shards,
+    resolve_targets,
+    unwrap_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +190,10 @@ class GradFeatureExtractor:
         k_out, k_in = (sketch_dim, sketch_dim) if isinstance(sketch_dim, int) else tuple(sketch_dim)
 
         self.model = unwrap_model(model)
+        # Under FSDP the forward goes through the outermost FSDP wrapper (it gathers the shards) and the
+        # Adam state of the targets is read from every rank's shard (docs/features.md, "FSDP").
+        self._forward_model = forward_module(model)
+        self._shards = fsdp_param_shards(self._forward_model)
         self.targets: list[TargetLayer] = resolve_targets(
             self.model,
             target_modules=target_modules,
@@ -388,7 +400,7 @@ class GradFeatureExtractor:
         for start in range(0, n, chunk):
             part = {k: v[start : start + chunk].to(device) for k, v in batch.items() if torch.is_tensor(v)}
             self._attempt_rows = int(part["input_ids"].shape[0])
-            signals, _ = capture_layer_signals(self.model, part, self.targets, self._cut, precision_context)
+            signals, _ = capture_layer_signals(self._forward_model, part, self.targets, self._cut, precision_context)
             out_nd = None
             raw_parts = []
             for t, (a_nTI, delta_nTO) in zip(self.targets, signals):
@@ -469,8 +481,18 @@ class GradFeatureExtractor:
         if self.normalization != "adam_optimizer":
             self.normalization_in_use = self.normalization
             return None
-        v_hats = [optimizer_second_moments(optimizer, t.params) for t in self.targets]
-        if any(v is None for v in v_hats):
+        if self._shards is not None:
+            layers = [(t.params, t.d_out, t.d_in, t.sketched) for t in self.targets]
+            pre = sharded_adam_scales(optimizer, layers, self._shards, self.adam_eps, torch.distributed.all_reduce)
+        else:
+            v_hats = [optimizer_second_moments(optimizer, t.params) for t in self.targets]
+            pre = None
+            if all(v is not None for v in v_hats):
+                pre = [
+                    factored_adam_scales(v, self.adam_eps) if t.sketched else (exact_adam_scale(v, self.adam_eps),)
+                    for t, v in zip(self.targets, v_hats)  # type: ignore[arg-type]
+                ]
+        if pre is None:
             if self.normalization_in_use != "none":
                 log.warning(
                     "adam_optimizer normalisation: the optimizer has no second moment for the target "
@@ -479,10 +501,7 @@ class GradFeatureExtractor:
             self.normalization_in_use = "none"
             return None
         self.normalization_in_use = f"adam_optimizer/{self.precondition}"
-        return [
-            factored_adam_scales(v, self.adam_eps) if t.sketched else (exact_adam_scale(v, self.adam_eps),)
-            for t, v in zip(self.targets, v_hats)  # type: ignore[arg-type]
-        ]
+        return pre
 
     def _sketch(self, t: TargetLayer, device: torch.device, dtype: torch.dtype, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's (cached) sketch projections."""

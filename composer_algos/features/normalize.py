@@ -6,9 +6,11 @@ Shapes: n rows, D features of one layer, O = d_out, I = d_in (I+1 with a bias co
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
+
+from composer_algos.features.targets import ParamShard
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +19,7 @@ __all__ = [
     "optimizer_second_moments",
     "exact_adam_scale",
     "factored_adam_scales",
+    "sharded_adam_scales",
     "SimulatedAdam",
     "unit_rows",
 ]
@@ -92,9 +95,145 @@ def factored_adam_scales(v_hats: Sequence[torch.Tensor], eps: float) -> tuple[to
     if len(v_hats) > 1:
         v_OI = torch.cat([v_OI, v_hats[1].reshape(-1, 1)], dim=1)
     v_OI = v_OI.float() if v_OI.dtype in (torch.float16, torch.bfloat16) else v_OI
-    root_mean = v_OI.mean().clamp_min(torch.finfo(v_OI.dtype).tiny).sqrt()
-    A_O = (v_OI.mean(dim=1) / root_mean).sqrt()
-    B_I = (v_OI.mean(dim=0) / root_mean).sqrt()
+    return _factored_scales(v_OI.mean(dim=1), v_OI.mean(dim=0), v_OI.mean(), eps)
+
+
+def sharded_adam_scales(
+    optimizer: torch.optim.Optimizer | None,
+    layers: Sequence[tuple[Sequence[torch.nn.Parameter], int, int, bool]],
+    shards: Mapping[int, ParamShard],
+    eps: float,
+    all_reduce_sum: Callable[[torch.Tensor], None],
+) -> list[tuple[torch.Tensor, ...]] | None:
+    """The Adam preconditioners of the target layers when FSDP shards their optimizer state (one collective).
+
+    Under FSDP each rank's optimizer holds `exp_avg_sq` only for its 1-D slice of every parameter (see
+    `targets.ParamShard`). Every rank writes what it holds into one float64 buffer and a single
+    all-reduce (sum) completes it on every rank:
+
+    - an exact layer (small: `d_out * d_in <= exact_max_numel`) contributes its slice of the whole
+      flattened `v_hat` (weight, then bias), from which `exact_adam_scale` is taken;
+    - a sketched layer contributes only the row and column sums of its slice of `v_hat` (O + I[+1]
+      numbers): the rank-one fit of `factored_adam_scales` needs only the row means, the column means
+      and the overall mean, which are sums over the shards. The large target matrices are never gathered.
+
+    Each parameter also adds the count of elements this rank covers and a flag when it holds a nonempty
+    slice without optimizer state. Under HYBRID_SHARD (or NO_SHARD) every element is held by R replicas
+    and all of them contribute; dividing by R (count / numel) gives the same `v_hat` as one shard group.
+    The result is the same on every rank, and matches the unsharded `optimizer_second_moments` +
+    `exact_adam_scale` / `factored_adam_scales` to float tolerance.
+
+    Args:
+        optimizer: the training optimizer (its state holds the local slices), or None.
+        layers: per target, `(params, d_out, d_in, sketched)`; params are weight then optional bias.
+        shards: `id(param) -> ParamShard`, from `targets.fsdp_param_shards`.
+        eps: Adam's epsilon.
+        all_reduce_sum: sums a tensor in place across all ranks (a collective: call on every rank).
+
+    Returns:
+        Per target `(scale_D,)` (exact) or `(s_out_O, s_in_I)` (sketched), float32, or None on every rank
+        when some rank lacks the second moment of a slice it holds (step 0, a frozen parameter): the
+        caller then uses no normalisation for this call, as in the unsharded case.
+
+    Raises:
+        ValueError: when a target parameter is not FSDP-managed, or the gathered coverage is not a
+            whole number of copies of every parameter.
+    """
+    state_of = optimizer.state if optimizer is not None else {}
+    beta2_of = (
+        {id(p): g.get("betas", (0.9, 0.999))[1] for g in optimizer.param_groups for p in g["params"]}
+        if optimizer is not None
+        else {}
+    )
+    parts: list[torch.Tensor] = []
+    device = None
+    for params, d_out, d_in, sketched in layers:
+        cols = d_in + (len(params) > 1)
+        payload = torch.zeros(d_out + cols if sketched else d_out * cols, dtype=torch.float64)
+        meta = torch.zeros(2 * len(params), dtype=torch.float64)  # per param: covered elements, missing flag
+        for k, p in enumerate(params):
+            if id(p) not in shards:
+                raise ValueError(
+                    f"target parameter of shape {tuple(p.shape)} is not managed by FSDP while other parameters "
+                    f"are; wrap the whole model (Composer's parallelism_config.fsdp does)"
+                )
+            shard = shards[id(p)]
+            if shard.end <= shard.start:
+                continue
+            device = p.device
+            st = state_of.get(p)
+            if not st or "exp_avg_sq" not in st or id(p) not in beta2_of:
+                meta[2 * k + 1] = 1.0
+                continue
+            v_hat = (st["exp_avg_sq"].reshape(-1).double() / (1.0 - beta2_of[id(p)] ** st.get("step", 1))).cpu()
+            if v_hat.numel() != shard.end - shard.start:
+                raise ValueError(
+                    f"optimizer state of a target parameter holds {v_hat.numel()} elements, but this rank's FSDP "
+                    f"shard of it spans {shard.end - shard.start}; the optimizer must be built on the FSDP model"
+                )
+            meta[2 * k] = float(v_hat.numel())
+            flat_idx = torch.arange(shard.start, shard.end)
+            # Weight element e is (row e // d_in, column e % d_in); bias element e is (row e, column d_in).
+            rows, col = (flat_idx // d_in, flat_idx % d_in) if k == 0 else (flat_idx, torch.full_like(flat_idx, d_in))
+            if sketched:
+                payload.index_add_(0, rows, v_hat)
+                payload.index_add_(0, d_out + col, v_hat)
+            else:
+                payload.index_add_(0, rows * cols + col, v_hat)
+        parts += [payload, meta]
+    flat = torch.cat(parts)
+    if device is not None and device.type != "cpu":
+        flat = flat.to(device)
+    all_reduce_sum(flat)
+    flat = flat.cpu()
+
+    out: list[tuple[torch.Tensor, ...]] = []
+    offset = 0
+    missing = False
+    for params, d_out, d_in, sketched in layers:
+        cols = d_in + (len(params) > 1)
+        width = d_out + cols if sketched else d_out * cols
+        payload = flat[offset : offset + width]
+        meta = flat[offset + width : offset + width + 2 * len(params)]
+        offset += width + 2 * len(params)
+        copies = []
+        for k, p in enumerate(params):
+            covered, flagged = float(meta[2 * k]), float(meta[2 * k + 1])
+            numel = shards[id(p)].numel
+            missing = missing or flagged > 0 or covered == 0
+            if covered and covered % numel:
+                raise ValueError(
+                    f"FSDP shards of a target parameter ({numel} elements) cover {int(covered)} elements over all "
+                    f"ranks, not a whole number of copies"
+                )
+            copies.append(covered / numel)
+        if missing:
+            continue
+        replicas = copies[0]
+        target_device = params[0].device
+        if sketched:
+            row_sum_O, col_sum_I = payload[:d_out] / replicas, payload[d_out:] / replicas
+            total = row_sum_O.sum()
+            scales = _factored_scales(
+                (row_sum_O / cols).float(), (col_sum_I / d_out).float(), (total / (d_out * cols)).float(), eps
+            )
+            out.append(tuple(s.to(target_device) for s in scales))
+        else:
+            v_OI = (payload / replicas).float().reshape(d_out, cols)
+            v_hats = [v_OI[:, :d_in]] + ([v_OI[:, d_in]] if len(params) > 1 else [])
+            out.append((exact_adam_scale(v_hats, eps).to(target_device),))
+    if missing:
+        return None
+    return out
+
+
+def _factored_scales(
+    row_mean_O: torch.Tensor, col_mean_I: torch.Tensor, mean: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`factored_adam_scales` from the row means, column means and overall mean of `v`."""
+    root_mean = mean.clamp_min(torch.finfo(mean.dtype).tiny).sqrt()
+    A_O = (row_mean_O / root_mean).sqrt()
+    B_I = (col_mean_I / root_mean).sqrt()
     floor = eps**0.5
     s_out_O = (A_O + eps / (2 * B_I.mean().clamp_min(floor))).reciprocal()
     s_in_I = (B_I + eps / (2 * A_O.mean().clamp_min(floor))).reciprocal()

@@ -12,7 +12,10 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "TargetLayer",
+    "ParamShard",
     "unwrap_model",
+    "forward_module",
+    "fsdp_param_shards",
     "find_blocks",
     "resolve_targets",
     "choose_cut_module",
@@ -25,12 +28,13 @@ class TargetLayer:
     """One linear layer whose per-example gradient becomes part of the feature.
 
     Attributes:
-        name: the module's name in `model.named_modules()` (of the unwrapped model).
+        name: the module's name in `model.named_modules()` (of the unwrapped model), FSDP's and
+            activation checkpointing's wrapper prefixes removed, so it is the same with and without FSDP.
         module: the `nn.Linear` itself.
         index: position in the target list; folded into every random seed of this layer.
         block: index of the transformer block holding it, or None (e.g. `lm_head`).
-        d_out: output features.
-        d_in: input features.
+        d_out: output features (`out_features`, the unsharded shape also under FSDP).
+        d_in: input features (`in_features`).
         has_bias: whether the layer's bias is part of the feature.
         sketched: True when `d_out * d_in` exceeds the exact threshold, so the gradient is sketched.
     """
@@ -65,34 +69,106 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+@dataclass(frozen=True)
+class ParamShard:
+    """The part of a parameter this rank holds under FSDP (FSDP1, `use_orig_params=True`).
+
+    Attributes:
+        numel: elements of the whole (unsharded) parameter.
+        start: first element of this rank's slice of the flattened parameter.
+        end: one past its last element (`start == end`: this rank holds none of it).
+    """
+
+    numel: int
+    start: int
+    end: int
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Return the transformers / peft model inside Composer's `HuggingFaceModel` (or `model` itself).
 
     Args:
         model: a `PreTrainedModel`, a peft `PeftModel`, or a wrapper exposing one as `.model`
-            (Composer's `HuggingFaceModel`), possibly inside `DistributedDataParallel`.
+            (Composer's `HuggingFaceModel`), possibly inside `DistributedDataParallel`, and possibly
+            wrapped by FSDP (`FullyShardedDataParallel`, as Composer's `parallelism_config.fsdp` does).
 
     Returns:
-        The model whose `forward(input_ids=..., attention_mask=...)` returns `.logits`.
+        The model whose `forward(input_ids=..., attention_mask=...)` returns `.logits`, FSDP's wrapper
+        removed: use it to find modules, and call `forward_module(model)` instead.
 
     Raises:
         TypeError: when no transformers or peft model can be found.
     """
-    from transformers import PreTrainedModel
+    return _unwrap(model)[1]
 
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        # Score through the wrapped module: no parameter gradient is produced, so DDP's reducer must
-        # not see this forward.
-        model = model.module
-    if isinstance(model, PreTrainedModel) or is_peft_model(model):
-        return model
-    inner = getattr(model, "model", None)
-    if isinstance(inner, nn.Module) and (isinstance(inner, PreTrainedModel) or is_peft_model(inner)):
-        return inner
-    raise TypeError(
-        f"`model` must be a transformers PreTrainedModel, a peft PeftModel, or a wrapper with one as "
-        f"`.model` (Composer's HuggingFaceModel), got {type(model).__name__}"
-    )
+
+def forward_module(model: nn.Module) -> nn.Module:
+    """The module to call for a forward of `unwrap_model(model)`.
+
+    Under FSDP this is the outermost `FullyShardedDataParallel` around the transformers model: its
+    forward all-gathers the sharded parameters (unit by unit) and its hooks gather them again for the
+    backward; calling the inner module would see this rank's flat shards. Otherwise it is the
+    unwrapped model itself (DDP's wrapper is skipped: no parameter gradient is produced, so DDP's
+    reducer must not see this forward).
+
+    Args:
+        model: as for `unwrap_model`.
+
+    Raises:
+        TypeError: when no transformers or peft model can be found.
+    """
+    return _unwrap(model)[0]
+
+
+def fsdp_param_shards(model: nn.Module) -> dict[int, ParamShard] | None:
+    """Where each FSDP-sharded parameter's local slice lies, by `id(param)`; None when nothing is sharded.
+
+    Reads FSDP1's flat-parameter metadata (`_shard_param_infos`; torch 2.7), which records, for every
+    original parameter, the range of its flattened elements this rank's shard holds. The optimizer's
+    state of such a parameter (e.g. Adam's `exp_avg_sq`) is that 1-D slice.
+
+    Args:
+        model: anything holding the FSDP modules (e.g. `forward_module(model)`).
+
+    Raises:
+        ValueError: for FSDP with `use_orig_params=False` (the target layers' parameters are then not
+            the optimizer's; Composer's default is True), and for units that do not shard (NO_SHARD, or
+            a shard group of one rank, e.g. HYBRID_SHARD with one GPU per node).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrappers = FullyShardedDataParallel.fsdp_modules(model)
+    if not wrappers:
+        return None
+    shards: dict[int, ParamShard] = {}
+    for wrapper in wrappers:
+        handle = getattr(wrapper, "_handle", None)
+        if handle is None:  # a unit without parameters of its own
+            continue
+        if not handle.uses_sharded_strategy or handle.world_size == 1:
+            # Measured (torch 2.7, CPU/gloo): after the truncated backward (gradients of layer outputs
+            # only, so FSDP's per-parameter post-backward hooks never run) such a unit is left with
+            # full-shape parameters and the next forward fails ("Cannot writeback when the parameter
+            # shape changes"); its target parameters are also not the optimizer's.
+            raise ValueError(
+                f"gradient features do not support FSDP units that do not shard (sharding strategy "
+                f"{handle._sharding_strategy.name} over a shard group of {handle.world_size} rank(s), in "
+                f"{type(wrapper.module).__name__}); use FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD with more than "
+                f"one rank per shard group, or DDP (no parallelism_config.fsdp), which is equivalent"
+            )
+        flat = handle.flat_param
+        if not getattr(handle, "_use_orig_params", False) or flat._params is None:
+            raise ValueError(
+                "gradient features under FSDP need `use_orig_params: true` (Composer's default) in "
+                f"parallelism_config.fsdp, got use_orig_params=False for the unit {type(wrapper.module).__name__}"
+            )
+        for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes):
+            numel = shape.numel()
+            if info.in_shard:
+                shards[id(param)] = ParamShard(numel, info.intra_param_start_idx, info.intra_param_end_idx + 1)
+            else:
+                shards[id(param)] = ParamShard(numel, 0, 0)
+    return shards
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -154,6 +230,7 @@ def resolve_targets(
             message lists the candidates).
     """
     block_prefix, blocks = find_blocks(model)
+    block_prefix = _clean_name(block_prefix)
     n_blocks = len(blocks)
     if not isinstance(last_n_blocks, int) or not 0 <= last_n_blocks <= n_blocks:
         raise ValueError(
@@ -174,6 +251,7 @@ def resolve_targets(
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
+        name = _clean_name(name)
         block = _block_index(name, block_prefix)
         if block is not None and block >= first_block:
             candidates.append((name, mod, block))
@@ -205,7 +283,8 @@ def resolve_targets(
 
     targets = []
     for i, (name, mod, block) in enumerate(chosen):
-        d_out, d_in = mod.weight.shape
+        # in/out_features, not weight.shape: under FSDP the weight is this rank's 1-D flat shard.
+        d_out, d_in = mod.out_features, mod.in_features
         has_bias = mod.bias is not None
         targets.append(
             TargetLayer(
@@ -239,6 +318,38 @@ def choose_cut_module(model: nn.Module, targets: list[TargetLayer]) -> nn.Module
         return blocks[min(in_blocks)]
     # Only modules above the blocks (lm_head): cut right at the first of them.
     return targets[0].module
+
+
+def _unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(the module to call, the transformers/peft model inside it); see `unwrap_model` and `forward_module`."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    for candidate in (model, getattr(model, "model", None)):
+        if not isinstance(candidate, nn.Module):
+            continue
+        inner = _strip_fsdp(candidate)
+        if isinstance(inner, PreTrainedModel) or is_peft_model(inner):
+            return candidate, inner
+    raise TypeError(
+        f"`model` must be a transformers PreTrainedModel, a peft PeftModel, or a wrapper with one as "
+        f"`.model` (Composer's HuggingFaceModel), got {type(model).__name__}"
+    )
+
+
+def _strip_fsdp(module: nn.Module) -> nn.Module:
+    """The module inside any FSDP1 wrappers (FSDP2's `fully_shard` adds none)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    while isinstance(module, FullyShardedDataParallel):
+        module = module.module
+    return module
+
+
+def _clean_name(name: str) -> str:
+    """A module name without FSDP's and activation checkpointing's wrapper prefixes (as torch's `clean_tensor_name`)."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def _block_index(name: str, block_prefix: str) -> int | None:
