@@ -201,7 +201,8 @@ def sharded_adam_scales(
             covered, flagged = float(meta[2 * k]), float(meta[2 * k + 1])
             numel = shards[id(p)].numel
             missing = missing or flagged > 0 or covered == 0
-            if covered and covered % numel:
+            # A rank without state leaves its slice uncovered: the count is then checked no further.
+            if not missing and covered % numel:
                 raise ValueError(
                     f"FSDP shards of a target parameter ({numel} elements) cover {int(covered)} elements over all "
                     f"ranks, not a whole number of copies"
