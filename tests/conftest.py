@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 
 import pytest
 
@@ -27,9 +28,11 @@ def _release_leaked_streaming_shm():
     from streaming.base.shared.memory import SharedMemory
 
     gc.collect()
-    for obj in gc.get_objects():
-        if isinstance(obj, SharedMemory):
-            try:
-                obj.cleanup()
-            except Exception:  # already closed or unlinked by its owner
-                pass
+    with warnings.catch_warnings():  # isinstance() touches deprecated attributes of lazy modules
+        warnings.simplefilter("ignore")
+        leaked = [obj for obj in gc.get_objects() if isinstance(obj, SharedMemory)]
+    for obj in leaked:
+        try:
+            obj.cleanup()
+        except Exception:  # already closed or unlinked by its owner
+            pass
