@@ -275,7 +275,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+    # --help answers here, before the re-exec below (which would replace the calling process).
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and not {"-h", "--help"} & set(sys.argv[1:]):
         # glibc keeps freed heap memory for reuse; serving every allocation above 64 KiB by mmap
         # makes the RSS track live tensors, so the CPU peak-memory line measures something.
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
