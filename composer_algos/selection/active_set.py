@@ -205,6 +205,10 @@ class ActiveSetState:
         viol_f = flags[3] if self.num_inactive > 0 else 0.0
         if g_f > self.grad_tol_f and schur_f < self.promote_tol * self.diag_host[j] and not self.promoted:
             self._promote()
+            if not new:
+                # j was already selected (a KKT re-entry): the exact float64 refit over S has just
+                # decided its weight, so entering it again would give one element two slots.
+                return j, True
             return self._enter(j1, None, new=new)
         if new:
             self.sel.append(j)

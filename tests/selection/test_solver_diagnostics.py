@@ -106,3 +106,22 @@ def test_well_conditioned_objective_does_not_warn(caplog, monkeypatch):
     res = _run(feats, gbar, dom, 4, 1.0)
     assert float(res.info["ridge_share"]) < 1e-3
     assert not [r for r in caplog.records if "ridge-dominated" in r.getMessage()]
+
+
+def test_kkt_reentry_that_promotes_to_float64_does_not_enter_an_element_twice():
+    """Regression: a re-entry that triggered the float64 promotion re-entered an element the exact
+    refit had just made active, giving it two slots (KeyError in _free_slot later; found at
+    n=8192, kappa=4096 by tools/bench_scaling.py, reproduced here with picks beyond the rank)."""
+    from composer_algos.selection import select_partitionsel
+
+    g = torch.Generator().manual_seed(33)
+    n, D = 256, 16
+    G = torch.randn(n, D, generator=g)
+    gbar = torch.randn(D, generator=g)
+    dom = torch.randint(0, 4, (n,), generator=g)
+    for kappa in (64, 128):
+        res = select_partitionsel(
+            features=G, val_feature=gbar, domain_ids=dom, num_domains=4, kappa=kappa, eta=1e-3, generator=g
+        )
+        assert res.indices.numel() == kappa and res.indices.unique().numel() == kappa
+        assert torch.isfinite(res.weights).all() and (res.weights >= 0).all()
