@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from composer_algos.experiment_stats import paired_summary
 from composer_algos.features import GradFeatureExtractor, per_example_losses, spearman, unwrap_model
 from composer_algos.selection import STRATEGIES, compute_capacities, select_random_stratified
 
@@ -245,13 +246,12 @@ def run_lookahead(
     return result
 
 
-def summarize(result: LookaheadResult, t_quantile: Callable[[int], float]) -> dict[str, Any]:
+def summarize(result: LookaheadResult) -> dict[str, Any]:
     """Per arm and (step, set): mean of (arm drop - mean random drop) over pools with a 95% interval,
     the fraction of pools where the arm beats the random median, and the mean random spread (std).
 
     Args:
         result: from `run_lookahead`.
-        t_quantile: the 0.975 quantile of Student's t by degrees of freedom.
     """
     out: dict[str, Any] = {"arms": {}, "guide_eval_cosine": result.guide_eval_cosine}
     for arm, drops in result.drops.items():
@@ -260,8 +260,9 @@ def summarize(result: LookaheadResult, t_quantile: Callable[[int], float]) -> di
             rand = result.random_drops[key]
             diffs = [v - sum(r) / len(r) for v, r in zip(values, rand)]
             wins = [v > _median(r) for v, r in zip(values, rand)]
-            spread = [_std(r) for r in rand]
-            mean, half = _mean_interval(diffs, t_quantile)
+            spread = [paired_summary(r)["std"] for r in rand]
+            stats = paired_summary(diffs)
+            mean, half = stats["mean"], (stats["ci_high"] - stats["ci_low"]) / 2
             row[f"{key[0]}/{key[1]}"] = {
                 "diff_mean": mean,
                 "diff_ci95": half,
@@ -431,18 +432,3 @@ def _median(values: Sequence[float]) -> float:
     s = sorted(values)
     m = len(s) // 2
     return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
-
-
-def _std(values: Sequence[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    mu = sum(values) / len(values)
-    return math.sqrt(sum((v - mu) ** 2 for v in values) / (len(values) - 1))
-
-
-def _mean_interval(values: Sequence[float], t_quantile: Callable[[int], float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t interval (nan half-width for a single value)."""
-    mu = sum(values) / len(values)
-    if len(values) < 2:
-        return mu, float("nan")
-    return mu, t_quantile(len(values) - 1) * _std(values) / math.sqrt(len(values))

@@ -105,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from composer_algos.experiment_stats import t_quantile_975
     from composer_algos.lookahead import ORACLES, Arm, format_summary, run_lookahead, summarize
     from composer_algos.selection import STRATEGIES
     from pipeline.config import load_config
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=lambda _: bar.update(1),
     )
     bar.close()
-    summary = summarize(result, t_quantile_975)
+    summary = summarize(result)
     summary["settings"] = {k: v for k, v in vars(args).items() if k != "overrides"} | {
         "overrides": args.overrides,
         "lr": float(optimizer.param_groups[0]["lr"]),

@@ -193,34 +193,18 @@ def main(argv: list[str] | None = None) -> int:
         "random",
     ]
     if "main" in parts:
-        _run(
-            experiment
-            + [
-                "--strategies",
-                STRATEGIES,
-                "--steps",
-                str(steps),
-                "--log-selected-ids",
-                "--out",
-                str(out / "main_scratch"),
-            ]
-        )
-        _run(
-            experiment
-            + [
-                "--strategies",
-                STRATEGIES,
-                "--steps",
-                str(steps),
-                "--log-selected-ids",
-                "--out",
-                str(out / "main_finetune"),
-                "--",
+        # Regime (a) from scratch; regime (b) fine-tunes the base trained on another mixture.
+        regimes = {
+            "main_scratch": [],
+            "main_finetune": [
                 f"load_path={base_b / 'latest-rank0.pt'}",
                 "load_weights_only=true",
                 "optimizer.lr=5.0e-4",
-            ]
-        )
+            ],
+        }
+        for name, overrides in regimes.items():
+            cmd = experiment + ["--strategies", STRATEGIES, "--steps", str(steps), "--log-selected-ids"]
+            _run(cmd + ["--out", str(out / name)] + (["--", *overrides] if overrides else []))
     if "wallclock" in parts:
         budget = args.budget_seconds or _median_train_seconds(out / "main_scratch", "random", args.seeds)
         _run(

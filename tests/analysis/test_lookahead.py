@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_algos.experiment_stats import t_quantile_975
 from composer_algos.lookahead import Arm, format_summary, run_lookahead, summarize
 from tests.common.models import tiny_llama
 
@@ -64,7 +63,7 @@ def test_selection_picks_the_copies_of_the_evaluation_examples_and_wins():
     )
     for sel, cp in zip(res.selected["ps"], copies):
         assert len(set(sel) & set(cp)) >= 3, (sel, cp)
-    summary = summarize(res, t_quantile_975)
+    summary = summarize(res)
     for key in ("sgd/eval", "opt/eval"):
         row = summary["arms"]["ps"][key]
         assert row["win_fraction"] == 1.0, (key, row)
@@ -85,7 +84,7 @@ def test_random_arm_is_indistinguishable_from_random():
     model, opt, pools, guide, evalset, _ = _setup(seed=1)
     arm = Arm("rnd", "random_stratified")
     res = run_lookahead(model, opt, pools, guide, evalset, [arm], kappa=4, num_domains=2, n_random=6, seed=5)
-    summary = summarize(res, t_quantile_975)
+    summary = summarize(res)
     row = summary["arms"]["rnd"]["sgd/eval"]
     # a random arm's mean difference is within a few random spreads of zero
     assert abs(row["diff_mean"]) < 3 * row["random_spread"]
@@ -97,7 +96,7 @@ def test_fidelity_figures_are_reported_for_feature_arms(proj_dim):
     model, opt, pools, guide, evalset, _ = _setup(seed=2)
     arm = Arm("ps", "partitionsel", features={"normalization": "adam_optimizer", "proj_dim": proj_dim})
     res = run_lookahead(model, opt, pools[:1], guide, evalset, [arm], kappa=4, num_domains=2, n_random=2)
-    fid = summarize(res, t_quantile_975)["arms"]["ps"]
+    fid = summarize(res)["arms"]["ps"]
     assert -1 <= fid["exact_spearman"] <= 1 and -1 <= fid["exact_sgd_spearman"] <= 1
     if proj_dim == 0:
         assert fid["raw_spearman"] == 1.0
