@@ -48,7 +48,7 @@ ABLATIONS = {
     "proj128": [f"{SEL}.features.proj_dim=128"],
     "r4": [f"{SEL}.oversampling=4"],
     "r8": [f"{SEL}.oversampling=8"],
-    "unweighted": [f"{SEL}.weighted_loss=false"],
+    "weighted": [f"{SEL}.weighted_loss=true"],
     "uniform_caps": [
         f"{SEL}.capacity_fractions={{algebra:1,arithmetic:1,calculus:1,comparison:1,measurement:1,numbers:1,"
         "polynomials:1,probability:1}}"
