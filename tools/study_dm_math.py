@@ -54,15 +54,20 @@ ABLATIONS = {
         "polynomials:1,probability:1}}"
     ],
 }
-# Lookahead arms: the settings before the signal-chain fixes, each fix, and diagnostics.
+# Lookahead arms: the settings before the signal-chain fixes, the yaml's default, each fix, and
+# diagnostics. The guide set holds 64 examples; an arm uses its first `guide_size` (a larger guide
+# stands in for the running average of validation features, which a fixed checkpoint cannot show).
 ARMS = [
     "before=partitionsel,features.precondition=both,features.proj_dim=128,guide_size=4",
-    "pool=partitionsel,features.precondition=pool,features.proj_dim=128,guide_size=4",
-    "pool_1024=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=4",
+    "default=partitionsel,features.precondition=both,features.proj_dim=1024,guide_size=4",
+    "default_w=partitionsel,features.precondition=both,features.proj_dim=1024,guide_size=4,weighted_loss=true",
+    "default_g16_w=partitionsel,features.precondition=both,features.proj_dim=1024,guide_size=16,weighted_loss=true",
+    "default_g64_w=partitionsel,features.precondition=both,features.proj_dim=1024,guide_size=64,weighted_loss=true",
     "pool_1024_w=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=4,weighted_loss=true",
-    "pool_1024_w_g16=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=16,weighted_loss=true",
-    "id=id,features.precondition=pool,features.proj_dim=1024,guide_size=4",
+    "pool_1024_g64_w=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=64,weighted_loss=true",
+    "id=id,features.precondition=both,features.proj_dim=1024,guide_size=4",
     "oracle_g4=oracle,guide_size=4",
+    "oracle_g64=oracle,guide_size=64",
     "oracle_eval=oracle_eval",
 ]
 
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--eval-size",
                 "128",
                 "--guide-size",
-                "16",
+                "64",
                 "--sgd-lr",
                 "1e-3",
                 "--out",
