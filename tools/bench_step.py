@@ -1,23 +1,45 @@
-"""Benchmark: training-step time of selection strategies against feature extraction alone.
+"""Benchmark: a selection step against its floor, the pool's forward, on a tiny and a proportioned model.
 
 Example:
-    python tools/bench_step.py                  # tiny config, r = 2 and r = 8, about 5 minutes on 2 cores
-    python tools/bench_step.py --steps 20 --ratios 2,4,8
-    python tools/bench_step.py --device cuda    # on a GPU, in amp_bf16 as a real run
+    python tools/bench_step.py                          # both configs, r = 2 and 4 (about 8 minutes on 2 cores)
+    python tools/bench_step.py --configs proportioned --ratios 2 --steps 12
+    python tools/bench_step.py --device cuda            # on a GPU, in amp_bf16 as a real run
 
-For each oversampling ratio r, side by side in one run, on the tiny config (yamls/testing/
-tiny_dolma.yaml, kappa 16 sequences of 128 tokens): the median step time of partitionsel, greats,
-random and none (a real Trainer, data loading to optimizer step), the no-grad forward of the pool,
-and the feature extraction of the pool and validation batch measured alone with the same model.
-Target: partitionsel's step time minus random's is at most 1.15x the feature extraction alone,
-i.e. solving, exchanging and bookkeeping add at most 15% on top of the features.
+For each config and each oversampling ratio r, side by side in one run: the median step time
+(a real Trainer, data loading to optimizer step) of the plain train step on kappa (`none` with
+r = 1), `random`, `partitionsel` and `greats` (at r); and, measured alone on a real pool of the
+partitionsel run, the no-grad forward of the pool (`fwd`), the feature extraction of the pool and
+the validation batch (`features`) and the solver on those features (`solve`). The ratios printed
+are `ps/random` and `(ps - random) / fwd`: what selection adds to a step in units of the pool's
+forward, the floor of any model-in-the-loop selector being about 1.
+
+To damp the noise of a shared machine the strategies' trainers are stepped in turn (one batch
+each, round robin, `Trainer.fit(duration="1ba")`) and the standalone timings alternate fwd,
+features and solve in rounds; every figure is a median.
+
+Configs: `tiny` (yamls/testing/tiny_dolma.yaml: 2 blocks of width 64, the lm_head ~71% of the
+forward FLOPs) and `proportioned` (yamls/testing/proportioned.yaml: 8 blocks, MLP 512, lm_head
+~20%, like Llama-3.2-1B). The lm_head share of forward FLOPs per token is
+
+    2 h V / (2 h V + L (2 (P_attn + P_mlp) + 4 S h_attn))
+
+with h the hidden size, V the vocabulary, L the blocks, P_attn = h (n_heads + 2 n_kv_heads)
+d_head + n_heads d_head h the attention projections' weights, P_mlp = 3 h I (gate, up, down),
+and 4 S h_attn (h_attn = n_heads d_head) the attention scores QK^T and their product with V at
+sequence length S, counted over the full S x S square (PaLM's appendix B convention; no causal
+halving). Embedding lookups, norms and softmax are not counted. Llama-3.2-1B at S = 2048 gives
+19.2% by this formula.
+
+Targets (issue 15) on the proportioned config at r = 2: `(ps - random) / fwd <= 1.3` and
+`ps / random <= 1.6`, each printed PASS/FAIL.
 
 Memory: the peak the scoring pass (pool and validation features, in the run's precision context
 and chunks of `chunk_size: auto`, the run's microbatch) adds over the trained model, optimizer
 state included, next to the peak of one training microbatch of the same size (forward and
-backward, the outputs held through the backward as Composer's trainer holds them). Target: scoring peak <= training peak. On CUDA torch.cuda.max_memory_allocated; on CPU
-the rise of the peak RSS (VmHWM), with large allocations served by mmap so freed memory leaves
-the RSS (the script re-executes itself with MALLOC_MMAP_THRESHOLD_ set; bench_features.py's method).
+backward, the outputs held through the backward as Composer's trainer holds them). Target:
+scoring peak <= training peak. On CUDA torch.cuda.max_memory_allocated; on CPU the rise of the
+peak RSS (VmHWM), with large allocations served by mmap so freed memory leaves the RSS (the
+script re-executes itself with MALLOC_MMAP_THRESHOLD_ set; bench_features.py's method).
 """
 
 from __future__ import annotations
@@ -28,8 +50,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -42,7 +65,132 @@ if TYPE_CHECKING:
 
     from composer_algos.selection_algorithm import DataSelection
 
-STRATEGIES = ("partitionsel", "greats", "random", "none")
+CONFIGS = {
+    "tiny": REPO / "yamls" / "testing" / "tiny_dolma.yaml",
+    "proportioned": REPO / "yamls" / "testing" / "proportioned.yaml",
+}
+# Stepped in this order, round robin; `none` trains the kappa examples of a pool of r = 1.
+STRATEGIES = ("none", "random", "partitionsel", "greats")
+SEQ_LEN = 128  # the benchmark's shards
+WARMUP_STEPS = 3
+
+# Llama-3.2-1B (tied embeddings; the lm_head is still a matmul) at its training sequence length.
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}
+LLAMA_1B_SEQ = 2048
+
+# Issue 15's targets, proportioned config at r = 2.
+TARGET_CONFIG, TARGET_RATIO = "proportioned", 2.0
+TARGET_EXTRA_PER_FWD = 1.3  # (ps - random) / fwd(pool)
+TARGET_PS_PER_RANDOM = 1.6  # ps / random
+
+
+def lm_head_flop_share(config: Mapping[str, Any], seq_len: int) -> float:
+    """The lm_head's share of a Llama-style model's forward FLOPs per token (formula: module docstring).
+
+    Args:
+        config: `hidden_size`, `num_hidden_layers`, `intermediate_size`, `num_attention_heads`,
+            `vocab_size`, optional `num_key_value_heads` (default: the heads) and `head_dim`
+            (default: hidden / heads).
+        seq_len: S, the sequence length the attention scores are counted at.
+
+    Returns:
+        2 h V / (2 h V + L (2 (P_attn + P_mlp) + 4 S h_attn)), in [0, 1].
+    """
+    h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    d_head = int(config.get("head_dim") or h // heads)
+    attn_params = h * (heads + 2 * kv_heads) * d_head + heads * d_head * h  # q, k, v, o
+    mlp_params = 3 * h * int(config["intermediate_size"])  # gate, up, down
+    block_flops = 2 * (attn_params + mlp_params) + 4 * seq_len * heads * d_head
+    head_flops = 2 * h * int(config["vocab_size"])
+    return head_flops / (head_flops + layers * block_flops)
+
+
+def summarize(row: Mapping[str, float]) -> dict[str, float]:
+    """The ratios of one (config, r) row: `ps/random`, `(ps - random)/fwd`, `features/fwd`, and the rest.
+
+    `rest/fwd` is what the partitionsel step adds beyond its features and solve, in pool forwards
+    (exchange, bookkeeping, logging; negative when noise or caching outweighs it).
+    """
+    extra = row["partitionsel"] - row["random"]
+    return {
+        "ps/random": row["partitionsel"] / row["random"],
+        "(ps-random)/fwd": extra / row["forward"],
+        "features/fwd": row["features"] / row["forward"],
+        "rest/fwd": (extra - row["features"] - row["solve"]) / row["forward"],
+    }
+
+
+def target_verdicts(rows: Mapping[str, list[Mapping[str, float]]]) -> list[tuple[str, float, float, bool]]:
+    """Issue 15's targets: `(name, value, limit, passed)` for the proportioned config at r = 2 (empty if not run)."""
+    row = next((r for r in rows.get(TARGET_CONFIG, []) if r["r"] == TARGET_RATIO), None)
+    if row is None:
+        return []
+    s = summarize(row)
+    return [
+        ("(ps-random)/fwd", s["(ps-random)/fwd"], TARGET_EXTRA_PER_FWD, s["(ps-random)/fwd"] <= TARGET_EXTRA_PER_FWD),
+        ("ps/random", s["ps/random"], TARGET_PS_PER_RANDOM, s["ps/random"] <= TARGET_PS_PER_RANDOM),
+    ]
+
+
+def format_table(rows: Mapping[str, list[Mapping[str, float]]], shares: Mapping[str, float] | None = None) -> str:
+    """The benchmark's report: per config and r the step and standalone medians (ms), the ratios, the targets.
+
+    Args:
+        rows: config name -> one dict per r with `r` and the seconds `none`, `random`,
+            `partitionsel`, `greats`, `forward`, `features`, `solve` (and optionally the memory
+            fields `microbatch`, `score_peak`, `train_peak` in bytes).
+        shares: config name -> lm_head share of forward FLOPs (printed in the header).
+    """
+    lines = ["median ms per step (r = pool / kappa; none = plain train step on kappa, r = 1):"]
+    head = ["config", "r", "none", "random", "greats", "ps", "fwd(pool)", "features", "solve",
+            "ps/random", "(ps-rand)/fwd", "feat/fwd", "rest/fwd"]
+    widths = [13, 3] + [10] * 7 + [10, 14, 9, 9]
+    lines.append("".join(f"{h:>{w}}" for h, w in zip(head, widths)))
+    for name, config_rows in rows.items():
+        for row in config_rows:
+            s = summarize(row)
+            cells = [
+                name,
+                f"{row['r']:g}",
+                *(f"{1000 * row[k]:.1f}" for k in ("none", "random", "greats", "partitionsel", "forward", "features", "solve")),
+                f"{s['ps/random']:.2f}",
+                f"{s['(ps-random)/fwd']:.2f}",
+                f"{s['features/fwd']:.2f}",
+                f"{s['rest/fwd']:.2f}",
+            ]
+            lines.append("".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+    if shares:
+        lines.append("")
+        lines.append("lm_head share of forward FLOPs per token (formula in the docstring):")
+        for name, share in shares.items():
+            lines.append(f"  {name}: {100 * share:.1f}%")
+    verdicts = target_verdicts(rows)
+    if verdicts:
+        lines.append("")
+        lines.append(f"targets ({TARGET_CONFIG}, r = {TARGET_RATIO:g}):")
+        for label, value, limit, ok in verdicts:
+            lines.append(f"  {label} = {value:.2f} <= {limit:g} -> {'PASS' if ok else 'FAIL'}")
+    mem = [(n, r) for n, rs in rows.items() for r in rs if "score_peak" in r]
+    if mem:
+        lines.append("")
+        lines.append("peak memory added over the trained model (scoring: pool + validation features, chunks of the microbatch):")
+        for name, row in mem:
+            ratio = row["score_peak"] / max(row["train_peak"], 1)
+            lines.append(
+                f"  {name} r={row['r']:g} microbatch {row['microbatch']:g}: scoring {row['score_peak'] / 2**20:.1f} MB, "
+                f"training step {row['train_peak'] / 2**20:.1f} MB, scoring/training {ratio:.2f} "
+                f"(target <= 1) -> {'PASS' if ratio <= 1 else 'FAIL'}"
+            )
+    return "\n".join(lines)
 
 
 def make_step_timer():
@@ -65,10 +213,12 @@ def make_step_timer():
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ratios", default="2,8", help="oversampling ratios r (default: 2,8)")
-    parser.add_argument("--steps", type=int, default=15, help="steps per run; the first 3 are warm-up (default: 15)")
-    parser.add_argument("--repeats", type=int, default=10, help="repeats of the standalone timings (default: 10)")
-    parser.add_argument("--yaml", type=Path, default=REPO / "yamls" / "testing" / "tiny_dolma.yaml")
+    parser.add_argument("--configs", default="tiny,proportioned", help=f"of {sorted(CONFIGS)} (default: both)")
+    parser.add_argument("--ratios", default="2,4", help="oversampling ratios r (default: 2,4)")
+    parser.add_argument(
+        "--steps", type=int, default=9, help=f"steps per strategy; the first {WARMUP_STEPS} are warm-up (default: 9)"
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="rounds of the standalone timings (default: 7)")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's; 1 is steadier on a busy machine)"
     )
@@ -77,110 +227,188 @@ def main(argv: list[str] | None = None) -> int:
         help="cpu (fp32) or cuda (amp_bf16, the recipes' precision) (default: cpu)",
     )
     args = parser.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        parser.error(f"--configs: {unknown or args.configs!r} not among {sorted(CONFIGS)}")
+    if args.steps <= WARMUP_STEPS + 1:
+        parser.error(f"--steps must be at least {WARMUP_STEPS + 2} ({WARMUP_STEPS} warm-up steps are dropped)")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    if any(r <= 1 for r in ratios):
+        parser.error(f"--ratios must all be > 1, got {args.ratios}")
     import shard as shard_tool
     import torch
     from sample_corpus import write_sample_corpus
 
+    from pipeline.config import load_config
+
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    ratios = [float(r) for r in args.ratios.split(",")]
-    if args.steps < 5:
-        parser.error("--steps must be at least 5 (3 warm-up steps are dropped)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine; use --device cpu")
 
+    t_start = time.perf_counter()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         root = Path(tmp)
         write_sample_corpus(root / "corpus", seed=0, scale=1.0)
         shards = root / "shards"
         rc = shard_tool.main(
             ["dolma", str(root / "corpus" / "dolma" / "documents"), "--out", str(shards),
-             "--max-seq-len", "128", "--val-count", "16", "--no-progress"]
+             "--max-seq-len", str(SEQ_LEN), "--val-count", "16", "--no-progress"]
         )
         if rc:
             return rc
         where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
-        print(f"torch {torch.__version__}, {args.device} ({where}); {args.steps} steps per run\n")
-        rows = []
-        for r in ratios:
-            rows.append(
-                bench_ratio(args.yaml, shards, root / f"runs-r{r:g}", r, args.steps, args.repeats, args.device)
-            )
-        print_table(rows)
+        print(
+            f"torch {torch.__version__}, {args.device} ({where}); {args.steps} steps per strategy "
+            f"({WARMUP_STEPS} warm-up), {args.repeats} standalone rounds; load average {load_before[0]:.2f}\n",
+            flush=True,
+        )
+        rows: dict[str, list[dict]] = {}
+        shares: dict[str, float] = {}
+        for name in configs:
+            model_cfg = load_config(CONFIGS[name], [f"variables.shard_dir={shards}"]).model.config
+            assert model_cfg is not None
+            shares[f"{name} (S={SEQ_LEN})"] = lm_head_flop_share(model_cfg, SEQ_LEN)
+            rows[name] = [
+                bench_ratio(name, CONFIGS[name], shards, root / f"runs-{name}-r{r:g}", r, args) for r in ratios
+            ]
+        shares[f"Llama-3.2-1B (S={LLAMA_1B_SEQ})"] = lm_head_flop_share(LLAMA_1B, LLAMA_1B_SEQ)
+        print()
+        print(format_table(rows, shares))
+    load_after = os.getloadavg()
+    print(
+        f"\nwall {time.perf_counter() - t_start:.0f} s; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after (on a shared machine compare the ratios, not the milliseconds)"
+    )
     return 0
 
 
-def bench_ratio(yaml: Path, shards: Path, run_root: Path, r: float, steps: int, repeats: int, device: str) -> dict:
+def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, args: argparse.Namespace) -> dict:
+    """One row: the four strategies stepped round robin, then the standalone timings on a partitionsel pool."""
+    from composer.callbacks import CheckpointSaver
+    from composer.loggers import ConsoleLogger, ProgressBarLogger
+
     import train
+    from composer_algos.mixture_monitor import MixtureMonitor
     from composer_algos.selection_algorithm import DataSelection
     from pipeline.config import load_config
 
-    out: dict = {"r": r}
-    algo = None
+    runs = {}
     for strategy in STRATEGIES:
         cfg = load_config(
             yaml,
             [
                 f"variables.shard_dir={shards}",
+                f"variables.max_seq_len={SEQ_LEN}",
                 f"save_folder={run_root / strategy}",
-                f"max_duration={steps}ba",
+                f"max_duration={args.steps}ba",
                 "eval_loader=null",
                 "python_log_level=error",
                 "console_log_interval=1000ba",
                 f"algorithms.data_selection.strategy={strategy}",
-                f"algorithms.data_selection.oversampling={r}",
-                *(["device=gpu", "precision=amp_bf16"] if device == "cuda" else ["device=cpu", "precision=fp32"]),
+                f"algorithms.data_selection.oversampling={1 if strategy == 'none' else r}",
+                *(["device=gpu", "precision=amp_bf16"] if args.device == "cuda" else ["device=cpu", "precision=fp32"]),
             ],
         )
         trainer = train.build_trainer(cfg)
         timer = make_step_timer()
-        trainer.state.callbacks.append(timer)
-        trainer.fit()
-        out[strategy] = statistics.median(timer.times[3:])
-        if strategy == "partitionsel":
-            algo = next(a for a in trainer.state.algorithms if isinstance(a, DataSelection))
-            out.update(standalone(trainer, algo, repeats))
-            out.update(peak_memory(trainer, algo))
+        callbacks = trainer.state.callbacks
+        # Stepping one batch per fit() call: no checkpoint at each call's end, and the monitor's
+        # files stay open until the end (its fit_end closes them).
+        callbacks[:] = [c for c in callbacks if not isinstance(c, CheckpointSaver)]
+        for c in callbacks:
+            if isinstance(c, MixtureMonitor):
+                c.fit_end = _no_fit_end  # type: ignore[method-assign]
+        quiet = (ConsoleLogger, ProgressBarLogger)
+        trainer.logger.destinations = tuple(d for d in trainer.logger.destinations if not isinstance(d, quiet))
+        callbacks.append(timer)
+        runs[strategy] = (trainer, timer)
+    for _ in range(args.steps):
+        for trainer, _timer in runs.values():
+            trainer.fit(duration="1ba")
+    out: dict = {"r": r}
+    for strategy, (_trainer, timer) in runs.items():
+        out[strategy] = statistics.median(timer.times[WARMUP_STEPS:])
+    trainer = runs["partitionsel"][0]
+    algo = next(a for a in trainer.state.algorithms if isinstance(a, DataSelection))
+    out.update(standalone(trainer, algo, args.repeats))
+    out.update(peak_memory(trainer, algo))
+    for trainer, _timer in runs.values():
         trainer.close()
-        print(f"  r={r:g} {strategy:13s} {1000 * out[strategy]:8.1f} ms/step", flush=True)
+    s = summarize(out)
+    print(
+        f"  {name} r={r:g}: " + ", ".join(f"{k} {1000 * out[k]:.1f}" for k in (*STRATEGIES, "forward", "features", "solve"))
+        + f" ms; ps/random {s['ps/random']:.2f}, (ps-random)/fwd {s['(ps-random)/fwd']:.2f}",
+        flush=True,
+    )
     return out
+
+
+def _no_fit_end(state: State, logger: Logger) -> None:
+    return None
 
 
 def standalone(trainer, algo: DataSelection, repeats: int) -> dict:
-    """Time the pool's no-grad forward and the feature extraction alone, on a real pool batch."""
+    """Median times of the pool's no-grad forward, the features and the solve alone, in interleaved rounds."""
     import torch
 
-    pool, val, context, chunk = _scoring_inputs(trainer, algo)
+    from composer_algos.selection_step import assemble_problem, solve_problem
+
+    pool, val, domain_N, context, chunk = _scoring_inputs(trainer, algo)
     hf = trainer.state.model.model
     optimizer = trainer.state.optimizers[0]
     device = next(hf.parameters()).device
+    eta = float(optimizer.param_groups[0]["lr"])
+    step = int(trainer.state.timestamp.batch.value)
+    box: dict[str, Any] = {}
 
     def forward() -> None:
+        was_training = hf.training
+        hf.eval()
         with torch.no_grad(), context():
-            hf(input_ids=pool["input_ids"].to(device), attention_mask=pool["attention_mask"].to(device))
+            hf(input_ids=pool["input_ids"].to(device), attention_mask=pool["attention_mask"].to(device), use_cache=False)
+        hf.train(was_training)
 
     def features() -> None:
-        algo.extractor.compute(pool, val, step=1, optimizer=optimizer, precision_context=context, auto_chunk_size=chunk)
+        box["fg"] = algo.extractor.compute(
+            pool, val, step=step, optimizer=optimizer, precision_context=context, auto_chunk_size=chunk
+        )
 
-    def feature_path() -> None:  # what the algorithm pays: validation draw + features
-        vb2 = algo.validation.batch_for_step(1)
-        val2 = {k: vb2[k] for k in ("input_ids", "attention_mask", "labels")}
-        algo.extractor.compute(pool, val2, step=1, optimizer=optimizer, precision_context=context, auto_chunk_size=chunk)
+    def solve() -> None:  # what the algorithm runs on the step's features (assemble + solve)
+        feats, gbar = box["fg"]
+        problem = assemble_problem(
+            domain_N, kappa_rank=algo.kappa, gather=False, needs_features=True, features_ND=feats, gbar_D=gbar,
+            n_val=int(val["input_ids"].shape[0]),
+        )
+        solve_problem(
+            problem, "partitionsel", eta=eta, seed=step, num_domains=algo.num_domains,
+            options=algo.strategy_options.get("partitionsel"), fractions=algo._fractions,
+        )
 
-    was_training = hf.training
-    hf.eval()
-    out = {"forward": _median(forward, repeats)}
-    hf.train(was_training)
-    out["features"] = _median(features, repeats)
-    out["features_with_val_draw"] = _median(feature_path, repeats)
-    return out
+    return _interleaved({"forward": forward, "features": features, "solve": solve}, repeats)
+
+
+def _interleaved(fns: Mapping[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Run the functions in turn for `repeats` rounds (after one warm-up round); the median time of each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync_any()
+            times[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def peak_memory(trainer, algo: DataSelection) -> dict:
     """Peak bytes added by scoring the pool, and by one training microbatch of the same size (forward + backward)."""
     from bench_features import _memory_peak, _memory_reset
 
-    pool, val, context, chunk = _scoring_inputs(trainer, algo)
+    pool, val, _domains, context, chunk = _scoring_inputs(trainer, algo)
     hf = trainer.state.model.model
     device = next(hf.parameters()).device
     optimizer = trainer.state.optimizers[0]
@@ -189,7 +417,7 @@ def peak_memory(trainer, algo: DataSelection) -> dict:
 
     base = _memory_reset(device)
     algo.extractor.compute(pool, val, step=1, optimizer=optimizer, precision_context=context, auto_chunk_size=chunk)
-    _sync(device)
+    _sync_any()
     score = _memory_peak(device) - base
 
     micro = {k: v[:chunk].to(device) for k, v in pool.items()}
@@ -201,7 +429,7 @@ def peak_memory(trainer, algo: DataSelection) -> dict:
         outputs = hf(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], labels=micro["labels"])
     outputs.loss.backward()
     del outputs
-    _sync(device)
+    _sync_any()
     train_peak = _memory_peak(device) - base
     hf.train(was_training)
     for p in hf.parameters():
@@ -210,7 +438,7 @@ def peak_memory(trainer, algo: DataSelection) -> dict:
 
 
 def _scoring_inputs(trainer, algo: DataSelection):
-    """A real pool and validation batch, the run's precision context and the scoring chunk (as the algorithm uses them)."""
+    """A real pool and validation batch, the pool's domains, the run's precision context and the scoring chunk."""
     from composer.core.precision import get_precision_context
 
     batch = next(iter(trainer.state.train_dataloader))
@@ -223,55 +451,14 @@ def _scoring_inputs(trainer, algo: DataSelection):
     def context():
         return get_precision_context(state.precision, state.precision_config)
 
-    return pool, val, context, algo._auto_chunk_size(state)
+    return pool, val, batch[algo.domain_key], context, algo._auto_chunk_size(state)
 
 
-def _sync(device) -> None:
+def _sync_any() -> None:
     import torch
 
-    if device.type == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _median(fn, repeats: int) -> float:
-    import torch
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def print_table(rows: list[dict]) -> None:
-    print("\nmedian ms per step (r = pool / kappa):")
-    head = ["r", "none", "random", "greats", "partitionsel", "fwd(pool)", "features", "(ps-rand)/feat", "ps/rand", "feat/fwd"]
-    print("".join(f"{h:>15}" for h in head))
-    for row in rows:
-        extra = row["partitionsel"] - row["random"]
-        cells = [
-            f"{row['r']:g}",
-            *(f"{1000 * row[k]:.1f}" for k in ("none", "random", "greats", "partitionsel", "forward", "features")),
-            f"{extra / row['features']:.3f}",
-            f"{row['partitionsel'] / row['random']:.2f}",
-            f"{row['features'] / row['forward']:.2f}",
-        ]
-        print("".join(f"{c:>15}" for c in cells))
-    worst = max((r["partitionsel"] - r["random"]) / r["features"] for r in rows)
-    verdict = "PASS" if worst <= 1.15 else "FAIL"
-    print(f"\ntarget (partitionsel - random) <= 1.15 x features alone: worst {worst:.3f} -> {verdict}")
-    print("\npeak memory added over the trained model (scoring: pool + validation features, chunks of the microbatch):")
-    for row in rows:
-        ratio = row["score_peak"] / max(row["train_peak"], 1)
-        print(
-            f"  r={row['r']:g} microbatch {row['microbatch']}: scoring {row['score_peak'] / 2**20:.1f} MB, "
-            f"training step {row['train_peak'] / 2**20:.1f} MB, scoring/training {ratio:.2f} "
-            f"(target <= 1) -> {'PASS' if ratio <= 1 else 'FAIL'}"
-        )
 
 
 if __name__ == "__main__":
