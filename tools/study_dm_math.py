@@ -61,13 +61,10 @@ ARMS = [
     "before=partitionsel,features.precondition=both,features.proj_dim=128,guide_size=4",
     "default=partitionsel,features.precondition=both,features.proj_dim=1024,guide_size=4",
     "default_w=partitionsel,features.precondition=both,features.proj_dim=1024,guide_size=4,weighted_loss=true",
-    "default_g16_w=partitionsel,features.precondition=both,features.proj_dim=1024,guide_size=16,weighted_loss=true",
     "default_g64_w=partitionsel,features.precondition=both,features.proj_dim=1024,guide_size=64,weighted_loss=true",
     "pool_1024_w=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=4,weighted_loss=true",
-    "pool_1024_g64_w=partitionsel,features.precondition=pool,features.proj_dim=1024,guide_size=64,weighted_loss=true",
     "id=id,features.precondition=both,features.proj_dim=1024,guide_size=4",
     "oracle_g4=oracle,guide_size=4",
-    "oracle_g64=oracle,guide_size=64",
     "oracle_eval=oracle_eval",
 ]
 
@@ -81,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=200, help="training steps of every comparison run (default 200)"
     )
     p.add_argument("--early", type=int, default=50, help="the early lookahead checkpoint step (default 50)")
-    p.add_argument("--pools", type=int, default=40, help="lookahead pools per checkpoint (default 40)")
+    p.add_argument("--pools", type=int, default=24, help="lookahead pools per checkpoint (default 24)")
     p.add_argument(
         "--budget-seconds",
         type=float,

@@ -56,7 +56,7 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
         "signal-chain fixes (preconditioner on both sides, 128-wide features, 4 guiding examples,",
         "unweighted); `default` = the study yaml's settings (both sides, 1024-wide, 4 guiding examples);",
         "`pool` = preconditioner on the pool side only; `_1024` = 1024-wide features; `_w` = trained on",
-        "the refit weights; `_g16/_g64` = guided by 16/64 examples (a stand-in for averaging validation",
+        "the refit weights; `_g64` = guided by 64 examples (a stand-in for averaging validation",
         "features over steps); `id` = per-domain GREATS; `oracle_*` select by exact full-model",
         "scores (`oracle_eval` by the evaluation set's own gradient: an upper bound).",
         "",
