@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
 from composer_algos.features.targets import (
@@ -137,8 +138,10 @@ def capture_layer_signals(
     try:
         with truncated_graph(cut_module) as status:
             with (precision_context or nullcontext)():
-                out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-                losses_n = per_example_losses(out.logits, labels)
+                with record_function("features/forward"):
+                    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                with record_function("features/loss"):
+                    losses_n = per_example_losses(out.logits, labels)
             # The loss's backward needs its own saved tensors, not the logits: dropping them here
             # keeps the n x T x V logits out of the backward's peak.
             del out
@@ -151,7 +154,8 @@ def capture_layer_signals(
                     f"choose modules that are called"
                 )
             outputs = [o for t in targets for _, o in records[t.index]]
-            deltas = torch.autograd.grad(losses_n.sum(), outputs, materialize_grads=True)
+            with record_function("features/backward"):
+                deltas = torch.autograd.grad(losses_n.sum(), outputs, materialize_grads=True)
     finally:
         for h in handles:
             h.remove()

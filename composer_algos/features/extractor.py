@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from composer_algos.features.capture import capture_layer_signals, scoring_mode
 from composer_algos.features.normalize import (
@@ -274,7 +275,8 @@ class GradFeatureExtractor:
         """
         self.last_step = step
         device = next(self.model.parameters()).device
-        preconditioners = self._adam_preconditioners(optimizer)
+        with record_function("features/normalization"):
+            preconditioners = self._adam_preconditioners(optimizer)
         use_sim = self.normalization == "adam_simulated"
         pool_pre, val_pre = _split_preconditioners(preconditioners, self.precondition)
         chunk = self._resolve_chunk(auto_chunk_size)
@@ -294,7 +296,8 @@ class GradFeatureExtractor:
                             precision_context=precision_context,
                         )
                         gbar_d = V_nd.mean(dim=0)
-                self._check(G_nd, gbar_d, bad_rows)
+                with record_function("features/check_host_sync"):
+                    self._check(G_nd, gbar_d, bad_rows)
                 break
             except BaseException as e:
                 self.simulated.discard()
@@ -410,7 +413,8 @@ class GradFeatureExtractor:
                 dtype = torch.promote_types(a_nTI.dtype, torch.float32)
                 a_nTI, delta_nTO = a_nTI.to(dtype), delta_nTO.to(dtype)
                 pre = preconditioners[t.index] if preconditioners is not None else None
-                x_nD, col_scale_D = self._layer_features(t, a_nTI, delta_nTO, pre, step)
+                with record_function("features/products"):
+                    x_nD, col_scale_D = self._layer_features(t, a_nTI, delta_nTO, pre, step)
                 if self.normalization == "adam_simulated":
                     if accumulate:
                         self.simulated.accumulate(t.name, x_nD)
@@ -420,7 +424,8 @@ class GradFeatureExtractor:
                 if self.proj_dim:
                     if out_nd is None:
                         out_nd = x_nD.new_zeros(x_nD.shape[0], self.proj_dim)
-                    apply_fjlt(x_nD, self._fjlt_plan(t, x_nD, step), out_nd, col_scale_D)
+                    with record_function("features/fjlt"):
+                        apply_fjlt(x_nD, self._fjlt_plan(t, x_nD, step), out_nd, col_scale_D)
                 else:
                     raw_parts.append(x_nD if col_scale_D is None else x_nD * col_scale_D)
             rows.append(out_nd if self.proj_dim else torch.cat(raw_parts, dim=1))
