@@ -1,0 +1,92 @@
+"""tools/bench_step.py's table (ratios, targets) and FLOP share, tools/profile_step.py's --help (issue 15)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.common.paths import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import bench_step  # noqa: E402  (tools/bench_step.py; heavy imports happen in its functions)
+
+
+def _row(r, *, none, random, ps, greats, fwd, feat, solve):
+    return {"r": r, "none": none, "random": random, "partitionsel": ps, "greats": greats,
+            "forward": fwd, "features": feat, "solve": solve}
+
+
+def test_summary_ratios_by_hand():
+    row = _row(2.0, none=0.10, random=0.20, ps=0.30, greats=0.25, fwd=0.08, feat=0.06, solve=0.01)
+    s = bench_step.summarize(row)
+    assert s["ps/random"] == pytest.approx(1.5)  # 0.30 / 0.20
+    assert s["(ps-random)/fwd"] == pytest.approx(1.25)  # 0.10 / 0.08
+    assert s["features/fwd"] == pytest.approx(0.75)  # 0.06 / 0.08
+    assert s["rest/fwd"] == pytest.approx(0.375)  # (0.10 - 0.06 - 0.01) / 0.08
+
+
+def test_targets_judge_the_proportioned_config_at_r2_only():
+    passing = _row(2.0, none=0.10, random=0.20, ps=0.30, greats=0.25, fwd=0.08, feat=0.06, solve=0.01)
+    # (0.34 - 0.20) / 0.10 = 1.4 > 1.3 and 0.34 / 0.20 = 1.7 > 1.6: both fail.
+    failing = _row(2.0, none=0.10, random=0.20, ps=0.34, greats=0.25, fwd=0.10, feat=0.06, solve=0.01)
+    awful = _row(4.0, none=0.1, random=0.1, ps=9.0, greats=9.0, fwd=0.1, feat=1.0, solve=1.0)
+    rows = {"tiny": [failing], "proportioned": [passing, awful]}
+    assert [(name, ok) for name, _, _, ok in bench_step.target_verdicts(rows)] == [
+        ("(ps-random)/fwd", True),
+        ("ps/random", True),
+    ]
+    text = bench_step.format_table({"proportioned": [failing]}, {"proportioned (S=128)": 0.205})
+    assert "(ps-random)/fwd = 1.40 <= 1.3 -> FAIL" in text
+    assert "ps/random = 1.70 <= 1.6 -> FAIL" in text
+    assert "proportioned (S=128): 20.5%" in text
+    assert bench_step.target_verdicts({"tiny": [passing]}) == []
+
+
+def test_table_prints_milliseconds_and_memory_verdicts():
+    # rest/fwd = (0.10 - 0.06 - 0.012) / 0.08 = 0.35
+    row = _row(2.0, none=0.10, random=0.20, ps=0.30, greats=0.25, fwd=0.08, feat=0.06, solve=0.012)
+    row.update(microbatch=16, score_peak=3 * 2**20, train_peak=4 * 2**20)
+    line = next(x for x in bench_step.format_table({"tiny": [row]}).splitlines() if x.strip().startswith("tiny"))
+    assert line.split() == ["tiny", "2", "100.0", "200.0", "250.0", "300.0", "80.0", "60.0", "12.0",
+                            "1.50", "1.25", "0.75", "0.35"]
+    assert "scoring 3.0 MB, training step 4.0 MB, scoring/training 0.75 (target <= 1) -> PASS" in (
+        bench_step.format_table({"tiny": [row]})
+    )
+
+
+def test_lm_head_share_by_hand():
+    # h 4, 1 block, MLP 8, 2 heads of 2, 1 kv head, V 10, S 3:
+    # attention weights q 4x4 + k 4x2 + v 4x2 + o 4x4 = 48, MLP 3*4*8 = 96 -> 2*(48+96) = 288,
+    # scores 4*S*h_attn = 4*3*4 = 48 -> block 336; lm_head 2*4*10 = 80; share 80 / 416.
+    cfg = {"hidden_size": 4, "num_hidden_layers": 1, "intermediate_size": 8, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "vocab_size": 10}
+    assert bench_step.lm_head_flop_share(cfg, 3) == pytest.approx(80 / 416)
+    # Llama-3.2-1B at S 2048: lm_head 2*2048*128256 = 525,336,576; per block 2*(10,485,760 + 50,331,648)
+    # + 4*2048*2048 = 138,412,032, times 16 = 2,214,592,512.
+    assert bench_step.lm_head_flop_share(bench_step.LLAMA_1B, 2048) == pytest.approx(525_336_576 / 2_739_929_088)
+
+
+def test_proportioned_config_matches_llama_1b_share():
+    from pipeline.config import load_config
+
+    cfg = load_config(REPO_ROOT / "yamls" / "testing" / "proportioned.yaml").model.config
+    share = bench_step.lm_head_flop_share(cfg, bench_step.SEQ_LEN)
+    llama = bench_step.lm_head_flop_share(bench_step.LLAMA_1B, bench_step.LLAMA_1B_SEQ)
+    assert cfg["vocab_size"] == 4096 and abs(share - llama) < 0.02, (share, llama)
+
+
+def test_profile_step_help_imports_no_heavy_library():
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['profile_step.py', '--help']\n"
+        "try:\n"
+        "    runpy.run_path('tools/profile_step.py', run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'streaming', 'composer') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
