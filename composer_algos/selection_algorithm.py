@@ -421,6 +421,8 @@ class DataSelection(Algorithm):
         )
         if needs_features and self.extractor is not None and self.extractor.chunk_size_in_use is not None:
             metrics["selection/score_chunk_size"] = float(self.extractor.chunk_size_in_use)
+        if needs_features and self.extractor is not None and self.extractor.score_length_in_use is not None:
+            metrics["selection/score_seq_len"] = float(self.extractor.score_length_in_use)
         record_step(
             logger,
             method=self.strategy,

@@ -24,6 +24,7 @@ from composer_algos.features.normalize import (
     unit_rows,
 )
 from composer_algos.features.projection import FJLTPlan, apply_fjlt, make_fjlt_plan
+from composer_algos.features.score_tokens import first_target_tokens, score_tokens_problem
 from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
 from composer_algos.features.targets import (
     TargetLayer,
@@ -78,6 +79,7 @@ def feature_option_problems(
     adam_betas: tuple[float, float],
     adam_eps: float,
     precondition: str,
+    score_tokens: int | None = None,
 ) -> list[str]:
     """Every invalid value among `GradFeatureExtractor`'s options, one message each (none: valid).
 
@@ -102,6 +104,9 @@ def feature_option_problems(
         problems.append(f"`adam_eps` must be > 0, got {adam_eps}")
     if precondition not in PRECONDITION_SIDES:
         problems.append(f"`precondition` must be one of {list(PRECONDITION_SIDES)}, got {precondition!r}")
+    score_tokens_error = score_tokens_problem(score_tokens)
+    if score_tokens_error:
+        problems.append(score_tokens_error)
     return problems
 
 
@@ -154,6 +159,13 @@ class GradFeatureExtractor:
         seed: base seed of all projections (each layer's index is folded in).
         resample_projections: fold `step` into the seeds so projections change every step (default
             False: fixed projections, required for `adam_simulated` in sketch mode to be meaningful).
+        score_tokens: score each POOL example on its first this many target tokens (labels !=
+            -100) instead of all (default None: all). Later labels are ignored and each chunk's
+            sequences are cut after the furthest target still needed, so the forward below and
+            through the target blocks runs over fewer positions (`features/score_tokens.py`).
+            The validation batch is always scored in full: it is the target the pool is matched
+            to. A value at least the sequence length changes nothing. `score_length_in_use`
+            tells the longest cut of the last call (positions scored per pool row).
 
     Raises:
         ValueError: for bad options or targets (the message lists the candidate modules).
@@ -176,6 +188,7 @@ class GradFeatureExtractor:
         chunk_size: int | str = "auto",
         seed: int = 0,
         resample_projections: bool = False,
+        score_tokens: int | None = None,
     ) -> None:
         problems = feature_option_problems(
             normalization=normalization,
@@ -185,6 +198,7 @@ class GradFeatureExtractor:
             adam_betas=adam_betas,
             adam_eps=adam_eps,
             precondition=precondition,
+            score_tokens=score_tokens,
         )
         if problems:
             raise ValueError("; ".join(problems))
@@ -213,6 +227,10 @@ class GradFeatureExtractor:
         self._attempt_rows = 0  # rows of the chunk being scored (for the retry after an OOM)
         self.seed = seed
         self.resample_projections = resample_projections
+        self.score_tokens = score_tokens
+        self.score_length_in_use: int | None = None  # longest pool sequence the last call scored
+        if score_tokens is not None:
+            log.info("score_tokens=%d: pool examples are scored on their first %d target tokens", score_tokens, score_tokens)
         self.simulated = SimulatedAdam(adam_betas, adam_eps)
 
         self._raw_dims = [t.raw_dim(k_out, k_in) for t in self.targets]
@@ -287,7 +305,7 @@ class GradFeatureExtractor:
                 with scoring_mode(self.model):
                     G_nd = self._features(
                         pool_batch, device, step, pool_pre, bad_rows, accumulate=use_sim, chunk=chunk,
-                        precision_context=precision_context,
+                        precision_context=precision_context, score_tokens=self.score_tokens,
                     )
                     gbar_d = None
                     if val_batch is not None:
@@ -343,7 +361,9 @@ class GradFeatureExtractor:
             with scoring_mode(self.model):
                 for width in (saved, 0):
                     self.proj_dim = width
-                    G = self._features(pool_batch, device, step, pool_pre, [], accumulate=False, chunk=chunk)
+                    G = self._features(
+                        pool_batch, device, step, pool_pre, [], accumulate=False, chunk=chunk, score_tokens=self.score_tokens
+                    )
                     V = self._features(val_batch, device, step, val_pre, [], accumulate=False, chunk=chunk)
                     G, V = G.double(), V.double()
                     out.append((G, V.mean(dim=0)))
@@ -394,14 +414,18 @@ class GradFeatureExtractor:
         accumulate: bool,
         chunk: int,
         precision_context: Callable[[], AbstractContextManager] | None = None,
+        score_tokens: int | None = None,
     ) -> torch.Tensor:
-        """Normalised, compressed features of one batch, `chunk` examples a forward."""
+        """Normalised, compressed features of one batch, `chunk` examples a forward (each cut to `score_tokens`)."""
         n = batch["input_ids"].shape[0]
         if n == 0:
             raise ValueError("a batch passed to GradFeatureExtractor.compute has no rows")
         rows = []
+        longest = 0
         for start in range(0, n, chunk):
             part = {k: v[start : start + chunk].to(device) for k, v in batch.items() if torch.is_tensor(v)}
+            part = first_target_tokens(part, score_tokens)
+            longest = max(longest, int(part["input_ids"].shape[1]))
             self._attempt_rows = int(part["input_ids"].shape[0])
             signals, _ = capture_layer_signals(self._forward_model, part, self.targets, self._cut, precision_context)
             out_nd = None
@@ -430,6 +454,8 @@ class GradFeatureExtractor:
                     raw_parts.append(x_nD if col_scale_D is None else x_nD * col_scale_D)
             rows.append(out_nd if self.proj_dim else torch.cat(raw_parts, dim=1))
         X_nd = torch.cat(rows, dim=0)
+        if score_tokens is not None:
+            self.score_length_in_use = longest
         return unit_rows(X_nd) if self.normalization == "unit" else X_nd
 
     def _layer_features(
