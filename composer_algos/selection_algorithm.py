@@ -33,7 +33,15 @@ from composer_algos.validation_source import BatchValidationSource, ValidationSo
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DataSelection", "DEFAULT_OVERSAMPLING", "SELECTION_STRATEGIES", "find_data_selection", "find_data_selection_in"]
+__all__ = [
+    "BETWEEN_MODES",
+    "DataSelection",
+    "DEFAULT_OVERSAMPLING",
+    "SELECTION_STRATEGIES",
+    "find_data_selection",
+    "find_data_selection_in",
+    "top_k_within_capacities",
+]
 
 # Strategies the algorithm accepts: the selection registry's plus "none" (train on the whole pool).
 SELECTION_STRATEGIES = (
@@ -51,6 +59,9 @@ SELECTION_STRATEGIES = (
 # The one default of the oversampling ratio r (pool = r x kappa); train.py sizes the loader from the
 # algorithm's value, so a yaml that omits it selects with r = 2.
 DEFAULT_OVERSAMPLING = 2.0
+
+# What the steps between selections (`interval` > 1) train on; see `DataSelection`'s `between`.
+BETWEEN_MODES = ("random", "stale_topk")
 
 VALIDATION_KEYS = ("shard_dir", "split", "domains", "batch_size", "remote", "guide_fraction", "average_beta", "batches")
 
@@ -109,7 +120,19 @@ class DataSelection(Algorithm):
             train unweighted. The model's loss must read the batch's `loss_weight` (DomainCausalLM).
         start, end: Fraction of training during which to select (outside, a uniform random
             subset of the same size is trained on, so every step costs the same).
-        interval: Select every `interval` batches (random subsets in between).
+        interval: Select every `interval` batches (what is trained on in between: `between`).
+        between: What the steps between selections train on when `interval` > 1: `random` (default,
+            a uniform random subset of kappa, no scoring) or `stale_topk`: the pool's gradient
+            features are computed (the pool only: no validation batch is drawn or scored, no solver
+            runs), scored against the validation feature saved at the last selecting step, and
+            the top kappa by `<g_i, gbar_stale>` within the step's per-domain capacities are
+            trained on, unweighted. It saves the validation features and the solve, not the pool
+            features. Needs a validation-guided strategy (partitionsel, greats, id, iwd); works
+            under both scopes (under global scope on the gathered pool, with the gathered
+            validation feature). The saved feature is in the checkpoint; until a selecting step
+            has produced one (and after a resume of `scope: local` on several ranks, whose
+            per-rank features the rank-0 checkpoint cannot hold) a between step trains on a random
+            subset, with a warning. Outside `[start, end)` the steps stay random.
         check_consistency: Verify (one all-gather of a digest) that every rank assembled the same
             gathered problem (features, validation feature, domains, budget); the selections are
             identical by construction, rank 0's being broadcast. Global scope only (rejected with
@@ -118,7 +141,8 @@ class DataSelection(Algorithm):
 
     Raises:
         ValueError: every invalid argument at once (unknown strategy, oversampling below 1, or 1 with
-            a selecting strategy, bad scope, start/end, interval, validation keys or average_beta).
+            a selecting strategy, bad scope, start/end, interval, between, validation keys or
+            average_beta).
     """
 
     def __init__(
@@ -137,11 +161,12 @@ class DataSelection(Algorithm):
         start: float = 0.0,
         end: float = 1.0,
         interval: int = 1,
+        between: str = "random",
         check_consistency: bool = False,
         seed: int = 0,
     ) -> None:
         problems = []
-        from composer_algos.selection import strategy_names
+        from composer_algos.selection import get_strategy, strategy_names
 
         # The built-ins, "none", and strategies other packages add (entry points partitionsel.strategies).
         known = (*SELECTION_STRATEGIES, *(n for n in strategy_names() if n not in SELECTION_STRATEGIES))
@@ -160,6 +185,16 @@ class DataSelection(Algorithm):
             problems.append(f"start and end must satisfy 0 <= start < end <= 1, got start={start}, end={end}")
         if interval < 1:
             problems.append(f"interval must be >= 1, got {interval}")
+        if between not in BETWEEN_MODES:
+            problems.append(f"between must be one of {list(BETWEEN_MODES)}, got {between!r}")
+        elif between == "stale_topk" and strategy in known:
+            guided = strategy != "none" and get_strategy(strategy).needs_validation
+            if not guided:
+                problems.append(
+                    f"between: stale_topk scores the pool against the validation feature of the last selection, "
+                    f"so it needs a validation-guided strategy (partitionsel, greats, id, iwd); strategy "
+                    f"{strategy!r} has none; use between: random"
+                )
         validation_cfg = _validation_config(validation)
         unknown_val = sorted(set(validation_cfg) - set(VALIDATION_KEYS))
         if unknown_val:
@@ -190,6 +225,7 @@ class DataSelection(Algorithm):
         self.capacity_fractions = dict(capacity_fractions) if capacity_fractions else None
         self.weighted_loss = weighted_loss
         self.start, self.end, self.interval = start, end, interval
+        self.between = between
         self.check_consistency = check_consistency
         self.seed = seed
         self.domain_names = list(domain_names) if domain_names is not None else None
@@ -204,6 +240,10 @@ class DataSelection(Algorithm):
         self.val_average = ValidationAverage(float(beta))
         self.fallbacks = 0
         self._extractor_state: dict[str, Any] | None = None
+        # between: stale_topk: the validation feature of the last selecting step (the gathered one
+        # under global scope, after the running average), and whether it is the same on every rank.
+        self._stale_gbar: torch.Tensor | None = None
+        self._stale_gbar_shared = True
 
     # ------------------------------------------------------------------ Composer hooks
     def match(self, event: Event, state: State) -> bool:
@@ -223,6 +263,9 @@ class DataSelection(Algorithm):
             sd["extractor"] = self.extractor.state_dict()
         elif self._extractor_state is not None:
             sd["extractor"] = self._extractor_state
+        # Composer writes rank 0's state: a per-rank feature (local scope, several ranks) is left out.
+        keep = self._stale_gbar is not None and self._stale_gbar_shared
+        sd["stale_gbar"] = self._stale_gbar.detach().cpu() if keep else None  # type: ignore[union-attr]
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -232,6 +275,7 @@ class DataSelection(Algorithm):
         self._extractor_state = state.get("extractor")
         if self.extractor is not None and self._extractor_state is not None:
             self.extractor.load_state_dict(self._extractor_state)
+        self._stale_gbar = state.get("stale_gbar")
 
     @property
     def num_domains(self) -> int:
@@ -359,13 +403,16 @@ class DataSelection(Algorithm):
         gen_seed = mix_seed(self.seed, step, 0 if use_global else dist.get_global_rank())
         eta = float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0
         strategy = self.strategy if self._is_active(state, step) else "random"
-        needs_features = get_strategy(strategy).needs_features
+        stale = strategy == "random" and self._is_stale_step(state, step)
+        needs_features = get_strategy(strategy).needs_features or stale
 
         # Stage 1: assemble the problem (this rank's pool, or every rank's under global scope).
         t0 = time.perf_counter()
         feats_ND, gbar_D, fallback = None, None, None  # fallback: why this step selects at random
         if needs_features:
-            feats_ND, gbar_D, fallback = self._features(state, batch, step, defer_commits=multi)
+            feats_ND, gbar_D, fallback = self._features(
+                state, batch, step, defer_commits=multi, validation=not stale
+            )
         t_feat = _sync_time(t0)
         t1 = time.perf_counter()
         problem = assemble_problem(
@@ -377,26 +424,31 @@ class DataSelection(Algorithm):
             gbar_D=gbar_D,
             n_val=self.validation.last_batch_size if self.validation is not None else 1,
             fallback=fallback,
-            average_gbar=self.val_average.update,
+            average_gbar=None if stale else self.val_average.update,
         )
         t_gather = time.perf_counter() - t1 if multi else 0.0
         if needs_features:
             self._settle_simulated_adam(multi, failed=problem.fallback is not None)
+        if self.between == "stale_topk" and not stale and problem.gbar_D is not None:
+            self._stale_gbar, self._stale_gbar_shared = problem.gbar_D.detach().clone(), multi or world == 1
         if self.check_consistency and multi:
             self._check_same_problem(problem)
 
         # Stage 2: solve (falling back to random within capacities when the problem is broken).
         t2 = time.perf_counter()
         options = self.strategy_options.get(strategy) if strategy == self.strategy else None
-        outcome = solve_problem(
-            problem,
-            strategy,
-            eta=eta,
-            seed=gen_seed,
-            num_domains=self.num_domains,
-            options=options,
-            fractions=self._fractions,
-        )
+        if stale and problem.fallback is None:
+            outcome = self._stale_topk(problem, gen_seed)
+        else:
+            outcome = solve_problem(
+                problem,
+                strategy,
+                eta=eta,
+                seed=gen_seed,
+                num_domains=self.num_domains,
+                options=options,
+                fractions=self._fractions,
+            )
         t_solve = _sync_time(t2)
 
         # Stage 3: redistribute (subset locally, or rebalance the global picks across ranks).
@@ -456,8 +508,13 @@ class DataSelection(Algorithm):
             self.fallbacks,
         )
 
-    def _features(self, state: State, batch: Mapping[str, Any], step: int, *, defer_commits: bool = False):
-        """`(features, gbar, None)`, or `(None, None, reason)` when the features are unusable."""
+    def _features(
+        self, state: State, batch: Mapping[str, Any], step: int, *, defer_commits: bool = False, validation: bool = True
+    ):
+        """`(features, gbar, None)`, or `(None, None, reason)` when the features are unusable.
+
+        With `validation` False (a stale_topk step) no validation batch is drawn or scored: gbar is None.
+        """
         from composer_algos.features import FeatureError
 
         if self.extractor is None:
@@ -467,7 +524,7 @@ class DataSelection(Algorithm):
         device = next(p.device for p in state.model.parameters())
         pool = model_inputs(batch, device)
         val = None
-        if self.spec is not None and self.spec.needs_validation:
+        if validation and self.spec is not None and self.spec.needs_validation:
             if self.validation is None:
                 self._build_validation(state)
             assert self.validation is not None
@@ -510,9 +567,45 @@ class DataSelection(Algorithm):
         return min(chunk, self.kappa) if self.kappa is not None else chunk
 
     def _is_active(self, state: State, step: int) -> bool:
+        return self._in_window(state) and step % self.interval == 0
+
+    def _in_window(self, state: State) -> bool:
         elapsed = state.get_elapsed_duration()
         frac = float(elapsed.value) if elapsed is not None else 0.0
-        return self.start <= frac < self.end and step % self.interval == 0
+        return self.start <= frac < self.end
+
+    def _is_stale_step(self, state: State, step: int) -> bool:
+        """Whether this step, between selections inside the window, trains on the stale top-k."""
+        if self.between != "stale_topk" or step % self.interval == 0 or not self._in_window(state):
+            return False
+        if self._stale_gbar is None:
+            log.warning(
+                "data_selection step %d: between: stale_topk has no validation feature from a selecting step "
+                "yet (none has run or all fell back since the start, or a resume of scope local on several "
+                "ranks); training on a random subset",
+                step,
+            )
+            return False
+        return True
+
+    def _stale_topk(self, problem: Any, seed: int) -> Any:
+        """The between step's selection: the top kappa by `<g_i, gbar_stale>` within this step's capacities."""
+        from composer_algos.selection import compute_capacities
+        from composer_algos.selection.types import finish_result
+        from composer_algos.selection_step import SolveOutcome, broadcast_selection
+
+        assert problem.features_PD is not None and self._stale_gbar is not None
+        features_PD = problem.features_PD
+        scores_P = features_PD @ self._stale_gbar.to(features_PD.device, features_PD.dtype)
+        # The same generator stream as a selecting step's capacities (solve_problem's _run_strategy).
+        gen = torch.Generator().manual_seed(seed)
+        counts_C = torch.bincount(problem.domain_P, minlength=self.num_domains)
+        caps_C = compute_capacities(counts_C, problem.kappa, self._fractions, generator=gen)
+        sel_K = top_k_within_capacities(scores_P, problem.domain_P, caps_C.to(problem.domain_P.device), problem.kappa)
+        result = finish_result(sel_K, problem.domain_P, self.num_domains)
+        if problem.gathered:
+            result = broadcast_selection(result, problem.domain_P, self.num_domains)
+        return SolveOutcome(result, "stale_topk", None)
 
     def _check_same_problem(self, problem: Any) -> None:
         """Verify (one all-gather of a digest) that every rank assembled the same gathered problem.
@@ -542,6 +635,40 @@ def find_data_selection(state: State) -> DataSelection | None:
 def find_data_selection_in(algorithms: Iterable[Any]) -> DataSelection | None:
     """The `DataSelection` among `algorithms`, or None (train.py sizes the loader from its oversampling)."""
     return next((a for a in algorithms if isinstance(a, DataSelection)), None)
+
+
+def top_k_within_capacities(
+    scores_N: torch.Tensor, domain_N: torch.Tensor, capacities_C: torch.Tensor, k: int
+) -> torch.Tensor:
+    """The `k` highest-scoring examples, at most `capacities_C[c]` from domain c (unsorted positions).
+
+    The examples are scanned from the highest score down and kept while their domain has room,
+    until `k` are kept; with capacities summing to `k` that is the top `capacities_C[c]` of every
+    domain. Ties go to the lower position. Vectorised: two stable sorts rank each example within
+    its domain (as `select_random_stratified` does with random keys).
+
+    Args:
+        scores_N: (N,) scores.
+        domain_N: (N,) domain ids in [0, C).
+        capacities_C: (C,) per-domain caps.
+        k: examples to keep (at most the room the caps leave).
+
+    Returns:
+        (min(k, room),) int64 pool positions.
+    """
+    n = scores_N.shape[0]
+    device = scores_N.device
+    by_score_N = torch.sort(-scores_N, stable=True).indices  # highest first
+    by_domain_N = torch.sort(domain_N[by_score_N], stable=True).indices
+    perm_N = by_score_N[by_domain_N]  # grouped by domain, best first inside each
+    counts_C = torch.bincount(domain_N, minlength=capacities_C.shape[0])
+    starts_C = torch.cumsum(counts_C, 0) - counts_C
+    rank_N = torch.empty_like(perm_N)
+    rank_N[perm_N] = torch.arange(n, device=device) - starts_C[domain_N[perm_N]]
+    keep_N = rank_N < capacities_C[domain_N]
+    # Among the keepable examples, the k best (the scan stops at k).
+    order_N = torch.sort(torch.where(keep_N, -scores_N, torch.full_like(scores_N, float("inf"))), stable=True).indices
+    return order_N[: min(k, int(keep_N.sum()))]
 
 
 def _validation_config(validation: Any) -> dict[str, Any]:
