@@ -71,9 +71,17 @@ class PartitionSelOptions:
             floating-point rounding.
         gram_batch_rows: rows per speculative batch of the lazy Gram (default 32).
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
-            on CPU (default False). This changes PyTorch's process-wide thread count for the
-            duration of the call (restored afterwards; not thread-safe): use it when the
-            process has no other threads and its cores are shared with other work.
+            on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
+            `tools/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
+            threads, interleaved medians, on the 2-core VM shared with a study run, load average
+            3.2-5.8): on/off time 0.66 at n = 32 (19 vs 29 ms), 0.82 at n = 64 (25 vs 31 ms) and
+            0.26 at n = 2048, D = 2048 (4.8 vs 18.5 s); on an idle VM the two are within noise
+            without swap (n = 2048: 293 vs 288 ms) and one thread costs up to 17% with
+            `refine: swap` (docs/selection.md, Threads). A run rarely knows whether its cores
+            are shared, and the loss when they are is 1.2-4x, so one thread is the default. It
+            changes PyTorch's process-wide thread count for the duration of the call (restored
+            afterwards; not thread-safe): set False when other Python threads of the process run
+            torch work meanwhile, or on an idle many-core CPU with `refine: swap`.
     """
 
     pick: str = "greedy"
@@ -87,7 +95,7 @@ class PartitionSelOptions:
     ridge: float = 1e-6
     gram_rows: str = "auto"
     gram_batch_rows: int = 32
-    cpu_single_thread: bool = False
+    cpu_single_thread: bool = True
 
     def __post_init__(self) -> None:
         problems = []

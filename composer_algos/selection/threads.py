@@ -1,4 +1,4 @@
-"""Opt-in single-threaded CPU execution of the solvers' small-kernel loops (a process-wide setting)."""
+"""Single-threaded CPU execution of the solvers' small-kernel loops (a process-wide setting)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ def single_thread_on_cpu(device: torch.device, enabled: bool) -> Iterator[None]:
 
     PyTorch's intra-op thread count is process-wide (``torch.set_num_threads``): while the block
     runs, every other Python thread of the process also runs single-threaded, and two such blocks
-    in different threads can restore each other's value in the wrong order. Hence opt-in (the
-    ``cpu_single_thread`` option of ``partitionsel`` and ``iwd``, default off). On a machine whose
-    cores are busy with other work, the OpenMP/BLAS hand-offs of the OMP rounds' kernels (vectors
-    of a few thousand entries, matrices up to ``k x N``) can cost several times the work itself.
+    in different threads can restore each other's value in the wrong order. Hence an option (the
+    ``cpu_single_thread`` option of ``partitionsel`` and ``iwd``, default on since issue 15's
+    measurements, see ``PartitionSelOptions``). On a machine whose cores are busy with other
+    work, the OpenMP/BLAS hand-offs of the OMP rounds' kernels (vectors of a few thousand
+    entries, matrices up to ``k x N``) can cost several times the work itself.
 
     Args:
         device: where the solver runs (CUDA blocks are left alone).
