@@ -53,6 +53,12 @@ ABLATIONS = {
         f"{SEL}.capacity_fractions={{algebra:1,arithmetic:1,calculus:1,comparison:1,measurement:1,numbers:1,"
         "polynomials:1,probability:1}}"
     ],
+    # Issue 15's cost knobs (their Jaccard and feature-time ratio: tools/knob_fidelity.py,
+    # docs/data_selection.md "Cost knobs"); a variant's overrides are comma-separated, so no commas.
+    "score_tokens32": [f"{SEL}.features.score_tokens=32"],
+    "mlp_only": [f"{SEL}.features.target_modules=['mlp\\.down_proj']"],
+    "interval2_stale": [f"{SEL}.interval=2", f"{SEL}.between=stale_topk"],
+    "interval2_random": [f"{SEL}.interval=2"],
 }
 # Lookahead arms: the settings before the signal-chain fixes, the yaml's default, each fix, and
 # diagnostics. The guide set holds 64 examples; an arm uses its first `guide_size` (a larger guide
