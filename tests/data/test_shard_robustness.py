@@ -366,6 +366,7 @@ _HEAVY = ("torch", "transformers", "streaming", "composer")
         "bench_selection",
         "bench_features",
         "bench_step",
+        "knob_fidelity",
     ],
 )
 def test_help_imports_no_heavy_library(tool):

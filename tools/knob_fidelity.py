@@ -1,0 +1,366 @@
+"""Fidelity of the selection cost knobs: shadow selections beside one real PartitionSel run (issue 15.4).
+
+Example:
+    OMP_NUM_THREADS=1 python tools/knob_fidelity.py --steps 50 --out runs/knob_fidelity
+
+One real training run of PartitionSel at full cost (the yaml's settings; default the study config
+yamls/study/dm_math.yaml on runs/study/shards/dm_math, sharded from ../shared/data/dm_math into a
+temporary directory when that is absent). At every step, before the real selection and on the
+same pool and the same model, each knob variant's selection is also computed (a shadow: nothing
+is trained on it) and its Jaccard overlap |A & B| / |A | B| with the full-cost selection is
+recorded, with its feature time against the full cost's on the same step (the variants run in a
+rotating order, so the machine's load drifts over all of them alike). Every variant solves with
+the step's own generator, so its capacities are the real step's.
+
+Variants:
+    full             the yaml's features recomputed: against the trained selection (a check: 1)
+    score_tokens16/32/64   features.score_tokens (the pool's first t target tokens)
+    mlp_down         the last block's MLP down_proj only
+    attention        the last block's attention projections only
+    proj_dim256      features.proj_dim 256
+    stale_topk_i2/4  interval 2 / 4 with between: stale_topk: on the steps between selections the
+                     pool's full-cost features scored against the validation feature of the last
+                     selecting step (kept from this run's full-cost shadow), top kappa within the
+                     capacities; feature time = the pool alone (no validation forward, no solve)
+    random           a uniform random subset, as `between: random` trains (the floor)
+    random_caps      random within the step's capacities (chance level)
+
+For the stale variants the Jaccard is over the between steps only (a selecting step is the full
+selection), and the cost is given per between step and amortised over an interval.
+
+Writes DIR/knob_fidelity.md (the table) and DIR/knob_fidelity.json (per step and summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+DEFAULT_YAML = REPO / "yamls" / "study" / "dm_math.yaml"
+DEFAULT_SHARDS = REPO / "runs" / "study" / "shards" / "dm_math"
+DATA = REPO.parent / "shared" / "data" / "dm_math"
+
+# name -> extra feature options over the yaml's (None: not a feature variant).
+FEATURE_VARIANTS: dict[str, dict[str, Any]] = {
+    "full": {},
+    "score_tokens16": {"score_tokens": 16},
+    "score_tokens32": {"score_tokens": 32},
+    "score_tokens64": {"score_tokens": 64},
+    "mlp_down": {"target_modules": [r"mlp\.down_proj"]},
+    "attention": {"target_modules": [r"self_attn\."]},
+    "proj_dim256": {"proj_dim": 256},
+}
+STALE_INTERVALS = (2, 4)
+DESCRIPTIONS = {
+    "full": "the yaml's features, recomputed (against the trained selection)",
+    "score_tokens16": "`features.score_tokens: 16`",
+    "score_tokens32": "`features.score_tokens: 32`",
+    "score_tokens64": "`features.score_tokens: 64`",
+    "mlp_down": r"last block, `target_modules: ['mlp\.down_proj']`",
+    "attention": r"last block, `target_modules: ['self_attn\.']`",
+    "proj_dim256": "`features.proj_dim: 256`",
+    "stale_topk_i2": "`interval: 2, between: stale_topk` (between steps)",
+    "stale_topk_i4": "`interval: 4, between: stale_topk` (between steps)",
+    "random": "`between: random`: a uniform subset (floor)",
+    "random_caps": "random within the step's capacities (chance level)",
+}
+
+
+def jaccard(a: set[int], b: set[int]) -> float:
+    """|a & b| / |a | b| (1 for two empty sets)."""
+    union = a | b
+    return len(a & b) / len(union) if union else 1.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--yaml", type=Path, default=DEFAULT_YAML, help="run config (default: the study's)")
+    parser.add_argument(
+        "--shards", type=Path, default=None,
+        help=f"shard directory (default: {DEFAULT_SHARDS.relative_to(REPO)}, else ../shared/data/dm_math sharded "
+        "into a temporary directory)",
+    )
+    parser.add_argument("--steps", type=int, default=50, help="training steps, each with its shadows (default 50)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for knob_fidelity.md and .json")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE",
+        help="extra config override (repeatable), after the tool's own",
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="knob_fidelity_") as tmp:
+        shards = args.shards
+        if shards is None:
+            shards = DEFAULT_SHARDS if (DEFAULT_SHARDS / "manifest.json").exists() else _shard_study(Path(tmp))
+        records, meta = run(args.yaml, shards, Path(tmp) / "run", args.steps, args.override)
+    meta["wall_s"] = time.perf_counter() - t0
+    meta["command"] = "python tools/knob_fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    summary = summarize(records)
+    (args.out / "knob_fidelity.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "steps": records}, indent=1)
+    )
+    table = format_table(summary, meta)
+    (args.out / "knob_fidelity.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str]) -> tuple[list[dict], dict]:
+    """Train `steps` steps of the yaml's PartitionSel, computing every variant's shadow selection each step."""
+    import torch
+    from composer.core.precision import get_precision_context
+    from composer.loggers import ConsoleLogger, ProgressBarLogger
+
+    import composer_algos.selection_algorithm as sa
+    import train
+    from composer_algos.features import GradFeatureExtractor
+    from composer_algos.registry import load_run_config
+    from composer_algos.seeding import mix_seed
+    from composer_algos.selection import compute_capacities
+    from composer_algos.selection_step import assemble_problem, solve_problem
+    from composer_algos.validation_source import model_inputs
+
+    cfg = load_run_config(
+        yaml,
+        [
+            f"variables.shard_dir={shards}",
+            f"save_folder={save_folder}",
+            f"max_duration={steps}ba",
+            "eval_loader=null",
+            "python_log_level=error",
+            "console_log_interval=1000ba",
+            "algorithms.data_selection.strategy=partitionsel",
+            "device=cpu",
+            "precision=fp32",
+            *extra,
+        ],
+    )
+    trainer = train.build_trainer(cfg)
+    quiet = (ConsoleLogger, ProgressBarLogger)
+    trainer.logger.destinations = tuple(d for d in trainer.logger.destinations if not isinstance(d, quiet))
+    trainer.state.callbacks[:] = [c for c in trainer.state.callbacks if not isinstance(c, quiet)]
+    algo = sa.find_data_selection(trainer.state)
+    assert algo is not None and algo.scope != "global", "the shadows compare one rank's selections"
+    trained: dict[int, set[int]] = {}
+    records: list[dict] = []
+    shadows: dict[str, GradFeatureExtractor] = {}
+    stale_gbar: dict[int, torch.Tensor] = {}  # selecting step of the stale variants -> its gbar
+
+    original_redistribute = sa.redistribute
+
+    def recording_redistribute(batch, problem, result, **kw):
+        trained[int(trainer.state.timestamp.batch.value)] = set(result.indices.tolist())
+        return original_redistribute(batch, problem, result, **kw)
+
+    sa.redistribute = recording_redistribute
+    original_select = algo._select
+
+    def select_with_shadows(state, logger):
+        step = int(state.timestamp.batch.value)
+        batch = state.batch
+        domain_N = batch[algo.domain_key]
+        algo._prepare(state, int(domain_N.shape[0]), domain_N)
+        if algo.validation is None:
+            algo._build_validation(state)
+        model = state.model  # as the algorithm's own extractor gets it (single process: no DDP wrapper)
+        device = next(model.parameters()).device
+        if not shadows:
+            for name, opts in FEATURE_VARIANTS.items():
+                shadows[name] = GradFeatureExtractor(model, seed=algo.seed, **{**algo.feature_cfg, **opts})
+        pool = model_inputs(batch, device)
+        val_batch = algo.validation.batch_for_step(step)
+        val = model_inputs(val_batch, device)
+        n_val = int(val["input_ids"].shape[0])
+        optimizer = state.optimizers[0]
+        eta = float(optimizer.param_groups[0]["lr"])
+        gen_seed = mix_seed(algo.seed, step, 0)
+        chunk = algo._auto_chunk_size(state)
+        options = algo.strategy_options.get("partitionsel")
+
+        def context():
+            return get_precision_context(state.precision, state.precision_config)
+
+        def features(name: str, with_val: bool = True):
+            ext = shadows[name]
+            t = time.perf_counter()
+            G, gbar = ext.compute(
+                pool, val if with_val else None, step=step, optimizer=optimizer, precision_context=context,
+                auto_chunk_size=chunk,
+            )
+            return G, gbar, time.perf_counter() - t
+
+        def solve(strategy: str, G=None, gbar=None):
+            t = time.perf_counter()
+            problem = assemble_problem(
+                domain_N, kappa_rank=algo.kappa, gather=False, needs_features=G is not None, features_ND=G,
+                gbar_D=gbar, n_val=n_val,
+            )
+            outcome = solve_problem(
+                problem, strategy, eta=eta, seed=gen_seed, num_domains=algo.num_domains,
+                options=options if strategy == "partitionsel" else None, fractions=algo._fractions,
+            )
+            return set(outcome.result.indices.tolist()), time.perf_counter() - t, outcome.fallback
+
+        def stale(G, gbar_stale):
+            t = time.perf_counter()
+            counts_C = torch.bincount(domain_N.to(G.device), minlength=algo.num_domains)
+            caps_C = compute_capacities(counts_C, algo.kappa, algo._fractions, generator=torch.Generator().manual_seed(gen_seed))
+            sel = sa.top_k_within_capacities(G @ gbar_stale.to(G.dtype), domain_N.to(G.device), caps_C, algo.kappa)
+            return set(sel.tolist()), time.perf_counter() - t
+
+        # The jobs, in an order rotated every step; "pool_only" times the stale steps' features.
+        jobs = [*FEATURE_VARIANTS, "pool_only"]
+        shift = step % len(jobs)
+        rec: dict[str, Any] = {"step": step, "feat_s": {}, "solve_s": {}, "sel": {}, "fallback": {}}
+        results: dict[str, Any] = {}
+        for name in jobs[shift:] + jobs[:shift]:
+            if name == "pool_only":
+                G, _, t_feat = features("full", with_val=False)
+                results[name] = G
+                rec["feat_s"][name] = t_feat
+                continue
+            G, gbar, t_feat = features(name)
+            sel, t_solve, fallback = solve("partitionsel", G, gbar)
+            results[name] = (G, gbar)
+            rec["feat_s"][name], rec["solve_s"][name], rec["sel"][name] = t_feat, t_solve, sel
+            rec["fallback"][name] = fallback
+        G_full, gbar_full = results["full"]
+        for k in STALE_INTERVALS:
+            name = f"stale_topk_i{k}"
+            if step % k == 0:
+                stale_gbar[k] = gbar_full
+                rec["sel"][name] = rec["sel"]["full"]
+                rec.setdefault("stale_between", {})[name] = False
+            elif k in stale_gbar:
+                rec["sel"][name], rec["solve_s"][name] = stale(results["pool_only"], stale_gbar[k])
+                rec.setdefault("stale_between", {})[name] = True
+        rec["sel"]["random"], rec["solve_s"]["random"], _ = solve("random")
+        rec["sel"]["random_caps"], rec["solve_s"]["random_caps"], _ = solve("random_stratified")
+        original_select(state, logger)
+        rec["trained"] = trained.get(step)
+        full = rec["sel"]["full"]
+        rec["jaccard"] = {name: jaccard(sel, full) for name, sel in rec["sel"].items() if name != "full"}
+        rec["jaccard"]["full"] = jaccard(full, rec["trained"]) if rec["trained"] is not None else float("nan")
+        rec["pool"], rec["kappa"] = int(domain_N.shape[0]), int(algo.kappa)
+        records.append(rec)
+
+    algo._select = select_with_shadows  # type: ignore[method-assign]
+    try:
+        trainer.fit()
+    finally:
+        sa.redistribute = original_redistribute
+        trainer.close()
+    for rec in records:  # sets are not JSON
+        rec["sel"] = {k: sorted(v) for k, v in rec["sel"].items()}
+        rec["trained"] = sorted(rec["trained"]) if rec["trained"] is not None else None
+    model_cfg = dict(getattr(cfg.model, "config", None) or {})
+    meta = {
+        "yaml": str(yaml),
+        "shards": str(shards),
+        "steps": steps,
+        "pool": records[0]["pool"] if records else None,
+        "kappa": records[0]["kappa"] if records else None,
+        "features": {k: v for k, v in algo.feature_cfg.items()},
+        "model": {k: model_cfg.get(k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")},
+        "max_seq_len": cfg.max_seq_len,
+        "threads": torch.get_num_threads(),
+    }
+    return records, meta
+
+
+def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Per variant: mean and min Jaccard with the full-cost selection, and the median time ratios on the same step."""
+    out: dict[str, dict[str, float]] = {}
+    names = list(FEATURE_VARIANTS) + [f"stale_topk_i{k}" for k in STALE_INTERVALS] + ["random", "random_caps"]
+    for name in names:
+        if name.startswith("stale_topk"):
+            rows = [r for r in records if r.get("stale_between", {}).get(name)]
+        else:
+            rows = [r for r in records if name in r["jaccard"]]
+        jac = [r["jaccard"][name] for r in rows if r["jaccard"][name] == r["jaccard"][name]]
+        entry: dict[str, float] = {"steps": float(len(jac))}
+        if jac:
+            entry["jaccard_mean"] = statistics.fmean(jac)
+            entry["jaccard_min"] = min(jac)
+        full_cost = [r["feat_s"]["full"] + r["solve_s"]["full"] for r in rows]
+        if name in FEATURE_VARIANTS:
+            entry["feat_ms"] = 1000 * statistics.median(r["feat_s"][name] for r in rows) if rows else float("nan")
+            entry["feat_ratio"] = statistics.median(r["feat_s"][name] / r["feat_s"]["full"] for r in rows) if rows else float("nan")
+            entry["select_ratio"] = (
+                statistics.median((r["feat_s"][name] + r["solve_s"][name]) / c for r, c in zip(rows, full_cost))
+                if rows else float("nan")
+            )
+            entry["fallbacks"] = float(sum(r["fallback"].get(name) is not None for r in rows))
+        elif name.startswith("stale_topk") and rows:
+            k = int(name.removeprefix("stale_topk_i"))
+            entry["feat_ms"] = 1000 * statistics.median(r["feat_s"]["pool_only"] for r in rows)
+            entry["feat_ratio"] = statistics.median(r["feat_s"]["pool_only"] / r["feat_s"]["full"] for r in rows)
+            between = statistics.median(
+                (r["feat_s"]["pool_only"] + r["solve_s"][name]) / c for r, c in zip(rows, full_cost)
+            )
+            entry["select_ratio"] = between
+            entry["select_ratio_amortised"] = (1 + (k - 1) * between) / k
+        elif rows:
+            entry["feat_ms"], entry["feat_ratio"] = 0.0, 0.0
+            entry["select_ratio"] = statistics.median(r["solve_s"][name] / c for r, c in zip(rows, full_cost))
+        out[name] = entry
+    return out
+
+
+def format_table(summary: dict[str, dict[str, float]], meta: dict) -> str:
+    """The markdown table of `summarize`'s figures, with the run's setting above it."""
+    lines = [
+        f"{meta.get('steps')} steps of {Path(str(meta.get('yaml'))).name} (pool {meta.get('pool')}, kappa "
+        f"{meta.get('kappa')}, features {meta.get('features')}, {meta.get('threads')} thread(s)); Jaccard with "
+        "the full-cost selection on the same pool; time ratios are medians over steps of the variant against "
+        "the full cost on the same step (features: the feature pass; selection: features + solve).",
+        "",
+        "| variant | setting | steps | Jaccard mean | Jaccard min | features ms | features / full | selection / full |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, e in summary.items():
+        sel = f"{e['select_ratio']:.2f}" if "select_ratio" in e else "-"
+        if "select_ratio_amortised" in e:
+            sel += f" ({e['select_ratio_amortised']:.2f} amortised)"
+        lines.append(
+            f"| {name} | {DESCRIPTIONS[name]} | {int(e['steps'])} | {e.get('jaccard_mean', float('nan')):.3f} | "
+            f"{e.get('jaccard_min', float('nan')):.3f} | {e.get('feat_ms', float('nan')):.1f} | "
+            f"{e.get('feat_ratio', float('nan')):.2f} | {sel} |"
+        )
+    return "\n".join(lines)
+
+
+def _shard_study(tmp: Path) -> Path:
+    """../shared/data/dm_math sharded as the study does (tools/study_dm_math.py), into `tmp`."""
+    import shard as shard_tool
+
+    out = tmp / "shards" / "dm_math"
+    rc = shard_tool.main(
+        ["metamathqa", str(DATA / "train.json"), "--val-file", str(DATA / "val.json"), "--out", str(out),
+         "--max-seq-len", "160", "--no-progress"]
+    )
+    if rc != 0:
+        raise SystemExit(f"sharding {DATA} failed (tools/shard.py exit {rc})")
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
