@@ -226,7 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         "--device", choices=("cpu", "cuda"), default="cpu",
         help="cpu (fp32) or cuda (amp_bf16, the recipes' precision) (default: cpu)",
     )
+    parser.add_argument(
+        "--solver-threads", action="store_true",
+        help="instead: time the partitionsel solve at n = 32, 64, 2048 (kappa n/2) with cpu_single_thread "
+        "off and on, interleaved, with --threads (default 2) intra-op threads",
+    )
     args = parser.parse_args(argv)
+    if args.solver_threads:
+        return solver_threads(args.threads or 2)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
@@ -285,6 +292,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# (n, D, repeats) of the thread comparison: the tiny configs' pools (proj_dim 64) and a large pool
+# at the 1B recipe's proj_dim (its hidden size); kappa = n / 2 (r = 2) throughout.
+SOLVER_THREAD_CASES = ((32, 64, 41), (64, 64, 41), (2048, 2048, 3))
+
+
+def solver_threads(threads: int) -> int:
+    """Print the partitionsel solve's median time with `cpu_single_thread` off and on, interleaved, per n."""
+    import torch
+    from bench_selection import make_instance
+
+    from composer_algos.selection import get_strategy
+
+    torch.set_num_threads(threads)
+    spec = get_strategy("partitionsel")
+    print(f"partitionsel solve (exact refit, kappa = n/2, 8 domains), {threads} intra-op threads; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"{'n':>6} {'D':>6} {'off ms':>10} {'on ms':>10} {'on/off':>8}")
+    for n, dim, reps in SOLVER_THREAD_CASES:
+        features, val_feature, domain_ids = make_instance(n, dim, 8, seed=0)
+
+        def run(single: bool) -> None:
+            spec.fn(
+                features=features, val_feature=val_feature, domain_ids=domain_ids, num_domains=8, kappa=n // 2,
+                eta=0.5, generator=torch.Generator().manual_seed(0), capacities=None, cpu_single_thread=single,
+            )
+
+        med = _interleaved({"off": lambda: run(False), "on": lambda: run(True)}, reps)
+        print(f"{n:>6} {dim:>6} {1000 * med['off']:>10.2f} {1000 * med['on']:>10.2f} {med['on'] / med['off']:>8.2f}",
+              flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} after; torch.get_num_threads() = {torch.get_num_threads()}")
+    return 0
+
+
 def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, args: argparse.Namespace) -> dict:
     """One row: the four strategies stepped round robin, then the standalone timings on a partitionsel pool."""
     from composer.callbacks import CheckpointSaver
@@ -317,7 +357,7 @@ def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, a
         callbacks = trainer.state.callbacks
         # Stepping one batch per fit() call: no checkpoint at each call's end, and the monitor's
         # files stay open until the end (its fit_end closes them).
-        callbacks[:] = [c for c in callbacks if not isinstance(c, CheckpointSaver)]
+        callbacks[:] = [c for c in callbacks if not isinstance(c, (CheckpointSaver, ConsoleLogger, ProgressBarLogger))]
         for c in callbacks:
             if isinstance(c, MixtureMonitor):
                 c.fit_end = _no_fit_end  # type: ignore[method-assign]

@@ -164,7 +164,7 @@ def _build(yaml: Path, shards: Path, run_dir: Path, args: argparse.Namespace):
     )
     trainer = train.build_trainer(cfg)
     callbacks = trainer.state.callbacks
-    callbacks[:] = [c for c in callbacks if not isinstance(c, CheckpointSaver)]
+    callbacks[:] = [c for c in callbacks if not isinstance(c, (CheckpointSaver, ConsoleLogger, ProgressBarLogger))]
     for c in callbacks:
         if isinstance(c, MixtureMonitor):
             c.fit_end = _no_fit_end  # type: ignore[method-assign]

@@ -21,6 +21,8 @@ def test_bench_step_on_cuda_prints_ratios_and_scoring_peak_within_training_peak(
         "cuda",
         "--steps",
         "6",
+        "--configs",
+        "tiny",
         "--ratios",
         "2,4",
         "--repeats",
@@ -30,7 +32,7 @@ def test_bench_step_on_cuda_prints_ratios_and_scoring_peak_within_training_peak(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     print(out)
-    assert "(ps-rand)/feat" in out and "target (partitionsel - random) <= 1.15" in out
+    assert "(ps-rand)/fwd" in out and "ps/random" in out
     peaks = re.findall(r"scoring/training (\d+\.\d+) \(target <= 1\)", out)
     assert len(peaks) == 2, out
     assert all(float(p) <= 1.0 for p in peaks), out
