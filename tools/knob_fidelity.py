@@ -14,6 +14,8 @@ the step's own generator, so its capacities are the real step's.
 
 Variants:
     full             the yaml's features recomputed: against the trained selection (a check: 1)
+    val_redraw       the yaml's features with another validation draw (the next step's): how far
+                     the selection moves with the validation batch alone (the noise level)
     score_tokens16/32/64   features.score_tokens (the pool's first t target tokens)
     mlp_down         the last block's MLP down_proj only
     attention        the last block's attention projections only
@@ -53,6 +55,7 @@ DATA = REPO.parent / "shared" / "data" / "dm_math"
 # name -> extra feature options over the yaml's (None: not a feature variant).
 FEATURE_VARIANTS: dict[str, dict[str, Any]] = {
     "full": {},
+    "val_redraw": {},
     "score_tokens16": {"score_tokens": 16},
     "score_tokens32": {"score_tokens": 32},
     "score_tokens64": {"score_tokens": 64},
@@ -63,6 +66,7 @@ FEATURE_VARIANTS: dict[str, dict[str, Any]] = {
 STALE_INTERVALS = (2, 4)
 DESCRIPTIONS = {
     "full": "the yaml's features, recomputed (against the trained selection)",
+    "val_redraw": "full cost, another validation draw (noise level)",
     "score_tokens16": "`features.score_tokens: 16`",
     "score_tokens32": "`features.score_tokens: 32`",
     "score_tokens64": "`features.score_tokens: 64`",
@@ -198,11 +202,11 @@ def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str
         def context():
             return get_precision_context(state.precision, state.precision_config)
 
-        def features(name: str, with_val: bool = True):
+        def features(name: str, with_val: bool = True, val_batch=val):
             ext = shadows[name]
             t = time.perf_counter()
             G, gbar = ext.compute(
-                pool, val if with_val else None, step=step, optimizer=optimizer, precision_context=context,
+                pool, val_batch if with_val else None, step=step, optimizer=optimizer, precision_context=context,
                 auto_chunk_size=chunk,
             )
             return G, gbar, time.perf_counter() - t
@@ -229,7 +233,12 @@ def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str
         # The jobs, in an order rotated every step; "pool_only" times the stale steps' features.
         jobs = [*FEATURE_VARIANTS, "pool_only"]
         shift = step % len(jobs)
-        rec: dict[str, Any] = {"step": step, "feat_s": {}, "solve_s": {}, "sel": {}, "fallback": {}}
+        targets_N = (pool["labels"][:, 1:] != -100).sum(dim=1)
+        rec: dict[str, Any] = {
+            "step": step, "feat_s": {}, "solve_s": {}, "sel": {}, "fallback": {}, "score_seq_len": {},
+            "seq_len": int(pool["input_ids"].shape[1]),
+            "targets_median": float(targets_N.float().median()), "targets_max": int(targets_N.max()),
+        }
         results: dict[str, Any] = {}
         for name in jobs[shift:] + jobs[:shift]:
             if name == "pool_only":
@@ -237,7 +246,13 @@ def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str
                 results[name] = G
                 rec["feat_s"][name] = t_feat
                 continue
-            G, gbar, t_feat = features(name)
+            if name == "val_redraw":
+                other = model_inputs(algo.validation.batch_for_step(step + 1), device)
+                G, gbar, t_feat = features("full", val_batch=other)
+            else:
+                G, gbar, t_feat = features(name)
+            if shadows[name].score_length_in_use is not None:
+                rec["score_seq_len"][name] = shadows[name].score_length_in_use
             sel, t_solve, fallback = solve("partitionsel", G, gbar)
             results[name] = (G, gbar)
             rec["feat_s"][name], rec["solve_s"][name], rec["sel"][name] = t_feat, t_solve, sel
@@ -282,6 +297,13 @@ def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str
         "model": {k: model_cfg.get(k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")},
         "max_seq_len": cfg.max_seq_len,
         "threads": torch.get_num_threads(),
+        "seq_len_median": statistics.median(r["seq_len"] for r in records) if records else None,
+        "targets_per_example_median": statistics.median(r["targets_median"] for r in records) if records else None,
+        "targets_per_example_max": max(r["targets_max"] for r in records) if records else None,
+        "score_seq_len_median": {
+            name: statistics.median(r["score_seq_len"][name] for r in records)
+            for name in FEATURE_VARIANTS if records and name in records[0]["score_seq_len"]
+        },
     }
     return records, meta
 
@@ -331,7 +353,12 @@ def format_table(summary: dict[str, dict[str, float]], meta: dict) -> str:
         f"{meta.get('steps')} steps of {Path(str(meta.get('yaml'))).name} (pool {meta.get('pool')}, kappa "
         f"{meta.get('kappa')}, features {meta.get('features')}, {meta.get('threads')} thread(s)); Jaccard with "
         "the full-cost selection on the same pool; time ratios are medians over steps of the variant against "
-        "the full cost on the same step (features: the feature pass; selection: features + solve).",
+        "the full cost on the same step (features: the feature pass; selection: features + solve). Pools are "
+        f"padded to {meta.get('seq_len_median')} tokens (median over steps); an example has "
+        f"{meta.get('targets_per_example_median')} target tokens (median of the steps' medians, max "
+        f"{meta.get('targets_per_example_max')}); the score_tokens cut leaves "
+        + ", ".join(f"{k}: {v:g}" for k, v in (meta.get("score_seq_len_median") or {}).items())
+        + " positions (median).",
         "",
         "| variant | setting | steps | Jaccard mean | Jaccard min | features ms | features / full | selection / full |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
