@@ -34,6 +34,44 @@ def verdict(name: str, baseline: str, summary: dict) -> str:
     return f"{name} and {baseline} are not distinguishable at this many seeds ({span})."
 
 
+def partitionsel_against_others(
+    per_seed: dict, *, subject: str = "partitionsel", against: tuple[str, ...] = ("id", "greats", "colm", "gradnorm")
+) -> tuple[str, list[str]]:
+    """`subject` minus each other strategy, paired by seed, on the average validation loss.
+
+    Args:
+        per_seed: comparison.json's `per_seed` (strategy -> seed -> {"average", "domains"}).
+
+    Returns:
+        A markdown table and one verdict sentence per pairing ("", [] when `subject` has no runs).
+    """
+    from composer_algos.experiment_stats import paired_summary
+
+    mine = per_seed.get(subject)
+    if not mine:
+        return "", []
+    rows, verdicts = [], []
+    for other in against:
+        theirs = per_seed.get(other, {})
+        seeds = sorted((s for s in mine if s in theirs), key=str)
+        if not seeds:
+            continue
+        summary = paired_summary([mine[s]["average"] - theirs[s]["average"] for s in seeds])
+        lo, hi = summary["ci_low"], summary["ci_high"]
+        ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) and math.isfinite(hi) else "[n/a]"
+        rows.append(f"| {subject} - {other} | {summary['n']} | {summary['mean']:+.4f} {ci} |")
+        verdicts.append(verdict(subject, other, summary))
+    if not rows:
+        return "", []
+    head = [
+        f"{subject} against the other selectors (paired by seed, average validation loss; mean [95% t interval]; negative = {subject} lower)",
+        "",
+        "| pairing | seeds | average |",
+        "|---|---:|---:|",
+    ]
+    return "\n".join(head + rows), verdicts
+
+
 def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
     """Assemble the study's tables and figures into `doc` (PNG files beside it)."""
     doc.parent.mkdir(parents=True, exist_ok=True)
@@ -76,6 +114,12 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
             paired = json.loads((exp / "paired.json").read_text())
             for strat, entry in paired["strategies"].items():
                 conclusions.append(f"- {title}: " + verdict(strat, paired["baseline"], entry["average"]))
+        if (exp / "comparison.json").exists():
+            per_seed = json.loads((exp / "comparison.json").read_text()).get("per_seed", {})
+            table, verdicts = partitionsel_against_others(per_seed)
+            if table:
+                lines += [table, ""]
+                conclusions += [f"- {title}: {v}" for v in verdicts]
         if (exp / "selection.md").exists():
             lines += [(exp / "selection.md").read_text().strip(), ""]
         if (exp / "curves.png").exists():

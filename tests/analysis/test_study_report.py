@@ -38,3 +38,18 @@ def test_report_collects_tables_and_verdicts(tmp_path):
     text = doc.read_text()
     assert "lookahead table" in text and "paired table" in text
     assert "partitionsel has lower average validation loss than random beyond seed noise" in text
+
+
+def test_partitionsel_is_paired_against_each_selector_by_seed():
+    # Hand-computed: partitionsel - id per seed = -0.1, -0.3 (seed 3 has no id run) -> mean -0.2.
+    per_seed = {
+        "partitionsel": {"1": {"average": 1.0}, "2": {"average": 1.1}, "3": {"average": 0.9}},
+        "id": {"1": {"average": 1.1}, "2": {"average": 1.4}},
+        "greats": {"1": {"average": 0.5}},
+    }
+    table, verdicts = study_report.partitionsel_against_others(per_seed, against=("id", "greats", "colm"))
+    assert "| partitionsel - id | 2 | -0.2000 [" in table
+    assert "| partitionsel - greats | 1 | +0.5000 [n/a] |" in table
+    assert "colm" not in table
+    assert "too few paired seeds" in verdicts[1]
+    assert study_report.partitionsel_against_others({"id": per_seed["id"]}) == ("", [])
