@@ -10,7 +10,22 @@ import torch.nn.functional as F
 
 from pipeline.collators import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "per_token_losses", "per_example_losses"]
+__all__ = ["IGNORE_INDEX", "mask_and_labels", "per_token_losses", "per_example_losses"]
+
+
+def mask_and_labels(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's `attention_mask` and `labels`, with the defaults every scoring path uses.
+
+    Missing mask: all ones. Missing labels: the inputs, with padding ignored (IGNORE_INDEX).
+    """
+    input_ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    labels = batch.get("labels")
+    if labels is None:
+        labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return mask, labels
 
 
 def per_token_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from composer_algos.losses import mask_and_labels
 from composer_algos.seeding import mix_seed
-from pipeline.collators import IGNORE_INDEX, build_collator
+from pipeline.collators import build_collator
 from pipeline.dataset import DomainStreamingDataset
 from pipeline.holdout import DEFAULT_GUIDE_FRACTION, dataset_guide_mask
 
@@ -165,10 +166,5 @@ class BatchValidationSource:
 def model_inputs(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
     """`input_ids`, `attention_mask` and `labels` of a batch on `device` (defaults: all ones; inputs, padding ignored)."""
     input_ids = batch["input_ids"]
-    mask = batch.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(input_ids)
-    labels = batch.get("labels")
-    if labels is None:
-        labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+    mask, labels = mask_and_labels(batch)
     return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}

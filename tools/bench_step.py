@@ -243,9 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [float(r) for r in args.ratios.split(",")]
     if any(r <= 1 for r in ratios):
         parser.error(f"--ratios must all be > 1, got {args.ratios}")
-    import shard as shard_tool
     import torch
-    from sample_corpus import write_sample_corpus
 
     from pipeline.config import load_config
 
@@ -258,12 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         root = Path(tmp)
-        write_sample_corpus(root / "corpus", seed=0, scale=1.0)
         shards = root / "shards"
-        rc = shard_tool.main(
-            ["dolma", str(root / "corpus" / "dolma" / "documents"), "--out", str(shards),
-             "--max-seq-len", str(SEQ_LEN), "--val-count", "16", "--no-progress"]
-        )
+        rc = write_bench_shards(root / "corpus", shards)
         if rc:
             return rc
         where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
@@ -327,11 +321,7 @@ def solver_threads(threads: int) -> int:
 
 def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, args: argparse.Namespace) -> dict:
     """One row: the four strategies stepped round robin, then the standalone timings on a partitionsel pool."""
-    from composer.callbacks import CheckpointSaver
-    from composer.loggers import ConsoleLogger, ProgressBarLogger
-
     import train
-    from composer_algos.mixture_monitor import MixtureMonitor
     from composer_algos.selection_algorithm import DataSelection
     from pipeline.config import load_config
 
@@ -354,16 +344,8 @@ def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, a
         )
         trainer = train.build_trainer(cfg)
         timer = make_step_timer()
-        callbacks = trainer.state.callbacks
-        # Stepping one batch per fit() call: no checkpoint at each call's end, and the monitor's
-        # files stay open until the end (its fit_end closes them).
-        callbacks[:] = [c for c in callbacks if not isinstance(c, (CheckpointSaver, ConsoleLogger, ProgressBarLogger))]
-        for c in callbacks:
-            if isinstance(c, MixtureMonitor):
-                c.fit_end = _no_fit_end  # type: ignore[method-assign]
-        quiet = (ConsoleLogger, ProgressBarLogger)
-        trainer.logger.destinations = tuple(d for d in trainer.logger.destinations if not isinstance(d, quiet))
-        callbacks.append(timer)
+        prepare_for_stepping(trainer)
+        trainer.state.callbacks.append(timer)
         runs[strategy] = (trainer, timer)
     for _ in range(args.steps):
         for trainer, _timer in runs.values():
@@ -384,6 +366,38 @@ def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, a
         flush=True,
     )
     return out
+
+
+def write_bench_shards(corpus: Path, shards: Path) -> int:
+    """The sample Dolma-style corpus sharded at SEQ_LEN into `shards` (tools/shard.py's exit code)."""
+    import shard as shard_tool
+    from sample_corpus import write_sample_corpus
+
+    write_sample_corpus(corpus, seed=0, scale=1.0)
+    return shard_tool.main(
+        ["dolma", str(corpus / "dolma" / "documents"), "--out", str(shards),
+         "--max-seq-len", str(SEQ_LEN), "--val-count", "16", "--no-progress"]
+    )
+
+
+def prepare_for_stepping(trainer) -> None:
+    """Ready a trainer to be stepped one batch per fit() call, quietly.
+
+    No checkpoint at each call's end, no console or progress output, and the mixture monitor's
+    files stay open until the end (its fit_end would close them).
+    """
+    from composer.callbacks import CheckpointSaver
+    from composer.loggers import ConsoleLogger, ProgressBarLogger
+
+    from composer_algos.mixture_monitor import MixtureMonitor
+
+    quiet = (ConsoleLogger, ProgressBarLogger)
+    callbacks = trainer.state.callbacks
+    callbacks[:] = [c for c in callbacks if not isinstance(c, (CheckpointSaver, *quiet))]
+    for c in callbacks:
+        if isinstance(c, MixtureMonitor):
+            c.fit_end = _no_fit_end  # type: ignore[method-assign]
+    trainer.logger.destinations = tuple(d for d in trainer.logger.destinations if not isinstance(d, quiet))
 
 
 def _no_fit_end(state: State, logger: Logger) -> None:

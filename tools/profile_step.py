@@ -81,21 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1")
 
-    import shard as shard_tool
     import torch
-    from bench_step import CONFIGS, SEQ_LEN
-    from sample_corpus import write_sample_corpus
+    from bench_step import CONFIGS, write_bench_shards
     from torch.profiler import ProfilerActivity, profile, record_function
 
     uptime_before = _uptime()
     with tempfile.TemporaryDirectory(prefix="profile_step_") as tmp:
         root = Path(tmp)
-        write_sample_corpus(root / "corpus", seed=0, scale=1.0)
         shards = root / "shards"
-        rc = shard_tool.main(
-            ["dolma", str(root / "corpus" / "dolma" / "documents"), "--out", str(shards),
-             "--max-seq-len", str(SEQ_LEN), "--val-count", "16", "--no-progress"]
-        )
+        rc = write_bench_shards(root / "corpus", shards)
         if rc:
             return rc
         trainer = _build(CONFIGS[args.config], shards, root / "run", args)
@@ -138,12 +132,9 @@ def format_stages(totals_us: dict[str, float], steps: int) -> str:
 
 def _build(yaml: Path, shards: Path, run_dir: Path, args: argparse.Namespace):
     """The trainer, stepped one batch per fit() call (no checkpoints, no console output, files kept open)."""
-    from bench_step import SEQ_LEN, _no_fit_end
-    from composer.callbacks import CheckpointSaver
-    from composer.loggers import ConsoleLogger, ProgressBarLogger
+    from bench_step import SEQ_LEN, prepare_for_stepping
 
     import train
-    from composer_algos.mixture_monitor import MixtureMonitor
     from pipeline.config import load_config
 
     cfg = load_config(
@@ -163,13 +154,7 @@ def _build(yaml: Path, shards: Path, run_dir: Path, args: argparse.Namespace):
         ],
     )
     trainer = train.build_trainer(cfg)
-    callbacks = trainer.state.callbacks
-    callbacks[:] = [c for c in callbacks if not isinstance(c, (CheckpointSaver, ConsoleLogger, ProgressBarLogger))]
-    for c in callbacks:
-        if isinstance(c, MixtureMonitor):
-            c.fit_end = _no_fit_end  # type: ignore[method-assign]
-    quiet = (ConsoleLogger, ProgressBarLogger)
-    trainer.logger.destinations = tuple(d for d in trainer.logger.destinations if not isinstance(d, quiet))
+    prepare_for_stepping(trainer)
     return trainer
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from composer_algos.losses import IGNORE_INDEX
+from composer_algos.losses import IGNORE_INDEX, mask_and_labels
 
 __all__ = ["first_target_tokens", "score_tokens_problem"]
 
@@ -46,12 +46,7 @@ def first_target_tokens(batch: Mapping[str, torch.Tensor], t: int | None) -> dic
     T = int(input_ids.shape[1])
     if t is None or t >= T:
         return batch  # type: ignore[return-value]
-    mask = batch.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(input_ids)
-    labels = batch.get("labels")
-    if labels is None:
-        labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+    mask, labels = mask_and_labels(batch)
     is_target_nT = labels != IGNORE_INDEX
     is_target_nT[:, 0] = False  # the first position's label is never predicted
     rank_nT = is_target_nT.cumsum(dim=1)  # j-th entry: targets at positions <= j
