@@ -112,8 +112,8 @@ class DataSelection(Algorithm):
         strategy_options: Extra options per strategy name, e.g. `{partitionsel: {refit: exact,
             refine: swap}}`; only the running strategy's entry is used, so the strategy can be
             switched from the command line without editing the options.
-        capacity_fractions: Fixed per-domain shares of kappa by domain name (default:
-            proportional to the pool, as in the paper).
+        capacity_fractions: Fixed per-domain shares of kappa by domain name, or `uniform` (the
+            same share for every domain); default: proportional to the pool, as in the paper.
         weighted_loss: Weight each selected example's loss by its refit weight, so the step
             optimises `sum_i w_i l_i / sum_i w_i` over the selected examples of all ranks and
             microbatches (weights normalised to mean 1 over all ranks); strategies without weights
@@ -156,7 +156,7 @@ class DataSelection(Algorithm):
         domain_names: Sequence[str] | None = None,
         features: Mapping[str, Any] | None = None,
         strategy_options: Mapping[str, Any] | None = None,
-        capacity_fractions: Mapping[str, float] | None = None,
+        capacity_fractions: Mapping[str, float] | str | None = None,
         weighted_loss: bool = False,
         start: float = 0.0,
         end: float = 1.0,
@@ -222,7 +222,14 @@ class DataSelection(Algorithm):
         self.domain_key = domain_key
         self.feature_cfg = dict(features or {})
         self.strategy_options = dict(strategy_options or {})
-        self.capacity_fractions = dict(capacity_fractions) if capacity_fractions else None
+        if isinstance(capacity_fractions, str) and capacity_fractions != "uniform":
+            raise ValueError(
+                f"algorithms.data_selection.capacity_fractions: got {capacity_fractions!r}; allowed: "
+                "'uniform' or a mapping of domain name to share (e.g. {algebra: 2, numbers: 1})"
+            )
+        self.capacity_fractions: dict[str, float] | str | None = (
+            capacity_fractions if isinstance(capacity_fractions, str) else dict(capacity_fractions or {}) or None
+        )
         self.weighted_loss = weighted_loss
         self.start, self.end, self.interval = start, end, interval
         self.between = between
@@ -344,7 +351,11 @@ class DataSelection(Algorithm):
             top = int(domain_N.max()) + 1
             assert self.domain_names is not None
             self.domain_names += [f"domain_{i}" for i in range(len(self.domain_names), top)]
-        if self.capacity_fractions is not None and self._fractions_for != self.num_domains:
+        if self.capacity_fractions == "uniform" and self._fractions_for != self.num_domains:
+            n = self.num_domains
+            self._fractions = [1.0 / n] * n if n else []
+            self._fractions_for = self.num_domains
+        elif self.capacity_fractions is not None and self._fractions_for != self.num_domains:
             from pipeline.dataset import resolve_domain_weights
 
             # Missing domains get 0 (with a warning); the rest is normalised to sum to 1.

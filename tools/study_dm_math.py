@@ -49,10 +49,9 @@ ABLATIONS = {
     "r4": [f"{SEL}.oversampling=4"],
     "r8": [f"{SEL}.oversampling=8"],
     "weighted": [f"{SEL}.weighted_loss=true"],
-    "uniform_caps": [
-        f"{SEL}.capacity_fractions={{algebra:1,arithmetic:1,calculus:1,comparison:1,measurement:1,numbers:1,"
-        "polynomials:1,probability:1}}"
-    ],
+    # The two changes the one-step check credits (a larger guide, refit weights), together.
+    "valavg_w": [f"{SEL}.validation.average_beta=0.9", f"{SEL}.weighted_loss=true"],
+    "uniform_caps": [f"{SEL}.capacity_fractions=uniform"],
     # Issue 15's cost knobs (their Jaccard and feature-time ratio: tools/knob_fidelity.py,
     # docs/data_selection.md "Cost knobs"); a variant's overrides are comma-separated, so no commas.
     "score_tokens32": [f"{SEL}.features.score_tokens=32"],
