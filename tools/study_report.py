@@ -34,6 +34,35 @@ def verdict(name: str, baseline: str, summary: dict) -> str:
     return f"{name} and {baseline} are not distinguishable at this many seeds ({span})."
 
 
+def paired_table(pairs: list[tuple[str, dict, str, dict]], *, title: str) -> tuple[str, list[str]]:
+    """A markdown table of paired differences (first minus second, seeds in common) with verdicts.
+
+    Args:
+        pairs: (name, per-seed results, other name, other per-seed results); per-seed results map
+            seed -> {"average": ...} as in comparison.json's `per_seed`. Pairs without a common
+            seed are left out.
+        title: The sentence above the table.
+
+    Returns:
+        The table and one verdict sentence per pair ("", [] when no pair has a common seed).
+    """
+    from composer_algos.experiment_stats import paired_summary
+
+    rows, verdicts = [], []
+    for name, mine, other, theirs in pairs:
+        seeds = sorted((s for s in mine if s in theirs), key=str)
+        if not seeds:
+            continue
+        summary = paired_summary([mine[s]["average"] - theirs[s]["average"] for s in seeds])
+        lo, hi = summary["ci_low"], summary["ci_high"]
+        ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) and math.isfinite(hi) else "[n/a]"
+        rows.append(f"| {name} - {other} | {summary['n']} | {summary['mean']:+.4f} {ci} |")
+        verdicts.append(verdict(name, other, summary))
+    if not rows:
+        return "", []
+    return "\n".join([title, "", "| pairing | seeds | average |", "|---|---:|---:|", *rows]), verdicts
+
+
 def partitionsel_against_others(
     per_seed: dict, *, subject: str = "partitionsel", against: tuple[str, ...] = ("id", "greats", "colm", "gradnorm")
 ) -> tuple[str, list[str]]:
@@ -45,31 +74,31 @@ def partitionsel_against_others(
     Returns:
         A markdown table and one verdict sentence per pairing ("", [] when `subject` has no runs).
     """
-    from composer_algos.experiment_stats import paired_summary
-
     mine = per_seed.get(subject)
     if not mine:
         return "", []
-    rows, verdicts = [], []
-    for other in against:
-        theirs = per_seed.get(other, {})
-        seeds = sorted((s for s in mine if s in theirs), key=str)
-        if not seeds:
-            continue
-        summary = paired_summary([mine[s]["average"] - theirs[s]["average"] for s in seeds])
-        lo, hi = summary["ci_low"], summary["ci_high"]
-        ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) and math.isfinite(hi) else "[n/a]"
-        rows.append(f"| {subject} - {other} | {summary['n']} | {summary['mean']:+.4f} {ci} |")
-        verdicts.append(verdict(subject, other, summary))
-    if not rows:
-        return "", []
-    head = [
-        f"{subject} against the other selectors (paired by seed, average validation loss; mean [95% t interval]; negative = {subject} lower)",
-        "",
-        "| pairing | seeds | average |",
-        "|---|---:|---:|",
-    ]
-    return "\n".join(head + rows), verdicts
+    pairs = [(subject, mine, other, per_seed.get(other, {})) for other in against]
+    title = (
+        f"{subject} against the other selectors (paired by seed, average validation loss; mean [95% t "
+        f"interval]; negative = {subject} lower)"
+    )
+    return paired_table(pairs, title=title)
+
+
+def variants_against_default(variants: dict, default: dict, *, default_name: str = "partitionsel") -> tuple[str, list[str]]:
+    """Each PartitionSel variant (`ps_<name>`) minus the default settings' runs, paired by seed.
+
+    Args:
+        variants: The ablation experiment's `per_seed` (its `ps_*` labels are the variants).
+        default: The default PartitionSel's per-seed results (the main experiment's `partitionsel`),
+            trained on the same pools, so the difference is the one setting's effect.
+    """
+    pairs = [(label, runs, default_name, default) for label, runs in variants.items() if label.startswith("ps_")]
+    title = (
+        f"Each setting against the default {default_name} (paired by seed, average validation loss; mean "
+        "[95% t interval]; negative = the setting is better)"
+    )
+    return paired_table(pairs, title=title)
 
 
 def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
@@ -120,6 +149,13 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
             if table:
                 lines += [table, ""]
                 conclusions += [f"- {title}: {v}" for v in verdicts]
+            default = out / "main_scratch" / "comparison.json"
+            if name == "ablations" and default.exists():
+                main_runs = json.loads(default.read_text()).get("per_seed", {}).get("partitionsel", {})
+                table, verdicts = variants_against_default(per_seed, main_runs)
+                if table:
+                    lines += [table, ""]
+                    conclusions += [f"- {title}: {v}" for v in verdicts]
         if (exp / "selection.md").exists():
             lines += [(exp / "selection.md").read_text().strip(), ""]
         if (exp / "curves.png").exists():

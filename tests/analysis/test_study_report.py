@@ -53,3 +53,18 @@ def test_partitionsel_is_paired_against_each_selector_by_seed():
     assert "colm" not in table
     assert "too few paired seeds" in verdicts[1]
     assert study_report.partitionsel_against_others({"id": per_seed["id"]}) == ("", [])
+
+
+def test_variants_are_paired_against_the_default_partitionsel_on_common_seeds():
+    # Hand-computed: ps_a - default over seeds 1, 2 = (-0.1, -0.3) -> mean -0.2; ps_b has one common seed.
+    default = {"1": {"average": 2.0}, "2": {"average": 2.5}, "3": {"average": 9.0}}
+    variants = {
+        "ps_a": {"1": {"average": 1.9}, "2": {"average": 2.2}},
+        "ps_b": {"3": {"average": 9.5}},
+        "random": {"1": {"average": 0.0}},
+    }
+    table, verdicts = study_report.variants_against_default(variants, default)
+    assert "| ps_a - partitionsel | 2 | -0.2000 [" in table
+    assert "| ps_b - partitionsel | 1 | +0.5000 [n/a] |" in table
+    assert "random" not in table and len(verdicts) == 2
+    assert study_report.variants_against_default({"ps_a": {"4": {"average": 1.0}}}, default) == ("", [])
