@@ -38,19 +38,18 @@ BASE_DOMAINS = "[arithmetic,numbers,comparison,measurement]"
 SEL = "algorithms.data_selection"
 # One setting changed at a time from the yaml's PartitionSel (paired against random).
 ABLATIONS = {
-    "val16": [f"{SEL}.validation.batch_size=16"],
-    "valavg": [f"{SEL}.validation.average_beta=0.9"],
-    "last2": [f"{SEL}.features.last_n_blocks=2"],
-    "lmhead": [f"{SEL}.features.include_lm_head=true"],
-    "prec_split": [f"{SEL}.features.precondition=split"],
+    # Ordered so the settings the one-step check and the first seed point at finish first.
     "prec_pool": [f"{SEL}.features.precondition=pool"],
-    "norm_none": [f"{SEL}.features.normalization=none"],
-    "proj128": [f"{SEL}.features.proj_dim=128"],
+    "weighted": [f"{SEL}.weighted_loss=true"],
+    "valavg": [f"{SEL}.validation.average_beta=0.9"],
+    "val16": [f"{SEL}.validation.batch_size=16"],
     "r4": [f"{SEL}.oversampling=4"],
     "r8": [f"{SEL}.oversampling=8"],
-    "weighted": [f"{SEL}.weighted_loss=true"],
-    # The two changes the one-step check credits (a larger guide, refit weights), together.
-    "valavg_w": [f"{SEL}.validation.average_beta=0.9", f"{SEL}.weighted_loss=true"],
+    "prec_split": [f"{SEL}.features.precondition=split"],
+    "norm_none": [f"{SEL}.features.normalization=none"],
+    "proj128": [f"{SEL}.features.proj_dim=128"],
+    "last2": [f"{SEL}.features.last_n_blocks=2"],
+    "lmhead": [f"{SEL}.features.include_lm_head=true"],
     "uniform_caps": [f"{SEL}.capacity_fractions=uniform"],
     # Issue 15's cost knobs (their Jaccard and feature-time ratio: tools/knob_fidelity.py,
     # docs/data_selection.md "Cost knobs"); a variant's overrides are comma-separated, so no commas.
