@@ -114,6 +114,25 @@ def lm_head_flop_share(config: Mapping[str, Any], seq_len: int) -> float:
     return head_flops / (head_flops + layers * block_flops)
 
 
+def scoring_flop_floor(share: float, num_blocks: int, pool: int, val: int, last_n_blocks: int = 1) -> float:
+    """FLOPs of the feature pass in forwards of the pool: the floor of `(ps - random)/fwd` for this design.
+
+    Per example (pool and validation alike) the pass runs the whole forward (1), the lm_head's
+    input gradient (its weight gradient is not needed: `share`), and for each of the last
+    `last_n_blocks` blocks the input gradient and the per-example products (about two forwards of
+    the block: `2 (1 - share) / num_blocks` each). Norms, softmax, the sketch and the solve are
+    not counted, so the measured figure sits above this.
+
+    Args:
+        share: The lm_head's share of forward FLOPs (`lm_head_flop_share`).
+        num_blocks: The model's blocks.
+        pool, val: Examples scored per step on the pool and validation side.
+        last_n_blocks: The feature targets' blocks.
+    """
+    per_example = 1 + share + 2 * last_n_blocks * (1 - share) / num_blocks
+    return (1 + val / pool) * per_example
+
+
 def summarize(row: Mapping[str, float]) -> dict[str, float]:
     """The ratios of one (config, r) row: `ps/random`, `(ps - random)/fwd`, `features/fwd`, and the rest.
 
@@ -141,7 +160,11 @@ def target_verdicts(rows: Mapping[str, list[Mapping[str, float]]]) -> list[tuple
     ]
 
 
-def format_table(rows: Mapping[str, list[Mapping[str, float]]], shares: Mapping[str, float] | None = None) -> str:
+def format_table(
+    rows: Mapping[str, list[Mapping[str, float]]],
+    shares: Mapping[str, float] | None = None,
+    floors: Mapping[str, float] | None = None,
+) -> str:
     """The benchmark's report: per config and r the step and standalone medians (ms), the ratios, the targets.
 
     Args:
@@ -149,6 +172,7 @@ def format_table(rows: Mapping[str, list[Mapping[str, float]]], shares: Mapping[
             `partitionsel`, `greats`, `forward`, `features`, `solve` (and optionally the memory
             fields `microbatch`, `score_peak`, `train_peak` in bytes).
         shares: config name -> lm_head share of forward FLOPs (printed in the header).
+        floors: label -> `scoring_flop_floor` (printed under the shares).
     """
     lines = ["median ms per step (r = pool / kappa; none = plain train step on kappa, r = 1):"]
     head = ["config", "r", "none", "random", "greats", "ps", "fwd(pool)", "features", "solve",
@@ -173,6 +197,11 @@ def format_table(rows: Mapping[str, list[Mapping[str, float]]], shares: Mapping[
         lines.append("lm_head share of forward FLOPs per token (formula in the docstring):")
         for name, share in shares.items():
             lines.append(f"  {name}: {100 * share:.1f}%")
+    if floors:
+        lines.append("")
+        lines.append("FLOP floor of the feature pass, in pool forwards (the least (ps-random)/fwd can be; scoring_flop_floor):")
+        for label, floor in floors.items():
+            lines.append(f"  {label}: {floor:.2f}")
     verdicts = target_verdicts(rows)
     if verdicts:
         lines.append("")
@@ -268,16 +297,28 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows: dict[str, list[dict]] = {}
         shares: dict[str, float] = {}
+        floors: dict[str, float] = {}
         for name in configs:
-            model_cfg = load_config(CONFIGS[name], [f"variables.shard_dir={shards}"]).model.config
+            cfg = load_config(CONFIGS[name], [f"variables.shard_dir={shards}"])
+            model_cfg = cfg.model.config
             assert model_cfg is not None
-            shares[f"{name} (S={SEQ_LEN})"] = lm_head_flop_share(model_cfg, SEQ_LEN)
+            shares[f"{name} (S={SEQ_LEN})"] = share = lm_head_flop_share(model_cfg, SEQ_LEN)
+            sel = cfg.algorithms.data_selection
+            val, blocks = int(sel.validation.batch_size), int(sel.features.get("last_n_blocks", 1))
+            for r in ratios:
+                pool = int(round(cfg.global_train_batch_size * r))
+                floors[f"{name} r={r:g} (pool {pool}, validation {val}, last {blocks} block)"] = scoring_flop_floor(
+                    share, int(model_cfg["num_hidden_layers"]), pool, val, blocks
+                )
             rows[name] = [
                 bench_ratio(name, CONFIGS[name], shards, root / f"runs-{name}-r{r:g}", r, args) for r in ratios
             ]
-        shares[f"Llama-3.2-1B (S={LLAMA_1B_SEQ})"] = lm_head_flop_share(LLAMA_1B, LLAMA_1B_SEQ)
+        shares[f"Llama-3.2-1B (S={LLAMA_1B_SEQ})"] = llama = lm_head_flop_share(LLAMA_1B, LLAMA_1B_SEQ)
+        floors["Llama-3.2-1B, no validation batch, last 1 block"] = scoring_flop_floor(
+            llama, LLAMA_1B["num_hidden_layers"], 1, 0
+        )
         print()
-        print(format_table(rows, shares))
+        print(format_table(rows, shares, floors))
     load_after = os.getloadavg()
     print(
         f"\nwall {time.perf_counter() - t_start:.0f} s; load average {load_before[0]:.2f} before, "

@@ -90,3 +90,18 @@ def test_profile_step_help_imports_no_heavy_library():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_scoring_flop_floor_by_hand():
+    # (1 + 4/32) * (1 + 0.2 + 2 * 0.8 / 8) = 1.125 * 1.4
+    assert bench_step.scoring_flop_floor(0.2, 8, 32, 4) == pytest.approx(1.575)
+    assert bench_step.scoring_flop_floor(0.2, 8, 32, 0) == pytest.approx(1.4)
+    # Two target blocks add the second block's input gradient and products.
+    assert bench_step.scoring_flop_floor(0.2, 8, 32, 0, last_n_blocks=2) == pytest.approx(1.6)
+
+
+def test_table_prints_the_floors():
+    row = {"r": 2.0, "none": 1.0, "random": 1.0, "partitionsel": 2.0, "greats": 2.0, "forward": 0.5, "features": 0.8, "solve": 0.01}
+    text = bench_step.format_table({"proportioned": [row]}, floors={"proportioned r=2": 1.6})
+    assert "FLOP floor" in text
+    assert "  proportioned r=2: 1.60" in text
