@@ -173,6 +173,20 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
             "strategy and PartitionSel variant (regime a, equal steps).",
             "",
         ]
+    knobs = _plot_frontier(
+        out, doc.parent / f"{stem}_knobs_frontier.png", ("partitionsel", "random", *KNOBS), "the cost knobs"
+    )
+    if knobs is not None:
+        lines += [
+            f"![cost knobs]({knobs.name})",
+            "",
+            "The same for issue 15's cost knobs alone: `score_tokens: 32`, features on `mlp.down_proj`",
+            "only, and selecting every second step with `between: stale_topk` or `random`, beside the",
+            "default PartitionSel and random. The times come from runs made at different moments on a",
+            "shared machine; the side-by-side cost of each knob is its feature-time ratio in",
+            "docs/data_selection.md (Cost knobs, `tools/knob_fidelity.py`).",
+            "",
+        ]
     if conclusions:
         lines += ["## What the paired comparisons say", "", *conclusions, ""]
     # The hand-written reading of the tables lives beside the document, so a re-run keeps it.
@@ -182,16 +196,33 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
     doc.write_text("\n".join(lines))
 
 
-def _plot_frontier(out: Path, path: Path) -> Path | None:
+# Issue 15's cost knobs among the ablations, plotted on their own frontier beside the default.
+KNOBS = ("ps_score_tokens32", "ps_mlp_only", "ps_interval2_stale", "ps_interval2_random")
+
+
+def frontier_points(out: Path, only: tuple[str, ...] | None = None) -> list[tuple[str, float, float]]:
+    """(label, mean training seconds, mean final average validation loss) per strategy and variant.
+
+    Main-experiment strategies and ablation variants of regime (a); `only` keeps those labels.
+    """
     points = []
     for name in ("main_scratch", "ablations"):
         table = out / name / "comparison.json"
         if not table.exists():
             continue
         for strat, entry in json.loads(table.read_text())["strategies"].items():
+            if only is not None and strat not in only:
+                continue
+            if name == "ablations" and strat == "random":
+                continue  # the same runs as main_scratch's random
             t, loss = entry["train_time_s"]["mean"], entry["average"]["mean"]
             if t is not None and loss is not None and math.isfinite(t) and math.isfinite(loss):
                 points.append((strat, t, loss))
+    return points
+
+
+def _plot_frontier(out: Path, path: Path, only: tuple[str, ...] | None = None, title: str = "cost against quality") -> Path | None:
+    points = frontier_points(out, only)
     if not points:
         return None
     import matplotlib
@@ -205,7 +236,7 @@ def _plot_frontier(out: Path, path: Path) -> Path | None:
         ax.annotate(strat, (t, loss), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("training time per run (s, evaluation excluded)")
     ax.set_ylabel("final average validation loss")
-    ax.set_title("dm_math: cost against quality")
+    ax.set_title(f"dm_math: {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -68,3 +68,21 @@ def test_variants_are_paired_against_the_default_partitionsel_on_common_seeds():
     assert "| ps_b - partitionsel | 1 | +0.5000 [n/a] |" in table
     assert "random" not in table and len(verdicts) == 2
     assert study_report.variants_against_default({"ps_a": {"4": {"average": 1.0}}}, default) == ("", [])
+
+
+def test_frontier_points_filter_labels_and_skip_the_ablations_copy_of_random(tmp_path):
+    def write(name, strategies):
+        (tmp_path / name).mkdir()
+        table = {s: {"train_time_s": {"mean": t}, "average": {"mean": loss}} for s, (t, loss) in strategies.items()}
+        (tmp_path / name / "comparison.json").write_text(json.dumps({"strategies": table}))
+
+    write("main_scratch", {"partitionsel": (500.0, 1.87), "random": (200.0, 1.89), "id": (480.0, 1.92)})
+    write("ablations", {"random": (150.0, 1.89), "ps_mlp_only": (400.0, 1.88), "ps_r4": (900.0, float("nan"))})
+    assert study_report.frontier_points(tmp_path) == [
+        ("partitionsel", 500.0, 1.87),
+        ("random", 200.0, 1.89),
+        ("id", 480.0, 1.92),
+        ("ps_mlp_only", 400.0, 1.88),
+    ]
+    only = study_report.frontier_points(tmp_path, ("random", "ps_mlp_only"))
+    assert only == [("random", 200.0, 1.89), ("ps_mlp_only", 400.0, 1.88)]
