@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="equal-wall-clock budget (default: random's median training time at --steps)",
     )
+    p.add_argument(
+        "--ablations",
+        default=None,
+        help=f"comma-separated subset of the ablations to run (default: all: {','.join(ABLATIONS)})",
+    )
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument(
         "--quick", action="store_true", help="tiny sizes everywhere (a smoke test of the pipeline)"
@@ -99,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in parts if x not in PARTS]
     if bad:
         p.error(f"--parts: unknown {bad}; allowed: {', '.join(PARTS)}")
+    ablations = [x for x in (args.ablations or ",".join(ABLATIONS)).split(",") if x]
+    unknown = [x for x in ablations if x not in ABLATIONS]
+    if unknown:
+        p.error(f"--ablations: unknown {unknown}; allowed: {', '.join(ABLATIONS)}")
     if not DATA.is_dir():
         p.error(f"the dm_math corpus is not at {DATA} (it ships in ../shared/data/dm_math)")
     if args.quick:
@@ -228,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "ablations" in parts:
         cmd = experiment + ["--strategies", "random", "--steps", str(steps), "--out", str(out / "ablations")]
-        for name, overrides in ABLATIONS.items():
-            cmd += ["--variant", ",".join([f"ps_{name}=partitionsel", *overrides])]
+        for name in ablations:
+            cmd += ["--variant", ",".join([f"ps_{name}=partitionsel", *ABLATIONS[name]])]
         _run(cmd)
     if "report" in parts:
         from study_report import write_report  # tools/study_report.py
