@@ -11,10 +11,11 @@ Parts (each reuses what an earlier, interrupted invocation finished):
              regime (a) from scratch and regime (b) fine-tuning the base
   wallclock  equal training time (evaluation excluded) for the main contenders, regime (a)
   ablations  PartitionSel settings varied one at a time (paired against random), regime (a)
+  ablations_finetune  the settings regime (a) credits (FINETUNE_ABLATIONS), checked on regime (b)
   report     docs/results/study_dm_math.md, curves and the cost-vs-quality frontier PNGs
 
 Example:
-    python tools/study_dm_math.py --out runs/study                  # everything (about 90 min on 2 cores)
+    python tools/study_dm_math.py --out runs/study                  # everything (hours on 2 cores: see the doc)
     python tools/study_dm_math.py --out runs/study --parts lookahead --pools 60
     python tools/study_dm_math.py --out runs/study --quick          # a few steps of each part (a smoke test)
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "dm_math"
 YAML = REPO / "yamls" / "study" / "dm_math.yaml"
-PARTS = ("shard", "base", "lookahead", "main", "wallclock", "ablations", "report")
+PARTS = ("shard", "base", "lookahead", "main", "wallclock", "ablations", "ablations_finetune", "report")
 STRATEGIES = "partitionsel,id,random,random_stratified,greats,gradnorm,colm"
 WALLCLOCK_STRATEGIES = "partitionsel,id,random,greats"
 # The regime (b) base trains on these four domains only, then every strategy fine-tunes on all eight.
@@ -58,6 +59,8 @@ ABLATIONS = {
     "interval2_stale": [f"{SEL}.interval=2", f"{SEL}.between=stale_topk"],
     "interval2_random": [f"{SEL}.interval=2"],
 }
+# Checked on regime (b) as well: the settings whose regime (a) ablation decides a default.
+FINETUNE_ABLATIONS = ("prec_pool",)
 # Lookahead arms: the settings before the signal-chain fixes, the yaml's default, each fix, and
 # diagnostics. The guide set holds 64 examples; an arm uses its first `guide_size` (a larger guide
 # stands in for the running average of validation features, which a fixed checkpoint cannot show).
@@ -207,16 +210,16 @@ def main(argv: list[str] | None = None) -> int:
         "--paired-baseline",
         "random",
     ]
+    # Regime (a) from scratch; regime (b) fine-tunes the base trained on another mixture.
+    regimes = {
+        "main_scratch": [],
+        "main_finetune": [
+            f"load_path={base_b / 'latest-rank0.pt'}",
+            "load_weights_only=true",
+            "optimizer.lr=5.0e-4",
+        ],
+    }
     if "main" in parts:
-        # Regime (a) from scratch; regime (b) fine-tunes the base trained on another mixture.
-        regimes = {
-            "main_scratch": [],
-            "main_finetune": [
-                f"load_path={base_b / 'latest-rank0.pt'}",
-                "load_weights_only=true",
-                "optimizer.lr=5.0e-4",
-            ],
-        }
         for name, overrides in regimes.items():
             cmd = experiment + ["--strategies", STRATEGIES, "--steps", str(steps), "--log-selected-ids"]
             _run(cmd + ["--out", str(out / name)] + (["--", *overrides] if overrides else []))
@@ -240,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in ablations:
             cmd += ["--variant", ",".join([f"ps_{name}=partitionsel", *ABLATIONS[name]])]
         _run(cmd)
+    if "ablations_finetune" in parts:
+        dest = out / "ablations_finetune"
+        cmd = experiment + ["--strategies", "random", "--steps", str(steps), "--out", str(dest)]
+        for name in FINETUNE_ABLATIONS:
+            cmd += ["--variant", ",".join([f"ps_{name}=partitionsel", *ABLATIONS[name]])]
+        _run(cmd + ["--", *regimes["main_finetune"]])
     if "report" in parts:
         from study_report import write_report  # tools/study_report.py
 

@@ -18,7 +18,10 @@ SECTIONS = (
     ("main_finetune", "Regime (b): fine-tuning a base trained on another mixture, equal steps"),
     ("wallclock_scratch", "Regime (a): equal training time (evaluation excluded)"),
     ("ablations", "PartitionSel settings, one at a time (regime a, equal steps)"),
+    ("ablations_finetune", "PartitionSel settings on regime (b), equal steps"),
 )
+# The experiment whose `partitionsel` runs (same pools, default settings) each ablation is paired with.
+ABLATION_DEFAULTS = {"ablations": "main_scratch", "ablations_finetune": "main_finetune"}
 
 
 def verdict(name: str, baseline: str, summary: dict) -> str:
@@ -149,8 +152,8 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
             if table:
                 lines += [table, ""]
                 conclusions += [f"- {title}: {v}" for v in verdicts]
-            default = out / "main_scratch" / "comparison.json"
-            if name == "ablations" and default.exists():
+            default = out / ABLATION_DEFAULTS.get(name, "") / "comparison.json"
+            if name in ABLATION_DEFAULTS and default.exists():
                 main_runs = json.loads(default.read_text()).get("per_seed", {}).get("partitionsel", {})
                 table, verdicts = variants_against_default(per_seed, main_runs)
                 if table:

@@ -86,3 +86,21 @@ def test_frontier_points_filter_labels_and_skip_the_ablations_copy_of_random(tmp
     ]
     only = study_report.frontier_points(tmp_path, ("random", "ps_mlp_only"))
     assert only == [("random", 200.0, 1.89), ("ps_mlp_only", 400.0, 1.88)]
+
+
+def test_regime_b_ablations_are_paired_with_regime_b_defaults(tmp_path):
+    out, doc = tmp_path / "study", tmp_path / "docs" / "study.md"
+
+    def write(name, per_seed):
+        (out / name).mkdir(parents=True)
+        (out / name / "comparison.md").write_text(f"table of {name}")
+        (out / name / "comparison.json").write_text(json.dumps({"strategies": {}, "per_seed": per_seed}))
+
+    # Hand-computed: regime (b) variant minus regime (b) default = (-0.1, -0.1); regime (a)'s default differs.
+    write("main_scratch", {"partitionsel": {"1": {"average": 5.0}, "2": {"average": 5.0}}})
+    write("main_finetune", {"partitionsel": {"1": {"average": 2.0}, "2": {"average": 2.5}}})
+    write("ablations_finetune", {"ps_prec_pool": {"1": {"average": 1.9}, "2": {"average": 2.4}}})
+    study_report.write_report(out, doc, steps=200, early=50)
+    text = doc.read_text()
+    assert "## PartitionSel settings on regime (b), equal steps" in text
+    assert "| ps_prec_pool - partitionsel | 2 | -0.1000 [" in text
