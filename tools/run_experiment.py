@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.budget_seconds is not None and not args.budget_seconds > 0:
         parser.error(f"--budget-seconds must be > 0, got {args.budget_seconds}")
+    if args.report_only and args.rerun:
+        parser.error("--report-only and --rerun contradict each other")
     if args.steps is None and args.budget_seconds is None:
         parser.error("give --steps (equal steps) or --budget-seconds (equal training time)")
     if args.steps is not None and args.steps < 1:
@@ -133,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             extra=extra + variant_overrides,
         )
         todo.append((run_dir, cmd))
+    if args.report_only:
+        if todo:
+            print(f"--report-only: {len(todo)} runs not finished, left out: {', '.join(d.name for d, _ in todo)}")
+        todo = []
     failed = _run_queue(todo, jobs=args.jobs, gpus=gpus, budget_seconds=args.budget_seconds, steps=args.steps)
     if failed:
         print(f"failed runs: {failed}")
@@ -192,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--rerun", action="store_true", help="rerun runs that already have results")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: write the tables from the runs already finished in --out (the rest are listed as missing)",
+    )
     parser.add_argument(
         "--jobs",
         type=int,

@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="the experiment parts train nothing and tabulate the runs already finished (run_experiment --report-only)",
+    )
+    p.add_argument(
         "--quick", action="store_true", help="tiny sizes everywhere (a smoke test of the pipeline)"
     )
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "results" / "study_dm_math.md")
@@ -209,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         str(args.jobs),
         "--paired-baseline",
         "random",
+        *(["--report-only"] if args.report_only else []),
     ]
     # Regime (a) from scratch; regime (b) fine-tunes the base trained on another mixture.
     regimes = {

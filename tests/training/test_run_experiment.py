@@ -331,3 +331,21 @@ def test_variant_values_may_hold_commas_inside_braces():
     label, strategy, overrides = tool.parse_variant("u=partitionsel,a.b={x:1,y:2},c=[1,2],d=3")
     assert (label, strategy) == ("u", "partitionsel")
     assert overrides == ["a.b={x:1,y:2}", "c=[1,2]", "d=3"]
+
+
+def test_report_only_trains_nothing_and_reports_the_finished_runs(fake_training, tmp_path, capsys):
+    tool, launched = fake_training
+    out = tmp_path / "exp"
+    for seed, avg in ((1, 2.0), (2, 2.4)):
+        _fake_run(out, "random", seed, avg, [avg - 0.5, avg + 0.5], [0.25, 0.75], [([0, 1], [0])])
+    rc = tool.main(
+        [
+            "--yaml", str(TINY), "--shard-dir", str(tmp_path), "--strategies", "random,partitionsel",
+            "--seeds", "1,2", "--steps", "4", "--out", str(out), "--report-only",
+        ]
+    )
+    assert rc == 0 and launched == []
+    printed = capsys.readouterr().out
+    assert "2 runs not finished" in printed and "partitionsel-seed1" in printed
+    summary = json.loads((out / "comparison.json").read_text())
+    assert summary["strategies"]["random"]["average"]["mean"] == pytest.approx(2.2)
