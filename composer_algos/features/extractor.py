@@ -58,11 +58,10 @@ _OOM_MESSAGES = ("CUDA out of memory", "CUDA error: out of memory")
 # Where the optimizer's Adam preconditioner P = 1 / (sqrt(v_hat) + eps) is applied, as the power of P
 # on the (pool, validation) side. The first-order effect of an Adam step on the selected examples on
 # the validation loss is -lr g_val^T P sum_i g_i, so the score <x_i, xbar> must carry P once:
-# `pool` (P g_i against raw g_val, as LESS does) or `split` (P^1/2 on both sides, same scores, and a
-# Gram K = G P G^T that measures redundancy in the preconditioned metric). `both` divides both sides
-# by sqrt(v_hat) + eps, scoring g_i^T P^2 g_val: not the first-order effect, but in the one-step
-# check on dm_math it did no worse on held-out examples, so it stays the default until the study
-# decides (docs/results/study_dm_math.md).
+# `pool` (P g_i against raw g_val, as LESS does; the default) or `split` (P^1/2 on both sides, same
+# scores, and a Gram K = G P G^T that measures redundancy in the preconditioned metric). `both`
+# divides both sides by sqrt(v_hat) + eps, scoring g_i^T P^2 g_val: not the first-order effect. The
+# dm_math study's training runs chose the default (docs/results/study_dm_math.md, ablations).
 PRECONDITION_SIDES = {"pool": (1.0, 0.0), "split": (0.5, 0.5), "both": (1.0, 1.0)}
 
 
@@ -143,12 +142,13 @@ class GradFeatureExtractor:
         normalization: "none" | "unit" | "adam_optimizer" (default) | "adam_simulated".
         adam_betas: betas of the simulated filter (the optimizer's own betas are read from it).
         adam_eps: epsilon of both Adam normalisations.
-        precondition: where `adam_optimizer` applies P = 1/(sqrt(v_hat)+eps): "pool" (the pool's
-            features carry P, the validation feature is raw, so <x_i, xbar> = g_i^T P g_val, the
-            first-order effect of an Adam step), "split" (P^1/2 on both sides: same scores, Gram in
-            the preconditioned metric) or "both" (default, P on both sides, scoring g_i^T P^2 g_val).
-            The default stays "both" because the one-step check on dm_math did not find "pool"
-            better on held-out examples (docs/results/study_dm_math.md); the full study decides. `normalization_in_use` names it, e.g. "adam_optimizer/pool".
+        precondition: where `adam_optimizer` applies P = 1/(sqrt(v_hat)+eps): "pool" (default: the
+            pool's features carry P, the validation feature is raw, so <x_i, xbar> = g_i^T P g_val,
+            the first-order effect of an Adam step), "split" (P^1/2 on both sides: same scores, Gram
+            in the preconditioned metric) or "both" (P on both sides, scoring g_i^T P^2 g_val).
+            "pool" is the default because it trained to a lower held-out loss than "both" and
+            "split" on dm_math at equal steps (docs/results/study_dm_math.md, ablations).
+            `normalization_in_use` names it, e.g. "adam_optimizer/pool".
         proj_dim: compressed width; None uses the model's hidden size, 0 keeps the raw features. A
             value at least the raw width also keeps them raw.
         chunk_size: examples per forward, bounding activation and logits memory; "auto" (default)
@@ -183,7 +183,7 @@ class GradFeatureExtractor:
         normalization: str = "adam_optimizer",
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
-        precondition: str = "both",
+        precondition: str = "pool",
         proj_dim: int | None = None,
         chunk_size: int | str = "auto",
         seed: int = 0,

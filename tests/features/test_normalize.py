@@ -49,7 +49,7 @@ def test_adam_optimizer_exact_is_elementwise_preconditioning():
 
     _train_steps(model, opt, 2)
     G, _ = ex.compute(batch, optimizer=opt)
-    assert ex.normalization_in_use == "adam_optimizer/both"  # the default side
+    assert ex.normalization_in_use == "adam_optimizer/pool"  # the default side
     raw = per_example_grads(model, batch, ex.targets, mode="exact")
     expected = []
     for t in ex.targets:
@@ -115,7 +115,7 @@ def test_adam_optimizer_sketch_uses_factored_preconditioner():
         "exp_avg_sq": torch.outer(r, c) * 1e-3,
     }
     G, _ = ex.compute(batch, optimizer=opt)
-    assert ex.normalization_in_use == "adam_optimizer/both"  # the default side
+    assert ex.normalization_in_use == "adam_optimizer/pool"  # the default side
     # Reference: the full per-example gradient, preconditioned elementwise (v is rank one, so the
     # factored fit is exact), then sketched with the extractor's seeded projections.
     grads = per_example_grads(model, batch, ex.targets, mode="exact")[t.name].reshape(4, t.d_out, t.d_in)
