@@ -351,16 +351,15 @@ class DataSelection(Algorithm):
             top = int(domain_N.max()) + 1
             assert self.domain_names is not None
             self.domain_names += [f"domain_{i}" for i in range(len(self.domain_names), top)]
-        if self.capacity_fractions == "uniform" and self._fractions_for != self.num_domains:
-            n = self.num_domains
-            self._fractions = [1.0 / n] * n if n else []
-            self._fractions_for = self.num_domains
-        elif self.capacity_fractions is not None and self._fractions_for != self.num_domains:
+        if self.capacity_fractions is not None and self._fractions_for != self.num_domains:
             from pipeline.dataset import resolve_domain_weights
 
+            shares = self.capacity_fractions
+            if shares == "uniform":
+                shares = dict.fromkeys(self.domain_names or [], 1.0)
             # Missing domains get 0 (with a warning); the rest is normalised to sum to 1.
             weights = resolve_domain_weights(
-                self.capacity_fractions, self.domain_names, source="algorithms.data_selection.capacity_fractions"
+                shares, self.domain_names, source="algorithms.data_selection.capacity_fractions"
             )
             self._fractions = [weights[name] for name in self.domain_names or []]
             self._fractions_for = self.num_domains

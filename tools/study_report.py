@@ -165,7 +165,8 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
             png = doc.parent / f"{stem}_{name}_curves.png"
             shutil.copyfile(exp / "curves.png", png)
             lines += [f"![validation curves]({png.name})", ""]
-    frontier = _plot_frontier(out, doc.parent / f"{stem}_frontier.png")
+    points = frontier_points(out)  # the knobs' plot is a subset: read the tables once
+    frontier = _plot_frontier(points, doc.parent / f"{stem}_frontier.png")
     if frontier is not None:
         lines += [
             "## Cost against quality",
@@ -176,8 +177,9 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
             "strategy and PartitionSel variant (regime a, equal steps).",
             "",
         ]
+    knob_labels = ("partitionsel", "random", *KNOBS)
     knobs = _plot_frontier(
-        out, doc.parent / f"{stem}_knobs_frontier.png", ("partitionsel", "random", *KNOBS), "the cost knobs"
+        [p for p in points if p[0] in knob_labels], doc.parent / f"{stem}_knobs_frontier.png", "the cost knobs"
     )
     if knobs is not None:
         lines += [
@@ -224,8 +226,7 @@ def frontier_points(out: Path, only: tuple[str, ...] | None = None) -> list[tupl
     return points
 
 
-def _plot_frontier(out: Path, path: Path, only: tuple[str, ...] | None = None, title: str = "cost against quality") -> Path | None:
-    points = frontier_points(out, only)
+def _plot_frontier(points: list[tuple[str, float, float]], path: Path, title: str = "cost against quality") -> Path | None:
     if not points:
         return None
     import matplotlib

@@ -14,46 +14,38 @@ from tests.training.conftest import tiny_overrides
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 
 
-@pytest.mark.parametrize("scope", ["local", "global"])
-def test_training_path_passes_a_generator_to_the_capacities(dolma_shards, tmp_path, monkeypatch, scope):
+def _capacity_calls(shards, run_dir, monkeypatch, *overrides):
+    """Train the tiny config with random_stratified; return each step's compute_capacities arguments."""
     calls = []
     original = selection.compute_capacities
 
     def spy(pool_counts, kappa, fractions=None, generator=None):
-        calls.append(generator)
+        calls.append((pool_counts, fractions, generator))
         return original(pool_counts, kappa, fractions, generator=generator)
 
     monkeypatch.setattr(selection, "compute_capacities", spy)
-    overrides = tiny_overrides(
-        dolma_shards,
-        tmp_path / "run",
-        "algorithms.data_selection.strategy=random_stratified",
-        f"algorithms.data_selection.scope={scope}",
+    cfg = load_config(
+        TINY, tiny_overrides(shards, run_dir, "algorithms.data_selection.strategy=random_stratified", *overrides)
     )
-    trainer = train.build_trainer(load_config(TINY, overrides))
-    trainer.fit()
-    assert len(calls) == 3, calls
-    assert all(isinstance(g, torch.Generator) for g in calls), calls
+    train.build_trainer(cfg).fit()
+    return calls
+
+
+@pytest.mark.parametrize("scope", ["local", "global"])
+def test_training_path_passes_a_generator_to_the_capacities(dolma_shards, tmp_path, monkeypatch, scope):
+    calls = _capacity_calls(dolma_shards, tmp_path / "run", monkeypatch, f"algorithms.data_selection.scope={scope}")
+    generators = [g for _, _, g in calls]
+    assert len(generators) == 3, generators
+    assert all(isinstance(g, torch.Generator) for g in generators), generators
 
 
 def test_uniform_capacity_fractions_give_every_domain_the_same_share(dolma_shards, tmp_path, monkeypatch):
-    seen = []
-    original = selection.compute_capacities
-
-    def spy(pool_counts, kappa, fractions=None, generator=None):
-        seen.append((len(pool_counts), fractions))
-        return original(pool_counts, kappa, fractions, generator=generator)
-
-    monkeypatch.setattr(selection, "compute_capacities", spy)
-    overrides = tiny_overrides(
-        dolma_shards,
-        tmp_path / "run",
-        "algorithms.data_selection.strategy=random_stratified",
-        "algorithms.data_selection.capacity_fractions=uniform",
+    calls = _capacity_calls(
+        dolma_shards, tmp_path / "run", monkeypatch, "algorithms.data_selection.capacity_fractions=uniform"
     )
-    train.build_trainer(load_config(TINY, overrides)).fit()
-    assert seen
-    for num_domains, fractions in seen:
+    assert calls
+    for pool_counts, fractions, _ in calls:
+        num_domains = len(pool_counts)
         assert num_domains > 1 and fractions == pytest.approx([1 / num_domains] * num_domains)
 
 
