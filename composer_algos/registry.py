@@ -343,6 +343,9 @@ def _parse_data_selection(data: dict[str, Any], where: str, problems: list[str])
     # DataSelection's own rules on the values that parsed (the strategy and options are checked above).
     probe = _well_typed(section, where, problems[before:])
     probe = {k: v for k, v in probe.items() if k not in ("features", "strategy_options")}
+    if isinstance(section.features, ConfigSection):
+        # Only the feature values that parsed: the algorithm checks them against the validation settings.
+        probe["features"] = _well_typed(section.features, f"{where}.features", problems[before:])
     if not strategy_ok:
         probe.pop("strategy", None)
     try:

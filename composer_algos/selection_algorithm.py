@@ -142,7 +142,8 @@ class DataSelection(Algorithm):
     Raises:
         ValueError: every invalid argument at once (unknown strategy, oversampling below 1, or 1 with
             a selecting strategy, bad scope, start/end, interval, between, validation keys or
-            average_beta).
+            average_beta, or an average_beta > 0 with features whose validation side changes with
+            the step: `precondition` split or both, `adam_simulated`, `resample_projections`).
     """
 
     def __init__(
@@ -202,6 +203,8 @@ class DataSelection(Algorithm):
         beta = validation_cfg.get("average_beta", 0.0)
         if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
             problems.append(f"validation.average_beta must be in [0, 1), got {beta!r}")
+        elif beta > 0:
+            problems += _average_beta_conflicts(beta, features or {})
         if check_consistency and scope == "local":
             problems.append(
                 "check_consistency: true needs scope global or auto (with local scope every rank selects "
@@ -556,6 +559,7 @@ class DataSelection(Algorithm):
                 optimizer=state.optimizers[0] if state.optimizers else None,
                 precision_context=context,
                 auto_chunk_size=self._auto_chunk_size(state),
+                row_offset=dist.get_global_rank() * int(pool["input_ids"].shape[0]),
             )
             return feats, gbar, None
         except FeatureError as e:
@@ -679,6 +683,42 @@ def top_k_within_capacities(
     # Among the keepable examples, the k best (the scan stops at k).
     order_N = torch.sort(torch.where(keep_N, -scores_N, torch.full_like(scores_N, float("inf"))), stable=True).indices
     return order_N[: min(k, int(keep_N.sum()))]
+
+
+def _average_beta_conflicts(beta: float, features: Mapping[str, Any]) -> list[str]:
+    """Feature settings that make a running mean of the validation feature average incomparable steps.
+
+    `ValidationAverage` folds `gbar` of many steps into one vector, which is meaningful only when the
+    validation side carries no step-dependent scaling or projection: the optimizer's preconditioner
+    on the validation side (`precondition: split | both` with `adam_optimizer`), the simulated-Adam
+    filter (its state moves every step) or projections drawn anew every step.
+    """
+    import inspect
+
+    from composer_algos.features import GradFeatureExtractor
+
+    defaults = inspect.signature(GradFeatureExtractor).parameters
+    normalization = features.get("normalization", defaults["normalization"].default)
+    precondition = features.get("precondition", defaults["precondition"].default)
+    resample = features.get("resample_projections", defaults["resample_projections"].default)
+    found = []
+    if normalization == "adam_optimizer" and precondition in ("split", "both"):
+        found.append(
+            f"features.precondition {precondition!r} scales the validation feature by the optimizer's current "
+            "second moment"
+        )
+    if normalization == "adam_simulated":
+        found.append("features.normalization 'adam_simulated' filters it with a state that moves every step")
+    if resample:
+        found.append(f"features.resample_projections {resample!r} draws new projections every step")
+    if not found:
+        return []
+    return [
+        f"validation.average_beta {beta:g} averages the validation feature over steps, which needs a validation "
+        f"side with no step-dependent scaling or projection, but {' and '.join(found)}: use "
+        "features.precondition: pool with normalization adam_optimizer (the defaults) and fixed projections, "
+        "or validation.average_beta: 0"
+    ]
 
 
 def _validation_config(validation: Any) -> dict[str, Any]:

@@ -42,7 +42,8 @@ ABLATIONS = {
     # Ordered so the settings the one-step check and the first seed point at finish first.
     "prec_pool": [f"{SEL}.features.precondition=pool"],
     "weighted": [f"{SEL}.weighted_loss=true"],
-    "valavg": [f"{SEL}.validation.average_beta=0.9"],
+    # Averaging needs a raw validation side (the algorithm rejects it with `both`): paired with prec_pool.
+    "valavg": [f"{SEL}.features.precondition=pool", f"{SEL}.validation.average_beta=0.9"],
     "val16": [f"{SEL}.validation.batch_size=16"],
     "r4": [f"{SEL}.oversampling=4"],
     "r8": [f"{SEL}.oversampling=8"],

@@ -19,8 +19,10 @@ class ValidationAverage:
     with the held-out set's gradient far less than 16 or more do; docs/results/study_dm_math.md). The
     model moves little between steps, so averaging `gbar` over recent steps pools many more
     validation examples without scoring them again: `m_t = beta m_{t-1} + (1 - beta) gbar_t`, used as
-    `m_t / (1 - beta^t)`. The projections must be the same every step (the default fixed ones);
-    validation features should carry no step-dependent scaling (`precondition: pool` keeps them raw).
+    `m_t / (1 - beta^t)`. The projections must be the same every step (the default fixed ones) and
+    validation features must carry no step-dependent scaling (`precondition: pool` keeps them raw):
+    `DataSelection` rejects `beta > 0` with `precondition: split | both`, `adam_simulated` or
+    `resample_projections` at construction.
     `beta = 0` returns `gbar_t` unchanged. Under global scope, update with the gathered `gbar` so every
     rank holds the same state.
 

@@ -205,3 +205,11 @@ def test_a_config_loaded_without_the_registry_is_checked_before_build_trainer_bu
     with pytest.raises(ConfigError) as info:
         train.build_trainer(cfg)
     assert f"{SEL}.features.proj_dimm" in str(info.value) and "callbacks.speed_monitr" in str(info.value)
+
+
+def test_average_beta_with_a_preconditioned_validation_side_is_reported_with_both_yaml_paths():
+    with pytest.raises(ConfigError) as info:
+        load_run_config(TINY, [f"{SEL}.validation.average_beta=0.9", f"{SEL}.features.precondition=both"])
+    msg = str(info.value)
+    assert f"{SEL}: validation.average_beta 0.9" in msg and "features.precondition 'both'" in msg
+    load_run_config(TINY, [f"{SEL}.validation.average_beta=0.9", f"{SEL}.features.precondition=pool"])

@@ -238,3 +238,24 @@ def test_average_is_taken_after_the_global_gather_so_ranks_hold_one_state(monkey
 def test_average_beta_out_of_range_and_with_local_scope_are_rejected():
     with pytest.raises(ValueError, match=r"validation.average_beta must be in \[0, 1\), got 1.0"):
         DataSelection(validation={"average_beta": 1.0})
+
+
+@pytest.mark.parametrize(
+    ("features", "named"),
+    [
+        ({"precondition": "both"}, "features.precondition 'both'"),
+        ({"precondition": "split"}, "features.precondition 'split'"),
+        ({"normalization": "adam_simulated"}, "features.normalization 'adam_simulated'"),
+        ({"resample_projections": True}, "features.resample_projections True"),
+    ],
+)
+def test_average_beta_with_step_dependent_validation_features_is_rejected_at_construction(features, named):
+    # Averaged validation features must carry no step-dependent scaling or projection (issue 20.6).
+    with pytest.raises(ValueError, match="validation.average_beta 0.9") as info:
+        DataSelection(validation={"average_beta": 0.9}, features=features)
+    assert named in str(info.value)
+    # Without averaging, or with the raw validation side, the same settings are accepted.
+    DataSelection(validation={"average_beta": 0.0}, features=features)
+    DataSelection(validation={"average_beta": 0.9}, features={"precondition": "pool"})
+    # The preconditioner's side does not apply without the optimizer's Adam normalisation.
+    DataSelection(validation={"average_beta": 0.9}, features={"normalization": "none", "precondition": "both"})
