@@ -25,6 +25,7 @@ from composer_algos.features.normalize import (
 )
 from composer_algos.features.projection import FJLTPlan, apply_fjlt, make_fjlt_plan
 from composer_algos.features.score_tokens import first_target_tokens, score_tokens_problem
+from composer_algos.features.windows import POOL_STREAM, VALIDATION_STREAM, score_window_problems, window_batch
 from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
 from composer_algos.features.targets import (
     TargetLayer,
@@ -79,6 +80,8 @@ def feature_option_problems(
     adam_eps: float,
     precondition: str,
     score_tokens: int | None = None,
+    score_window: int | None = None,
+    score_window_position: str = "start",
 ) -> list[str]:
     """Every invalid value among `GradFeatureExtractor`'s options, one message each (none: valid).
 
@@ -106,6 +109,7 @@ def feature_option_problems(
     score_tokens_error = score_tokens_problem(score_tokens)
     if score_tokens_error:
         problems.append(score_tokens_error)
+    problems.extend(score_window_problems(score_window, score_window_position, score_tokens))
     return problems
 
 
@@ -166,6 +170,13 @@ class GradFeatureExtractor:
             The validation batch is always scored in full: it is the target the pool is matched
             to. A value at least the sequence length changes nothing. `score_length_in_use`
             tells the longest cut of the last call (positions scored per pool row).
+        score_window: score each row of the pool AND of the validation batch on a window of this
+            many tokens, cut out and run as its own sequence (no left context), so the whole
+            scoring forward and backward runs over t positions instead of T (for packed long
+            sequences; `features/windows.py` says why no context). None (default): whole rows. A
+            value at least the sequence length changes nothing. Exclusive with `score_tokens`.
+        score_window_position: `start` (each row's first t tokens) or `random` (a start drawn per
+            row and step from `(seed, step)` alone: the same on every rank, the same on resume).
 
     Raises:
         ValueError: for bad options or targets (the message lists the candidate modules).
@@ -189,6 +200,8 @@ class GradFeatureExtractor:
         seed: int = 0,
         resample_projections: bool = False,
         score_tokens: int | None = None,
+        score_window: int | None = None,
+        score_window_position: str = "start",
     ) -> None:
         problems = feature_option_problems(
             normalization=normalization,
@@ -199,6 +212,8 @@ class GradFeatureExtractor:
             adam_eps=adam_eps,
             precondition=precondition,
             score_tokens=score_tokens,
+            score_window=score_window,
+            score_window_position=score_window_position,
         )
         if problems:
             raise ValueError("; ".join(problems))
@@ -231,6 +246,13 @@ class GradFeatureExtractor:
         self.score_length_in_use: int | None = None  # longest pool sequence the last call scored
         if score_tokens is not None:
             log.info("score_tokens=%d: pool examples are scored on their first %d target tokens", score_tokens, score_tokens)
+        self.score_window = score_window
+        self.score_window_position = score_window_position
+        if score_window is not None:
+            log.info(
+                "score_window=%d (%s): pool and validation rows are scored on %d-token windows, each as its own sequence",
+                score_window, score_window_position, score_window,
+            )
         self.simulated = SimulatedAdam(adam_betas, adam_eps)
 
         self._raw_dims = [t.raw_dim(k_out, k_in) for t in self.targets]
@@ -266,6 +288,7 @@ class GradFeatureExtractor:
         optimizer: torch.optim.Optimizer | None = None,
         precision_context: Callable[[], AbstractContextManager] | None = None,
         auto_chunk_size: int | None = None,
+        row_offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Features of the pool and the mean feature of the validation batch.
 
@@ -281,6 +304,8 @@ class GradFeatureExtractor:
                 Precision). None: the model's own dtype.
             auto_chunk_size: what `chunk_size="auto"` means for this call (the run's device
                 microbatch size); ignored when `chunk_size` is an int.
+            row_offset: the pool's first row in the global pool (rank x rows per rank), for
+                `score_window_position: random` (the draw is one vector over the global pool).
 
         Returns:
             G (n, d) float32 and gbar (d,) float32 (None without `val_batch`), on the model's device;
@@ -298,6 +323,7 @@ class GradFeatureExtractor:
         use_sim = self.normalization == "adam_simulated"
         pool_pre, val_pre = _split_preconditioners(preconditioners, self.precondition)
         chunk = self._resolve_chunk(auto_chunk_size)
+        pool_batch, val_batch = self._windowed(pool_batch, val_batch, step, row_offset)
         while True:
             bad_rows: list[torch.Tensor] = []  # per-call tensors; one host sync at the end
             oom = False
@@ -355,6 +381,7 @@ class GradFeatureExtractor:
         pre = self._adam_preconditioners(optimizer)
         pool_pre, val_pre = _split_preconditioners(pre, self.precondition)
         chunk = self._resolve_chunk(None)
+        pool_batch, val_batch = self._windowed(pool_batch, val_batch, step, 0)
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         saved = self.proj_dim
         try:
@@ -378,6 +405,18 @@ class GradFeatureExtractor:
             "proj_dim": float(saved),
             "raw_dim": float(sum(self._raw_dims)),
         }
+
+    def _windowed(self, pool_batch, val_batch, step: int, row_offset: int):
+        """The pool and validation batches cut to their scoring windows (as given without `score_window`)."""
+        t = self.score_window
+        if t is None:
+            return pool_batch, val_batch
+        kw = {"position": self.score_window_position, "seed": self.seed, "step": step}
+        pool_batch = window_batch(pool_batch, t, stream=POOL_STREAM, row_offset=row_offset, **kw)
+        if val_batch is not None:
+            val_batch = window_batch(val_batch, t, stream=VALIDATION_STREAM, **kw)
+        self.score_length_in_use = int(pool_batch["input_ids"].shape[1])
+        return pool_batch, val_batch
 
     def state_dict(self) -> dict:
         """Checkpointable state (the simulated-Adam moments and the settings that shape the features)."""

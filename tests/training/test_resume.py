@@ -18,9 +18,20 @@ def _series(trainer, key):
     return {int(ts.batch.value): float(v) for ts, v in mem.data[key]}
 
 
-@pytest.mark.parametrize("strategy", ["partitionsel", "random"])
-def test_mid_epoch_resume_matches_uninterrupted_run(strategy, dolma_shards, tmp_path):
-    common = ["loggers.in_memory={}", f"algorithms.data_selection.strategy={strategy}", "eval_loader=null"]
+WINDOW = [
+    "algorithms.data_selection.features.score_window=8",
+    "algorithms.data_selection.features.score_window_position=random",
+]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [("partitionsel", []), ("random", []), ("partitionsel", WINDOW)],
+    ids=["partitionsel", "random", "partitionsel-random-window"],
+)
+def test_mid_epoch_resume_matches_uninterrupted_run(strategy, extra, dolma_shards, tmp_path):
+    # With random scoring windows the draw must come back on resume (it depends on seed and step only).
+    common = ["loggers.in_memory={}", f"algorithms.data_selection.strategy={strategy}", "eval_loader=null", *extra]
     full_cfg = load_config(
         TINY, tiny_overrides(dolma_shards, tmp_path / "full", *common, "max_duration=6ba", "save_interval=3ba")
     )
@@ -44,6 +55,8 @@ def test_mid_epoch_resume_matches_uninterrupted_run(strategy, dolma_shards, tmp_
     assert resumed_steps == [3, 4, 5]
     for step in resumed_steps:
         assert loss_res[step] == loss_full[step], (step, loss_res[step], loss_full[step])
+    if extra:  # the windows were in force (tokens scored per row, logged every step)
+        assert set(_series(full, "selection/score_seq_len").values()) == {8.0}
     if strategy == "partitionsel":
         h_full, h_res = _series(full, "selection/selected_hash"), _series(resumed, "selection/selected_hash")
         assert all(h_res[s] == h_full[s] for s in resumed_steps)
