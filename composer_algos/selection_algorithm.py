@@ -488,6 +488,9 @@ class DataSelection(Algorithm):
             metrics["selection/score_chunk_size"] = float(self.extractor.chunk_size_in_use)
         if needs_features and self.extractor is not None and self.extractor.score_length_in_use is not None:
             metrics["selection/score_seq_len"] = float(self.extractor.score_length_in_use)
+        if needs_features and self.extractor is not None and self.extractor.preconditioned_fraction is not None:
+            # The normalisation in use: the share of target layers Adam-normalised this step.
+            metrics["selection/normalization_preconditioned_fraction"] = self.extractor.preconditioned_fraction
         record_step(
             logger,
             method=self.strategy,

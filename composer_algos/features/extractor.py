@@ -129,7 +129,9 @@ class GradFeatureExtractor:
 
     Normalisations: `none`; `unit` (cosine Gram); `adam_optimizer` (divide by `sqrt(v_hat) + eps` of
     the optimizer's own second moment: elementwise for exact layers, a rank-one row/column fit for
-    sketched ones; falls back to `none` while the optimizer has no state, see `normalization_in_use`);
+    sketched ones; falls back to `none` while the optimizer has no state, see `normalization_in_use`,
+    and leaves a target whose parameters have no optimizer state, e.g. a frozen `lm_head`, raw, see
+    `preconditioned_fraction`);
     `adam_simulated` (the paper's per-example low-pass filter, `SimulatedAdam`, checkpointable).
 
     The model's parameters, their `.grad`, the optimizer state and every module's train/eval flag are
@@ -265,6 +267,10 @@ class GradFeatureExtractor:
         if proj_dim and not self.proj_dim:
             log.info("proj_dim=%d >= raw feature width %d: features are kept uncompressed", proj_dim, raw_total)
         self.normalization_in_use = normalization
+        # Share of target layers whose features carried the Adam normalisation in the last call (None
+        # before the first); with adam_optimizer, the layers whose parameters have optimizer state.
+        self.preconditioned_fraction: float | None = None
+        self._unpreconditioned_warned: tuple[str, ...] = ()
         self.last_step: int | None = None
         self._sketch_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fjlt_cache: dict[tuple, FJLTPlan] = {}
@@ -542,34 +548,55 @@ class GradFeatureExtractor:
         )
         return new
 
-    def _adam_preconditioners(self, optimizer: torch.optim.Optimizer | None) -> list[tuple[torch.Tensor, ...]] | None:
+    def _adam_preconditioners(
+        self, optimizer: torch.optim.Optimizer | None
+    ) -> list[tuple[torch.Tensor, ...] | None] | None:
         """Per target, the Adam scale from the optimizer's v_hat, computed once per call.
 
         Exact layers get `(1 / (sqrt(v_hat) + eps),)` flattened in feature order, sketched layers the
-        factored `(s_out, s_in)`. None (and `normalization_in_use = "none"`) when unavailable.
+        factored `(s_out, s_in)`. A target whose parameters have no second moment in the optimizer
+        (frozen, or not given to it) gets None and is used unpreconditioned while the others keep
+        theirs, with one warning naming it. None for every target (no optimizer, step 0) gives None
+        and `normalization_in_use = "none"`. `preconditioned_fraction` records the share of
+        targets preconditioned in this call.
         """
         if self.normalization != "adam_optimizer":
             self.normalization_in_use = self.normalization
+            self.preconditioned_fraction = 1.0 if self.normalization == "adam_simulated" else 0.0
             return None
         if self._shards is not None:
             layers = [(t.params, t.d_out, t.d_in, t.sketched) for t in self.targets]
             pre = sharded_adam_scales(optimizer, layers, self._shards, self.adam_eps, torch.distributed.all_reduce)
         else:
-            v_hats = [optimizer_second_moments(optimizer, t.params) for t in self.targets]
-            pre = None
-            if all(v is not None for v in v_hats):
-                pre = [
-                    factored_adam_scales(v, self.adam_eps) if t.sketched else (exact_adam_scale(v, self.adam_eps),)
-                    for t, v in zip(self.targets, v_hats)  # type: ignore[arg-type]
-                ]
-        if pre is None:
+            pre = []
+            for t in self.targets:
+                v = optimizer_second_moments(optimizer, t.params)
+                if v is None:
+                    pre.append(None)
+                else:
+                    pre.append(factored_adam_scales(v, self.adam_eps) if t.sketched else (exact_adam_scale(v, self.adam_eps),))
+        missing = tuple(t.name for t, scales in zip(self.targets, pre) if scales is None)
+        self.preconditioned_fraction = 1.0 - len(missing) / len(self.targets)
+        if len(missing) == len(self.targets):
             if self.normalization_in_use != "none":
                 log.warning(
-                    "adam_optimizer normalisation: the optimizer has no second moment for the target "
-                    "parameters yet (no optimizer, step 0, or frozen targets); using no normalisation"
+                    "adam_optimizer normalisation: the optimizer has no second moment for any target layer "
+                    "yet (no optimizer, or step 0); using no normalisation until it has"
                 )
             self.normalization_in_use = "none"
             return None
+        if missing and missing != self._unpreconditioned_warned:
+            log.warning(
+                "adam_optimizer normalisation: the optimizer holds no second moment for target layer(s) %s "
+                "(frozen, or not given to the optimizer): their features are used without the preconditioner, "
+                "the other %d layer(s)' with it (selection/normalization_preconditioned_fraction %.3f); leave "
+                "frozen layers out of the targets (target_modules, include_lm_head) to score with "
+                "preconditioned layers only",
+                list(missing),
+                len(self.targets) - len(missing),
+                self.preconditioned_fraction,
+            )
+        self._unpreconditioned_warned = missing
         self.normalization_in_use = f"adam_optimizer/{self.precondition}"
         return pre
 
@@ -659,21 +686,22 @@ def _ranks(x: torch.Tensor) -> torch.Tensor:
 
 
 def _split_preconditioners(
-    pre: list[tuple[torch.Tensor, ...]] | None, side: str
-) -> tuple[list[tuple[torch.Tensor, ...]] | None, list[tuple[torch.Tensor, ...]] | None]:
+    pre: list[tuple[torch.Tensor, ...] | None] | None, side: str
+) -> tuple[list[tuple[torch.Tensor, ...] | None] | None, list[tuple[torch.Tensor, ...] | None] | None]:
     """The (pool, validation) preconditioners: each target's scales raised to that side's power of P.
 
     Exact layers carry one elementwise scale, sketched layers the factored `(s_out, s_in)`; raising
-    every factor to the power `e` raises their product (the approximated P) to `e`. Power 0 is None.
+    every factor to the power `e` raises their product (the approximated P) to `e`. Power 0 is None;
+    a target without a preconditioner (None) stays None on both sides.
     """
     if pre is None:
         return None, None
-    out: list[list[tuple[torch.Tensor, ...]] | None] = []
+    out: list[list[tuple[torch.Tensor, ...] | None] | None] = []
     for power in PRECONDITION_SIDES[side]:
         if power == 0:
             out.append(None)
         elif power == 1:
             out.append(pre)
         else:
-            out.append([tuple(s.pow(power) for s in scales) for scales in pre])
+            out.append([None if scales is None else tuple(s.pow(power) for s in scales) for scales in pre])
     return out[0], out[1]

@@ -42,8 +42,8 @@ def optimizer_second_moments(
 
     Returns:
         One tensor per parameter (same shape), or None when the optimizer is missing or holds no
-        second moment for some parameter yet (step 0, or a frozen parameter): the caller then falls
-        back to no normalisation for this call.
+        second moment for some parameter yet (step 0, or a frozen parameter): the caller then uses
+        that layer without the preconditioner for this call.
     """
     if optimizer is None:
         return None
@@ -104,7 +104,7 @@ def sharded_adam_scales(
     shards: Mapping[int, ParamShard],
     eps: float,
     all_reduce_sum: Callable[[torch.Tensor], None],
-) -> list[tuple[torch.Tensor, ...]] | None:
+) -> list[tuple[torch.Tensor, ...] | None]:
     """The Adam preconditioners of the target layers when FSDP shards their optimizer state (one collective).
 
     Under FSDP each rank's optimizer holds `exp_avg_sq` only for its 1-D slice of every parameter (see
@@ -131,9 +131,10 @@ def sharded_adam_scales(
         all_reduce_sum: sums a tensor in place across all ranks (a collective: call on every rank).
 
     Returns:
-        Per target `(scale_D,)` (exact) or `(s_out_O, s_in_I)` (sketched), float32, or None on every rank
-        when some rank lacks the second moment of a slice it holds (step 0, a frozen parameter): the
-        caller then uses no normalisation for this call, as in the unsharded case.
+        Per target `(scale_D,)` (exact) or `(s_out_O, s_in_I)` (sketched), float32, or None for a target
+        when some rank lacks the second moment of a slice of it that it holds (step 0, a frozen
+        parameter): the caller uses that target unpreconditioned, as in the unsharded case. The same
+        on every rank.
 
     Raises:
         ValueError: when a target parameter is not FSDP-managed, or the gathered coverage is not a
@@ -187,9 +188,8 @@ def sharded_adam_scales(
     all_reduce_sum(flat)
     flat = flat.cpu()
 
-    out: list[tuple[torch.Tensor, ...]] = []
+    out: list[tuple[torch.Tensor, ...] | None] = []
     offset = 0
-    missing = False
     for params, d_out, d_in, sketched in layers:
         cols = d_in + (len(params) > 1)
         width = d_out + cols if sketched else d_out * cols
@@ -197,6 +197,7 @@ def sharded_adam_scales(
         meta = flat[offset + width : offset + width + 2 * len(params)]
         offset += width + 2 * len(params)
         copies = []
+        missing = False
         for k, p in enumerate(params):
             covered, flagged = float(meta[2 * k]), float(meta[2 * k + 1])
             numel = shards[id(p)].numel
@@ -209,6 +210,7 @@ def sharded_adam_scales(
                 )
             copies.append(covered / numel)
         if missing:
+            out.append(None)
             continue
         replicas = copies[0]
         target_device = params[0].device
@@ -223,8 +225,6 @@ def sharded_adam_scales(
             v_OI = (payload / replicas).float().reshape(d_out, cols)
             v_hats = [v_OI[:, :d_in]] + ([v_OI[:, d_in]] if len(params) > 1 else [])
             out.append((exact_adam_scale(v_hats, eps).to(target_device),))
-    if missing:
-        return None
     return out
 
 

@@ -81,6 +81,44 @@ def test_precondition_side_sets_the_power_of_p_in_the_scores(side, power):
     torch.testing.assert_close((G.double() @ gbar.double()), expected, rtol=1e-4, atol=0)
 
 
+def test_a_target_without_optimizer_state_is_used_raw_and_the_others_preconditioned(caplog):
+    """A frozen lm_head under LoRA with include_lm_head: only that layer goes unpreconditioned (issue 20.5)."""
+    from tests.features.helpers import tiny_lora
+
+    model = tiny_lora(seed=1, dtype=torch.float64)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ex = GradFeatureExtractor(model, include_lm_head=True, proj_dim=0)
+    frozen = [t.name for t in ex.targets if not t.params[0].requires_grad]
+    assert len(frozen) == 1 and "lm_head" in frozen[0] and len(ex.targets) > 1
+    batch = make_batch(n=5, seed=2)
+    with caplog.at_level("WARNING", logger="composer_algos.features.extractor"):
+        ex.compute(batch, optimizer=opt)
+        at_step_0 = ex.normalization_in_use, getattr(ex, "preconditioned_fraction", None)
+        _train_steps(model, opt, 2)
+        G, _ = ex.compute(batch, optimizer=opt)
+        ex.compute(batch, optimizer=opt)
+    raw = per_example_grads(model, batch, ex.targets, mode="exact")
+    expected = []
+    for t in ex.targets:
+        if t.name in frozen:
+            expected.append(raw[t.name])
+            continue
+        scale = torch.cat(
+            [
+                ((opt.state[p]["exp_avg_sq"] / (1 - 0.999 ** opt.state[p]["step"])).sqrt() + 1e-8).reciprocal().reshape(-1)
+                for p in t.params
+            ]
+        )
+        expected.append(raw[t.name] * scale)
+    torch.testing.assert_close(G, torch.cat(expected, dim=1).float())
+    assert at_step_0 == ("none", 0.0)  # no layer has optimizer state yet
+    n = len(ex.targets)
+    assert ex.preconditioned_fraction == pytest.approx((n - 1) / n)
+    assert ex.normalization_in_use.startswith("adam_optimizer/pool")
+    named = [r.getMessage() for r in caplog.records if frozen[0] in r.getMessage()]
+    assert len(named) == 1, named  # once, naming the layer
+
+
 def test_precondition_side_is_validated():
     with pytest.raises(ValueError, match="precondition"):
         GradFeatureExtractor(tiny_llama(seed=0), precondition="twice")

@@ -36,7 +36,11 @@ def _full_v_hats(seed: int = 0) -> list[list[torch.Tensor]]:
 
 
 def _run_ranks(
-    world: int, shard_size: int, v_hats: list[list[torch.Tensor]], drop_state_on: int | None = None
+    world: int,
+    shard_size: int,
+    v_hats: list[list[torch.Tensor]],
+    drop_state_on: int | None = None,
+    no_state: bool = False,
 ):
     """Every rank's `sharded_adam_scales`; rank r holds shard `r % shard_size` of the unit's flat parameter."""
     numels = [v.numel() for layer in v_hats for v in layer]
@@ -77,7 +81,7 @@ def _run_ranks(
             for params, layer in zip(params_all, v_hats):
                 for p, v in zip(params, layer):
                     s = shards[id(p)]
-                    if s.end > s.start and rank != drop_state_on:
+                    if s.end > s.start and rank != drop_state_on and not no_state:
                         exp_avg_sq = v.reshape(-1)[s.start : s.end] * (1 - BETA2**STEP)
                         opt.state[p] = {"exp_avg_sq": exp_avg_sq, "step": torch.tensor(float(STEP))}
             results[rank] = sharded_adam_scales(opt, layers, shards, EPS, all_reduce_sum)
@@ -118,6 +122,18 @@ def test_sharded_scales_equal_unsharded(world: int, shard_size: int) -> None:
                 )
 
 
-def test_missing_state_on_one_rank_falls_back_everywhere() -> None:
-    results = _run_ranks(4, 2, _full_v_hats(), drop_state_on=1)
-    assert results == [None] * 4
+def test_missing_state_on_one_rank_leaves_only_the_layers_it_holds_unpreconditioned() -> None:
+    v_hats = _full_v_hats()
+    results = _run_ranks(4, 2, v_hats, drop_state_on=1)
+    # Rank 1 holds shard 1 of the flat parameter: the tail of layer 1 and all of layer 2. Layer 0 lies
+    # in shard 0 (ranks 0 and 2 hold it with state) and keeps its preconditioner on every rank.
+    expected_0 = exact_adam_scale(v_hats[0], EPS)
+    for rank, got in enumerate(results):
+        assert got is not None and len(got) == len(LAYERS), f"rank {rank}: {got}"
+        assert got[1] is None and got[2] is None, f"rank {rank}"
+        torch.testing.assert_close(got[0][0], expected_0, rtol=1e-5, atol=0)
+
+
+def test_no_state_anywhere_gives_no_preconditioner_for_any_layer() -> None:
+    results = _run_ranks(2, 2, _full_v_hats(), drop_state_on=None, no_state=True)
+    assert results == [[None] * len(LAYERS)] * 2

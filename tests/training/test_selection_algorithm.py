@@ -168,3 +168,24 @@ def test_weighted_loss_over_microbatches_is_the_weighted_mean_of_the_selection(d
     assert set(ref_grads) == set(probe.grads)
     for name, g in ref_grads.items():
         torch.testing.assert_close(probe.grads[name], g.to(probe.grads[name].dtype), rtol=1e-4, atol=1e-7)
+
+
+def test_the_share_of_preconditioned_layers_is_logged_every_step(dolma_shards, tmp_path):
+    """LoRA with include_lm_head: the frozen lm_head has no Adam state, the adapters do (issue 20.5)."""
+    trainer = _build(
+        dolma_shards,
+        tmp_path,
+        "eval_loader=null",
+        "model.lora.r=2",
+        "model.lora.target_modules=[v_proj,down_proj]",
+        "algorithms.data_selection.features.include_lm_head=true",
+    )
+    algo = next(a for a in trainer.state.algorithms if isinstance(a, DataSelection))
+    trainer.fit()
+    names = algo.extractor.target_names
+    assert any("lm_head" in n for n in names) and len(names) > 1
+    mem = next(d for d in trainer.logger.destinations if isinstance(d, InMemoryLogger))
+    series = [float(v) for _, v in mem.data["selection/normalization_preconditioned_fraction"]]
+    # Step 0: no optimizer state yet; then every layer but the frozen lm_head is preconditioned.
+    assert series == pytest.approx([0.0] + [1 - 1 / len(names)] * 2)
+    trainer.close()
