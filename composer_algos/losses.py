@@ -47,7 +47,7 @@ def per_token_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> tuple
     targets_nT = torch.cat([labels_nT[:, 1:], labels_nT.new_full((n, 1), IGNORE_INDEX)], dim=1)
     logits_MV = logits_nTV.reshape(n * t, v).float()
     if logits_MV.requires_grad and torch.is_grad_enabled():
-        loss_M = _TokenCrossEntropy.apply(logits_MV, targets_nT.reshape(-1))
+        loss_M, _ = _TokenCrossEntropy.apply(logits_MV, targets_nT.reshape(-1))
     else:
         loss_M = F.cross_entropy(logits_MV, targets_nT.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
     return loss_M.view(n, t), targets_nT != IGNORE_INDEX
@@ -66,33 +66,65 @@ class _TokenCrossEntropy(torch.autograd.Function):
     graph cannot be walked twice (a second backward raises). Measured on CPU at M 2048, V 4096:
     forward + backward 57 ms against 121 ms (issue 15; docs/data_selection.md, Cost of a
     selection step).
+
+    It works under torch.func transforms (`grad`, `vmap` of `grad`, `jacrev`; issue 20): the
+    forward takes no ctx and also returns the log-probabilities (non-differentiable) for
+    `setup_context` to save, and the vmap rule is generated. Inside a transform the backward
+    computes the same formula out of place.
     """
 
+    # torch.func transforms (grad, vmap, jacrev: tools/bench_features.py's per-example reference)
+    # need the forward without ctx, a setup_context, and a vmap rule (generated: every op here batches).
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, logits_MV: torch.Tensor, targets_M: torch.Tensor) -> torch.Tensor:
+    def forward(logits_MV: torch.Tensor, targets_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logp_MV = torch.log_softmax(logits_MV, dim=-1)
         valid_M = targets_M != IGNORE_INDEX
         safe_M1 = targets_M.clamp_min(0).unsqueeze(1)
         loss_M = -logp_MV.gather(1, safe_M1).squeeze(1)
         loss_M = loss_M.masked_fill(~valid_M, 0.0)
-        ctx.save_for_backward(logp_MV, safe_M1, valid_M)
+        # The log-probabilities are an output only so that setup_context can save them (a forward
+        # without ctx cannot save intermediates); they are not differentiable and callers drop them.
+        return loss_M, logp_MV
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _logits_MV, targets_M = inputs
+        _loss_M, logp_MV = output
+        ctx.mark_non_differentiable(logp_MV)
+        ctx.set_materialize_grads(False)  # no zero (M, V) gradient for the log-probabilities output
+        ctx.save_for_backward(logp_MV, targets_M.clamp_min(0).unsqueeze(1), targets_M != IGNORE_INDEX)
         ctx.consumed = False
-        return loss_M
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_M: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, g_M: torch.Tensor | None, _g_logp: None) -> tuple[torch.Tensor | None, None]:
         if ctx.consumed:
             raise RuntimeError(
                 "per_token_losses: a second backward through the same graph (retain_graph=True) is not "
                 "supported; its backward reuses the saved log-probabilities in place"
             )
         ctx.consumed = True
+        if g_M is None:
+            return None, None
         logp_MV, safe_M1, valid_M = ctx.saved_tensors
         g_M1 = g_M.masked_fill(~valid_M, 0.0).unsqueeze(1)
+        if _functorch_wrapped(logp_MV, g_M):
+            # Under a torch.func transform (vmap over this backward, as jacrev does, batches `g`
+            # but not the saved buffer, and in-place ops cannot write a batched value into an
+            # unbatched tensor): the same formula out of place, with the in-place scatter that
+            # has a vmap batching rule (scatter_add_ has none and falls back to a per-example loop).
+            grad_MV = logp_MV.exp() * g_M1
+            return grad_MV.scatter_reduce_(1, safe_M1, -g_M1, "sum"), None
         grad_MV = logp_MV.exp_().mul_(g_M1)  # the saved buffer becomes the gradient
         grad_MV.scatter_add_(1, safe_M1, -g_M1)
         return grad_MV, None
+
+
+def _functorch_wrapped(*tensors: torch.Tensor) -> bool:
+    """Whether any tensor is a torch.func wrapper (batched or grad-tracking): a transform is running."""
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def per_example_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> torch.Tensor:
