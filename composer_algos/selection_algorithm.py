@@ -114,6 +114,8 @@ class DataSelection(Algorithm):
             switched from the command line without editing the options.
         capacity_fractions: Fixed per-domain shares of kappa by domain name, or `uniform` (the
             same share for every domain); default: proportional to the pool, as in the paper.
+            Only the strategies that select within capacities honour it (partitionsel, id, iwd,
+            random_stratified); with another strategy it is rejected.
         weighted_loss: Weight each selected example's loss by its refit weight, so the step
             optimises `sum_i w_i l_i / sum_i w_i` over the selected examples of all ranks and
             microbatches (weights normalised to mean 1 over all ranks); strategies without weights
@@ -205,6 +207,18 @@ class DataSelection(Algorithm):
             problems.append(f"validation.average_beta must be in [0, 1), got {beta!r}")
         elif beta > 0:
             problems += _average_beta_conflicts(beta, features or {})
+        if capacity_fractions and strategy in known:
+            from composer_algos.selection import STRATEGIES
+
+            uses = strategy != "none" and get_strategy(strategy).uses_capacities
+            if not uses:
+                honour = [name for name, spec in STRATEGIES.items() if spec.uses_capacities]
+                what = "trains on the whole pool" if strategy == "none" else "does not use per-domain capacities"
+                problems.append(
+                    f"capacity_fractions {capacity_fractions!r} would be ignored: strategy {strategy!r} {what} (only "
+                    f"{', '.join(honour)} honour it): remove capacity_fractions or "
+                    "choose one of those strategies"
+                )
         if check_consistency and scope == "local":
             problems.append(
                 "check_consistency: true needs scope global or auto (with local scope every rank selects "

@@ -55,3 +55,33 @@ def test_unknown_capacity_fractions_word_is_rejected_with_the_allowed_values(dol
     )
     with pytest.raises(ValueError, match="(?s)capacity_fractions.*'equal'.*uniform"):
         train.build_trainer(load_config(TINY, overrides))
+
+
+@pytest.mark.parametrize("strategy", ["greats", "gradnorm", "colm", "random", "none"])
+@pytest.mark.parametrize("fractions", ["uniform", {"a": 2.0, "b": 1.0}])
+def test_capacity_fractions_with_a_strategy_that_ignores_them_is_rejected_at_construction(strategy, fractions):
+    from composer_algos.selection_algorithm import DataSelection
+
+    with pytest.raises(ValueError, match="capacity_fractions") as info:
+        DataSelection(strategy=strategy, oversampling=2, capacity_fractions=fractions)
+    msg = str(info.value)
+    assert repr(strategy) in msg
+    for honours in ("partitionsel", "id", "iwd", "random_stratified"):
+        assert honours in msg, msg
+
+
+@pytest.mark.parametrize("strategy", ["partitionsel", "id", "iwd", "random_stratified"])
+def test_capacity_fractions_are_accepted_by_the_strategies_that_use_capacities(strategy):
+    from composer_algos.selection_algorithm import DataSelection
+
+    DataSelection(strategy=strategy, capacity_fractions="uniform")
+
+
+def test_capacity_fractions_with_greats_is_reported_when_the_yaml_is_loaded():
+    from composer_algos.registry import load_run_config
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="(?s)capacity_fractions.*'greats'"):
+        load_run_config(
+            TINY, ["algorithms.data_selection.strategy=greats", "algorithms.data_selection.capacity_fractions=uniform"]
+        )
