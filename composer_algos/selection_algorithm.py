@@ -103,7 +103,8 @@ class DataSelection(Algorithm):
             the shards' manifest.
         domain_key: Batch field holding each example's domain id (default `domain_id`).
         domain_names: Names of the domains by id (default: the validation shards' or the training
-            dataset's manifest, else `domain_<i>` for each id seen).
+            dataset's manifest, else `domain_<i>` for each id seen; under global scope, seen on any
+            rank, so every rank solves for the same number of domains).
         features: Keyword arguments of `GradFeatureExtractor` (target_modules, last_n_blocks,
             include_lm_head, exact_max_numel, sketch_dim, normalization, proj_dim, chunk_size, ...).
             Scoring runs in the run's precision context (`state.precision`, as the training
@@ -363,11 +364,24 @@ class DataSelection(Algorithm):
             dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
             names = getattr(dataset, "domain_names", None)
             self.domain_names = list(names) if names is not None else []
-        if not self._names_given and domain_N.numel():
-            # Ids beyond the known names (no manifest): name them domain_<i>; C only grows.
-            top = int(domain_N.max()) + 1
+        if domain_N.numel():
+            self._grow_domains(int(domain_N.max()) + 1)
+        else:
+            self._resolve_fractions()
+
+    def _grow_domains(self, top: int) -> None:
+        """Name the ids below `top` beyond the known names (no manifest) `domain_<i>`; C only grows.
+
+        Under global scope `top` must be the same on every rank (the gathered pool's), or a rank
+        whose pool lacks the largest id would size the problem smaller than the others.
+        """
+        if not self._names_given:
             assert self.domain_names is not None
             self.domain_names += [f"domain_{i}" for i in range(len(self.domain_names), top)]
+        self._resolve_fractions()
+
+    def _resolve_fractions(self) -> None:
+        """The capacity shares by domain id, resolved again whenever the number of domains changes."""
         if self.capacity_fractions is not None and self._fractions_for != self.num_domains:
             from pipeline.dataset import resolve_domain_weights
 
@@ -454,6 +468,17 @@ class DataSelection(Algorithm):
             average_gbar=None if stale else self.val_average.update,
         )
         t_gather = time.perf_counter() - t1 if multi else 0.0
+        if multi and problem.domain_P.numel():
+            # C from the gathered ids, identical on every rank (this rank's pool may lack the largest);
+            # an id beyond the given names stops every rank here, not one rank inside the solver.
+            top = int(problem.domain_P.max()) + 1
+            if self._names_given and top > self.num_domains:
+                raise ValueError(
+                    f"algorithms.data_selection: the pool of some rank holds domain id {top - 1}, but domain_names "
+                    f"names {self.num_domains} domains {self.domain_names}; give a name for every domain id"
+                )
+            self._grow_domains(top)
+            pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
         if needs_features:
             self._settle_simulated_adam(multi, failed=problem.fallback is not None)
         if self.between == "stale_topk" and not stale and problem.gbar_D is not None:

@@ -259,3 +259,43 @@ def test_average_beta_with_step_dependent_validation_features_is_rejected_at_con
     DataSelection(validation={"average_beta": 0.9}, features={"precondition": "pool"})
     # The preconditioner's side does not apply without the optimizer's Adam normalisation.
     DataSelection(validation={"average_beta": 0.9}, features={"normalization": "none", "precondition": "both"})
+
+
+@pytest.mark.parametrize("strategy", ["random_stratified", "partitionsel"])
+def test_global_scope_without_domain_names_gives_every_rank_the_same_domain_count(monkeypatch, strategy):
+    """A rank whose pool lacks the largest domain id must not size C from its own pool (issue 20.8)."""
+    ranks = ThreadRanks(2, timeout_s=30)
+    ranks.patch(monkeypatch)
+    # Step 0: only rank 0 sees domain 2; step 1: only rank 1 sees domain 3.
+    domains = {(0, 0): 3, (0, 1): 2, (1, 0): 2, (1, 1): 4}
+
+    def body(rank):
+        algo = DataSelection(strategy=strategy, scope="global")  # no domain names, no manifest
+        if strategy == "partitionsel":
+            algo._features = lambda state, batch, step, **_: (*_feats(step, rank), None)
+        seen = []
+        for step in range(2):
+            logger = ListLogger()
+            algo._select(FakeState(_pool(8, seed=rank, domains=domains[step, rank]), step=step), logger)
+            seen.append((algo.num_domains, len(logger.traces[-1]["selection/pool_counts"])))
+        return seen, algo.domain_names
+
+    (seen0, names0), (seen1, names1) = ranks.run(body)
+    assert seen0 == seen1 == [(3, 3), (4, 4)]
+    assert names0 == names1 == ["domain_0", "domain_1", "domain_2", "domain_3"]
+
+
+def test_global_scope_with_an_id_beyond_the_given_names_fails_on_every_rank(monkeypatch):
+    ranks = ThreadRanks(2, timeout_s=30)
+    ranks.patch(monkeypatch)
+
+    def body(rank):
+        algo = DataSelection(strategy="random_stratified", scope="global", domain_names=["a", "b"])
+        try:  # only rank 1's pool holds the unnamed id 2
+            algo._select(FakeState(_pool(8, seed=rank, domains=3 if rank == 1 else 2)), ListLogger())
+        except ValueError as e:
+            return str(e)
+        return None
+
+    messages = ranks.run(body)
+    assert all(m is not None and "domain id 2" in m and "['a', 'b']" in m for m in messages), messages
