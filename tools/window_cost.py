@@ -23,6 +23,7 @@ data loading (the pool's r x kappa rows are read and collated for both strategie
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -285,3 +286,57 @@ def write_long_shards(corpus: Path, shards: Path, seq_len: int) -> int:
         ["dolma", str(corpus / "dolma" / "documents"), "--out", str(shards),
          "--max-seq-len", str(seq_len), "--val-count", "16", "--no-progress"]
     )
+
+
+def recipe_flops(yaml: Path, gpus: int, overrides: Sequence[str] = ()) -> dict[str, float]:
+    """FLOPs per optimizer step of a recipe, with and without its selection's scoring pass.
+
+    The training step: three forwards of the global batch's rows at the recipe's sequence length.
+    The scoring pass: the recipe's `oversampling` x the batch's rows plus `validation.batch_size`
+    rows on every rank, each on its `features.score_window` (whole rows without one), with the
+    recipe's `features.last_n_blocks` (0 with `include_lm_head`: the lm_head alone).
+    """
+    from pipeline.config import load_config
+
+    cfg = load_config(yaml, list(overrides))
+    model = cfg.model.config
+    S = int(cfg.max_seq_len)
+    rows = int(cfg.global_train_batch_size)
+    sel = cfg.algorithms.get("data_selection") if isinstance(cfg.algorithms, Mapping) else None
+    sel = sel or {}
+    feats = sel.get("features", {}) or {}
+    r = float(sel.get("oversampling", 1.0))
+    window = feats.get("score_window")
+    blocks = int(feats.get("last_n_blocks", 1))
+    val = int((sel.get("validation", {}) or {}).get("batch_size", 0)) * gpus
+    training = 3.0 * rows * S * flops_per_token(model, S)["total"]
+    floor = window_step_floor(model, S, window, r, kappa=rows, val_rows=val, last_n_blocks=blocks) if sel else 1.0
+    return {
+        "tokens": float(rows * S), "training": training, "scoring": (floor - 1.0) * training,
+        "ratio": floor, "oversampling": r, "window": float(window or S), "val_rows": float(val),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="FLOPs per step of a recipe yaml, with and without its selection's scoring pass "
+        "(the training step as three forwards; the scoring as window_step_floor counts it)."
+    )
+    parser.add_argument("yaml", type=Path, help="a run yaml, e.g. yamls/llama1b_dolma.yaml")
+    parser.add_argument("--gpus", type=int, default=64, help="ranks (each scores validation.batch_size rows; default 64)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the yaml")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    f = recipe_flops(args.yaml, args.gpus, args.overrides)
+    print(
+        f"{args.yaml}: {f['tokens']:,.0f} tokens a step; training {f['training'] / 1e15:.2f} PFLOP a step; "
+        f"scoring (r = {f['oversampling']:g}, window {f['window']:.0f}, {f['val_rows']:.0f} validation rows over "
+        f"{args.gpus} ranks) {f['scoring'] / 1e15:.3f} PFLOP; with selection {f['ratio']:.3f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -27,11 +27,14 @@ def test_yaml_parses_and_validates(path: Path):
 
 
 def test_paper_recipes_are_encoded():
+    # The pretraining recipe is a production shape (issue 22.6): 2048-token rows, about a million
+    # tokens a step, warm-up then decay to its end, scoring on windows.
     pre = load_config(REPO_ROOT / "yamls" / "llama1b_dolma.yaml")
-    assert pre.max_seq_len == 512 and pre.global_train_batch_size == 32
-    assert pre.optimizer.lr == pytest.approx(3e-4) and pre.scheduler.t_warmup == "1000ba"
-    assert pre.scheduler.name == "linear_decay_with_warmup"
+    assert pre.max_seq_len == 2048 and pre.max_seq_len * pre.global_train_batch_size == 2**20
+    assert pre.optimizer.lr == pytest.approx(4e-4) and pre.scheduler.t_warmup == "2000ba"
+    assert pre.scheduler.name == "cosine_with_warmup" and pre.max_duration == "24000ba"
     assert pre.model.config is not None and pre.model.config["hidden_size"] == 2048
+    assert pre.algorithms["data_selection"]["features"]["score_window"] == 128
     math = load_config(REPO_ROOT / "yamls" / "qwen2.5-3b_metamathqa.yaml")
     assert math.model.lora is not None and (math.model.lora.r, math.model.lora.alpha) == (16, 96)
     assert math.model.lora.dropout == pytest.approx(0.05)
