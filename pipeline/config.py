@@ -10,6 +10,7 @@ problem is collected and raised as one `ConfigError` that names the yaml path of
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -319,8 +320,10 @@ class TrainConfig:
             errs.append(f"algorithms.data_selection.validation.guide_fraction must be in (0, 1], got {guide}")
         same_split = (
             ev is not None
-            and (ev.shard_dir or self.train_loader.dataset.shard_dir)
-            == val.get("shard_dir", self.train_loader.dataset.shard_dir)
+            and _same_location(
+                ev.shard_dir or self.train_loader.dataset.shard_dir,
+                val.get("shard_dir", self.train_loader.dataset.shard_dir),
+            )
             and ev.split == val.get("split", "val")
         )
         if same_split and ev is not None and ev.guide_fraction < guide:
@@ -330,6 +333,17 @@ class TrainConfig:
                 f"examples that guide selection; set eval_loader.guide_fraction={guide}"
             )
         return errs
+
+
+def _same_location(a: Any, b: Any) -> bool:
+    """Whether two shard locations name one directory: local paths resolved (`x`, `x/`, `./x`, a
+    symlink), remote URLs compared without a trailing slash."""
+    if not isinstance(a, (str, os.PathLike)) or not isinstance(b, (str, os.PathLike)):
+        return a == b
+    a, b = os.fspath(a), os.fspath(b)
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 ComponentParser = Callable[[str, str, Any, str, list[str]], Any]

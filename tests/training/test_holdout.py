@@ -85,3 +85,17 @@ def test_config_rejects_an_eval_that_reads_guide_samples(dolma_shards, tmp_path)
         load_config(TINY, overrides)
     cfg = load_config(TINY, [*overrides, "eval_loader.guide_fraction=0.7"])
     assert cfg.eval_loader is not None and cfg.eval_loader.guide_fraction == 0.7
+
+
+@pytest.mark.parametrize("spelling", ["{d}/", "{d}/.", "{d}/../{name}"])
+def test_the_same_split_check_compares_resolved_paths(dolma_shards, tmp_path, spelling):
+    """`shards/x` and `shards/x/` name one directory: the guide/evaluation check must see it (issue 20.9)."""
+    other = spelling.format(d=dolma_shards, name=dolma_shards.name)
+    overrides = tiny_overrides(
+        dolma_shards,
+        tmp_path / "r",
+        "algorithms.data_selection.validation.guide_fraction=0.7",
+        f"algorithms.data_selection.validation.shard_dir={other}",
+    )
+    with pytest.raises(ConfigError, match="eval_loader.guide_fraction 0.5 is below"):
+        load_config(TINY, overrides)
