@@ -207,12 +207,12 @@ def _load(cfg, checkpoint: str | None):
 
 
 def _data(cfg, args):
-    """Seeded pools from the train split; guiding and held-out examples from the val split."""
+    """Seeded pools from the train split; guiding examples from the val split, held-out ones where the evaluators read."""
     import torch
 
     from pipeline.collators import build_collator
     from pipeline.dataset import DomainStreamingDataset
-    from pipeline.holdout import DEFAULT_GUIDE_FRACTION, dataset_guide_mask
+    from pipeline.holdout import DEFAULT_GUIDE_FRACTION, dataset_guide_mask, heldout_subset
     from pipeline.tokenizer import load_tokenizer
 
     shard_dir = cfg.train_loader.dataset.shard_dir
@@ -227,17 +227,24 @@ def _data(cfg, args):
         idx = torch.randperm(int(train.num_samples), generator=gen)[: args.pool_size].tolist()
         pools.append(collate([train[i] for i in idx]))
     # The run's own partition of the val split: guiding examples for the arms, held-out ones for
-    # the evaluation (as the per-domain evaluators read them).
+    # the evaluation, read where the run's per-domain evaluators read them (eval_loader: its
+    # shards, split and guide_fraction; without one, the part of the val split that never guides).
     sel = cfg.algorithms.get("data_selection") or {}
     mask = dataset_guide_mask(
         val, float((sel.get("validation") or {}).get("guide_fraction", DEFAULT_GUIDE_FRACTION))
     )
     guide_ids = [int(i) for i in mask.nonzero()[0]]
-    eval_ids = [int(i) for i in (~mask).nonzero()[0]]
+    ev = cfg.eval_loader
+    if ev is None:
+        held, eval_ids = val, [int(i) for i in (~mask).nonzero()[0]]
+    else:
+        same = Path(ev.shard_dir or shard_dir).resolve() == Path(shard_dir).resolve() and ev.split == "val"
+        held = val if same else DomainStreamingDataset(shard_dir=ev.shard_dir, split=ev.split, shuffle=False)
+        eval_ids = [int(i) for i in heldout_subset(held, ev.guide_fraction, what="lookahead evaluation").indices]
     perm = torch.randperm(len(guide_ids), generator=gen).tolist()
     guide = collate([val[guide_ids[i]] for i in perm[: args.guide_size]])
     perm = torch.randperm(len(eval_ids), generator=gen).tolist()
-    evalset = collate([val[eval_ids[i]] for i in perm[: args.eval_size]])
+    evalset = collate([held[eval_ids[i]] for i in perm[: args.eval_size]])
     return pools, guide, evalset, len(train.domain_names)
 
 
