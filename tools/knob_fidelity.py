@@ -1,18 +1,22 @@
-"""Fidelity of the selection cost knobs: shadow selections beside one real PartitionSel run (issue 15.4).
+"""Fidelity of the selection cost knobs: shadow selections beside one real PartitionSel run (issues 15.4, 22.4).
 
 Example:
     OMP_NUM_THREADS=1 python tools/knob_fidelity.py --steps 50 --out runs/knob_fidelity
+    # windowed scoring on packed long rows (issue 22.4): t in {64, 128, 256}, start and random
+    OMP_NUM_THREADS=1 python tools/knob_fidelity.py --set windows --yaml yamls/study/ghpile.yaml \\
+        --shards runs/ghpile/shards/s512 --steps 60 --out runs/ghpile/fidelity_s512
 
 One real training run of PartitionSel at full cost (the yaml's settings; default the study config
 yamls/study/dm_math.yaml on runs/study/shards/dm_math, sharded from ../shared/data/dm_math into a
 temporary directory when that is absent). At every step, before the real selection and on the
 same pool and the same model, each knob variant's selection is also computed (a shadow: nothing
 is trained on it) and its Jaccard overlap |A & B| / |A | B| with the full-cost selection is
-recorded, with its feature time against the full cost's on the same step (the variants run in a
+recorded, with the Spearman rank correlation of its scores <g_i, gbar> with the full cost's scores
+on the same pool, and its feature time against the full cost's on the same step (the variants run in a
 rotating order, so the machine's load drifts over all of them alike). Every variant solves with
 the step's own generator, so its capacities are the real step's.
 
-Variants:
+Variants of `--set knobs` (the default):
     full             the yaml's features recomputed: against the trained selection (a check: 1)
     val_redraw       the yaml's features with another validation draw (the next step's): how far
                      the selection moves with the validation batch alone (the noise level)
@@ -27,8 +31,18 @@ Variants:
     random           a uniform random subset, as `between: random` trains (the floor)
     random_caps      random within the step's capacities (chance level)
 
+Variants of `--set windows` (features.score_window: each pool row and the validation batch scored
+on a t-token window run as its own sequence, composer_algos/features/windows.py):
+    full, val_redraw       as above (val_redraw: the noise reference)
+    window<t>_start        the first t tokens of every row, for each t of --windows (default 64,128,256)
+    window<t>_random       a t-token window at a random position per row and step
+    random, random_caps    as above
+
 For the stale variants the Jaccard is over the between steps only (a selecting step is the full
 selection), and the cost is given per between step and amortised over an interval.
+
+The summary gives each variant's mean Jaccard and score Spearman over all steps and over the
+second half of the run (a model past its first steps), and the minimum Jaccard.
 
 Writes DIR/knob_fidelity.md (the table) and DIR/knob_fidelity.json (per step and summary).
 """
@@ -37,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -64,6 +79,9 @@ FEATURE_VARIANTS: dict[str, dict[str, Any]] = {
     "proj_dim256": {"proj_dim": 256},
 }
 STALE_INTERVALS = (2, 4)
+WINDOW_SIZES = (64, 128, 256)
+WINDOW_POSITIONS = ("start", "random")
+VARIANT_SETS = ("knobs", "windows")
 DESCRIPTIONS = {
     "full": "the yaml's features, recomputed (against the trained selection)",
     "val_redraw": "full cost, another validation draw (noise level)",
@@ -78,6 +96,34 @@ DESCRIPTIONS = {
     "random": "`between: random`: a uniform subset (floor)",
     "random_caps": "random within the step's capacities (chance level)",
 }
+
+
+def window_variants(sizes: tuple[int, ...] = WINDOW_SIZES) -> dict[str, dict[str, Any]]:
+    """`window<t>_<position>` -> its feature options, for each t in `sizes` and each position."""
+    return {
+        f"window{t}_{pos}": {"score_window": t, "score_window_position": pos}
+        for t in sizes
+        for pos in WINDOW_POSITIONS
+    }
+
+
+def feature_variants(variant_set: str, sizes: tuple[int, ...] = WINDOW_SIZES) -> dict[str, dict[str, Any]]:
+    """The feature variants a set runs: `knobs` (issue 15's cost knobs) or `windows` (score_window)."""
+    if variant_set == "knobs":
+        return dict(FEATURE_VARIANTS)
+    if variant_set == "windows":
+        return {"full": {}, "val_redraw": {}, **window_variants(sizes)}
+    raise ValueError(f"variant set must be one of {list(VARIANT_SETS)}, got {variant_set!r}")
+
+
+def describe(name: str) -> str:
+    """The table's setting column for a variant."""
+    if name in DESCRIPTIONS:
+        return DESCRIPTIONS[name]
+    if name.startswith("window"):
+        t, pos = name.removeprefix("window").split("_")
+        return f"`features.score_window: {t}`, `score_window_position: {pos}`"
+    return name
 
 
 def jaccard(a: set[int], b: set[int]) -> float:
@@ -101,9 +147,23 @@ def main(argv: list[str] | None = None) -> int:
         "--override", action="append", default=[], metavar="KEY=VALUE",
         help="extra config override (repeatable), after the tool's own",
     )
+    parser.add_argument(
+        "--set", dest="variant_set", choices=VARIANT_SETS, default="knobs",
+        help="which variants: knobs (issue 15's cost knobs, default) or windows (features.score_window)",
+    )
+    parser.add_argument(
+        "--windows", default=",".join(str(t) for t in WINDOW_SIZES),
+        help="--set windows: comma-separated window lengths t (default 64,128,256)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    try:
+        sizes = tuple(int(t) for t in args.windows.split(",") if t.strip())
+    except ValueError:
+        parser.error(f"--windows must be comma-separated integers, got {args.windows!r}")
+    if not sizes or any(t < 2 for t in sizes):
+        parser.error(f"--windows: every window length must be an integer >= 2, got {args.windows!r}")
 
     import torch
 
@@ -114,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         shards = args.shards
         if shards is None:
             shards = DEFAULT_SHARDS if (DEFAULT_SHARDS / "manifest.json").exists() else _shard_study(Path(tmp))
-        records, meta = run(args.yaml, shards, Path(tmp) / "run", args.steps, args.override)
+        records, meta = run(
+            args.yaml, shards, Path(tmp) / "run", args.steps, args.override,
+            variants=feature_variants(args.variant_set, sizes), stale=args.variant_set == "knobs",
+        )
     meta["wall_s"] = time.perf_counter() - t0
     meta["command"] = "python tools/knob_fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:])
     summary = summarize(records)
@@ -127,15 +190,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str]) -> tuple[list[dict], dict]:
-    """Train `steps` steps of the yaml's PartitionSel, computing every variant's shadow selection each step."""
+def run(
+    yaml: Path,
+    shards: Path,
+    save_folder: Path,
+    steps: int,
+    extra: list[str],
+    *,
+    variants: dict[str, dict[str, Any]] | None = None,
+    stale: bool = True,
+) -> tuple[list[dict], dict]:
+    """Train `steps` steps of the yaml's PartitionSel, computing every variant's shadow selection each step.
+
+    Args:
+        variants: feature variant name -> feature options over the yaml's (default: the knobs);
+            it must hold `full` (the reference) and may hold `val_redraw` (full features, the next
+            step's validation draw).
+        stale: also the `stale_topk` variants (they need `full`'s pool-only features each step).
+    """
+    variants = dict(FEATURE_VARIANTS if variants is None else variants)
+    if "full" not in variants:
+        raise ValueError(f"the variants must include 'full' (the reference), got {list(variants)}")
+    stale_intervals = STALE_INTERVALS if stale else ()
     import torch
     from composer.core.precision import get_precision_context
     from composer.loggers import ConsoleLogger, ProgressBarLogger
 
     import composer_algos.selection_algorithm as sa
     import train
-    from composer_algos.features import GradFeatureExtractor
+    from composer_algos.features import GradFeatureExtractor, spearman
     from composer_algos.registry import load_run_config
     from composer_algos.seeding import mix_seed
     from composer_algos.selection import compute_capacities
@@ -187,7 +270,7 @@ def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str
         model = state.model  # as the algorithm's own extractor gets it (single process: no DDP wrapper)
         device = next(model.parameters()).device
         if not shadows:
-            for name, opts in FEATURE_VARIANTS.items():
+            for name, opts in variants.items():
                 shadows[name] = GradFeatureExtractor(model, seed=algo.seed, **{**algo.feature_cfg, **opts})
         pool = model_inputs(batch, device)
         val_batch = algo.validation.batch_for_step(step)
@@ -231,11 +314,11 @@ def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str
             return set(sel.tolist()), time.perf_counter() - t
 
         # The jobs, in an order rotated every step; "pool_only" times the stale steps' features.
-        jobs = [*FEATURE_VARIANTS, "pool_only"]
+        jobs = [*variants, *(["pool_only"] if stale_intervals else [])]
         shift = step % len(jobs)
         targets_N = (pool["labels"][:, 1:] != -100).sum(dim=1)
         rec: dict[str, Any] = {
-            "step": step, "feat_s": {}, "solve_s": {}, "sel": {}, "fallback": {}, "score_seq_len": {},
+            "step": step, "feat_s": {}, "solve_s": {}, "sel": {}, "fallback": {}, "score_seq_len": {}, "spearman": {},
             "seq_len": int(pool["input_ids"].shape[1]),
             "targets_median": float(targets_N.float().median()), "targets_max": int(targets_N.max()),
         }
@@ -258,7 +341,12 @@ def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str
             rec["feat_s"][name], rec["solve_s"][name], rec["sel"][name] = t_feat, t_solve, sel
             rec["fallback"][name] = fallback
         G_full, gbar_full = results["full"]
-        for k in STALE_INTERVALS:
+        # Each variant's scores <g_i, gbar> (its own features and validation side) against full's.
+        scores_full = G_full.double() @ gbar_full.double()
+        for name in variants:
+            G, gbar = results[name]
+            rec["spearman"][name] = spearman(G.double() @ gbar.double(), scores_full)
+        for k in stale_intervals:
             name = f"stale_topk_i{k}"
             if step % k == 0:
                 stale_gbar[k] = gbar_full
@@ -302,28 +390,40 @@ def run(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str
         "targets_per_example_max": max(r["targets_max"] for r in records) if records else None,
         "score_seq_len_median": {
             name: statistics.median(r["score_seq_len"][name] for r in records)
-            for name in FEATURE_VARIANTS if records and name in records[0]["score_seq_len"]
+            for name in variants if records and name in records[0]["score_seq_len"]
         },
+        "variants": list(variants),
+        "stale_intervals": list(stale_intervals),
     }
     return records, meta
 
 
 def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
-    """Per variant: mean and min Jaccard with the full-cost selection, and the median time ratios on the same step."""
+    """Per variant: mean and min Jaccard with the full-cost selection, the mean Spearman of its scores
+    with full's (all steps and the second half), and the median time ratios on the same step."""
     out: dict[str, dict[str, float]] = {}
-    names = list(FEATURE_VARIANTS) + [f"stale_topk_i{k}" for k in STALE_INTERVALS] + ["random", "random_caps"]
+    feature_names = list(records[0]["spearman"]) if records else []  # the run's variants, in order
+    stale_names = sorted({n for r in records for n in r.get("stale_between", {})})
+    names = feature_names + stale_names + ["random", "random_caps"]
+    half = (max(r["step"] for r in records) + 1) // 2 if records else 0
     for name in names:
         if name.startswith("stale_topk"):
             rows = [r for r in records if r.get("stale_between", {}).get(name)]
         else:
             rows = [r for r in records if name in r["jaccard"]]
-        jac = [r["jaccard"][name] for r in rows if r["jaccard"][name] == r["jaccard"][name]]
+        jac = [(r["step"], r["jaccard"][name]) for r in rows if math.isfinite(r["jaccard"][name])]
+        rho = [(r["step"], r["spearman"][name]) for r in rows if math.isfinite(r["spearman"].get(name, math.nan))]
         entry: dict[str, float] = {"steps": float(len(jac))}
+        for key, pairs in (("jaccard", jac), ("spearman", rho)):
+            if pairs:
+                entry[f"{key}_mean"] = statistics.fmean(v for _, v in pairs)
+            late = [v for step, v in pairs if step >= half]
+            if late:
+                entry[f"{key}_mean_late"] = statistics.fmean(late)
         if jac:
-            entry["jaccard_mean"] = statistics.fmean(jac)
-            entry["jaccard_min"] = min(jac)
+            entry["jaccard_min"] = min(v for _, v in jac)
         full_cost = [r["feat_s"]["full"] + r["solve_s"]["full"] for r in rows]
-        if name in FEATURE_VARIANTS:
+        if name in feature_names:
             entry["feat_ms"] = 1000 * statistics.median(r["feat_s"][name] for r in rows) if rows else float("nan")
             entry["feat_ratio"] = statistics.median(r["feat_s"][name] / r["feat_s"]["full"] for r in rows) if rows else float("nan")
             entry["select_ratio"] = (
@@ -356,21 +456,27 @@ def format_table(summary: dict[str, dict[str, float]], meta: dict) -> str:
         "the full cost on the same step (features: the feature pass; selection: features + solve). Pools are "
         f"padded to {meta.get('seq_len_median')} tokens (median over steps); an example has "
         f"{meta.get('targets_per_example_median')} target tokens (median of the steps' medians, max "
-        f"{meta.get('targets_per_example_max')}); the score_tokens cut leaves "
+        f"{meta.get('targets_per_example_max')}); scoring runs over "
         + ", ".join(f"{k}: {v:g}" for k, v in (meta.get("score_seq_len_median") or {}).items())
         + " positions (median).",
         "",
-        "| variant | setting | steps | Jaccard mean | Jaccard min | features ms | features / full | selection / full |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "Jaccard and Spearman (of the scores <g_i, gbar> against full's) are means over all steps and over "
+        "the second half of the run (late).",
+        "",
+        "| variant | setting | steps | Jaccard mean | Jaccard late | Jaccard min | Spearman mean | Spearman late "
+        "| features ms | features / full | selection / full |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, e in summary.items():
         sel = f"{e['select_ratio']:.2f}" if "select_ratio" in e else "-"
         if "select_ratio_amortised" in e:
             sel += f" ({e['select_ratio_amortised']:.2f} amortised)"
+        rho = f"{e['spearman_mean']:.3f}" if "spearman_mean" in e else "-"
+        rho_late = f"{e['spearman_mean_late']:.3f}" if "spearman_mean_late" in e else "-"
         lines.append(
-            f"| {name} | {DESCRIPTIONS[name]} | {int(e['steps'])} | {e.get('jaccard_mean', float('nan')):.3f} | "
-            f"{e.get('jaccard_min', float('nan')):.3f} | {e.get('feat_ms', float('nan')):.1f} | "
-            f"{e.get('feat_ratio', float('nan')):.2f} | {sel} |"
+            f"| {name} | {describe(name)} | {int(e['steps'])} | {e.get('jaccard_mean', float('nan')):.3f} | "
+            f"{e.get('jaccard_mean_late', float('nan')):.3f} | {e.get('jaccard_min', float('nan')):.3f} | {rho} | "
+            f"{rho_late} | {e.get('feat_ms', float('nan')):.1f} | {e.get('feat_ratio', float('nan')):.2f} | {sel} |"
         )
     return "\n".join(lines)
 
