@@ -4,6 +4,7 @@ Example:
     python tools/bench_step.py                          # both configs, r = 2 and 4 (about 8 minutes on 2 cores)
     python tools/bench_step.py --configs proportioned --ratios 2 --steps 12
     python tools/bench_step.py --device cuda            # on a GPU, in amp_bf16 as a real run
+    python tools/bench_step.py --quick                  # smoke run: tiny, r = 2, 3 steps, 1 round, small corpus
 
 For each config and each oversampling ratio r, side by side in one run: the median step time
 (a real Trainer, data loading to optimizer step) of the plain train step on kappa (`none` with
@@ -73,6 +74,8 @@ CONFIGS = {
 STRATEGIES = ("none", "random", "partitionsel", "greats")
 SEQ_LEN = 128  # the benchmark's shards
 WARMUP_STEPS = 3
+QUICK_CORPUS_SCALE = 0.25  # --quick's sample corpus (about 1,200 documents): enough for a few steps
+QUICK_WARMUP_STEPS, QUICK_STEPS = 1, 3  # --quick: one warm-up step, the median of two
 
 # Llama-3.2-1B (tied embeddings; the lm_head is still a matmul) at its training sequence length.
 LLAMA_1B = {
@@ -260,14 +263,22 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: time the partitionsel solve at n = 32, 64, 2048 (kappa n/2) with cpu_single_thread "
         "off and on, interleaved, with --threads (default 2) intra-op threads",
     )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help=f"smoke run (under a minute), not a measurement: --configs tiny --ratios 2 --steps {QUICK_STEPS} "
+        f"({QUICK_WARMUP_STEPS} warm-up) --repeats 1 on a quarter-size corpus (overrides those options)",
+    )
     args = parser.parse_args(argv)
     if args.solver_threads:
         return solver_threads(args.threads or 2)
+    if args.quick:
+        args.configs, args.ratios, args.steps, args.repeats = "tiny", "2", QUICK_STEPS, 1
+    args.warmup = QUICK_WARMUP_STEPS if args.quick else WARMUP_STEPS
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
         parser.error(f"--configs: {unknown or args.configs!r} not among {sorted(CONFIGS)}")
-    if args.steps <= WARMUP_STEPS + 1:
+    if args.steps <= args.warmup + 1:
         parser.error(f"--steps must be at least {WARMUP_STEPS + 2} ({WARMUP_STEPS} warm-up steps are dropped)")
     ratios = [float(r) for r in args.ratios.split(",")]
     if any(r <= 1 for r in ratios):
@@ -286,13 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         root = Path(tmp)
         shards = root / "shards"
-        rc = write_bench_shards(root / "corpus", shards)
+        rc = write_bench_shards(root / "corpus", shards, scale=QUICK_CORPUS_SCALE if args.quick else 1.0)
         if rc:
             return rc
         where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
         print(
             f"torch {torch.__version__}, {args.device} ({where}); {args.steps} steps per strategy "
-            f"({WARMUP_STEPS} warm-up), {args.repeats} standalone rounds; load average {load_before[0]:.2f}\n",
+            f"({args.warmup} warm-up), {args.repeats} standalone rounds; load average {load_before[0]:.2f}\n",
             flush=True,
         )
         rows: dict[str, list[dict]] = {}
@@ -303,8 +314,12 @@ def main(argv: list[str] | None = None) -> int:
             model_cfg = cfg.model.config
             assert model_cfg is not None
             shares[f"{name} (S={SEQ_LEN})"] = share = lm_head_flop_share(model_cfg, SEQ_LEN)
-            sel = cfg.algorithms.data_selection
-            val, blocks = int(sel.validation.batch_size), int(sel.features.get("last_n_blocks", 1))
+            # The yaml's mapping (train.py builds DataSelection from it), with DataSelection's defaults
+            # for what it leaves out: validation batch 4 and last_n_blocks 1.
+            sel = cfg.algorithms["data_selection"]
+            val_cfg = sel.get("validation") or {}
+            val = int(val_cfg.get("batch_size", 4) if isinstance(val_cfg, Mapping) else 4)
+            blocks = int((sel.get("features") or {}).get("last_n_blocks", 1))
             for r in ratios:
                 pool = int(round(cfg.global_train_batch_size * r))
                 floors[f"{name} r={r:g} (pool {pool}, validation {val}, last {blocks} block)"] = scoring_flop_floor(
@@ -393,7 +408,7 @@ def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, a
             trainer.fit(duration="1ba")
     out: dict = {"r": r}
     for strategy, (_trainer, timer) in runs.items():
-        out[strategy] = statistics.median(timer.times[WARMUP_STEPS:])
+        out[strategy] = statistics.median(timer.times[args.warmup :])
     trainer = runs["partitionsel"][0]
     algo = next(a for a in trainer.state.algorithms if isinstance(a, DataSelection))
     out.update(standalone(trainer, algo, args.repeats))
@@ -409,12 +424,12 @@ def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, a
     return out
 
 
-def write_bench_shards(corpus: Path, shards: Path) -> int:
-    """The sample Dolma-style corpus sharded at SEQ_LEN into `shards` (tools/shard.py's exit code)."""
+def write_bench_shards(corpus: Path, shards: Path, scale: float = 1.0) -> int:
+    """The sample Dolma-style corpus (at `scale`) sharded at SEQ_LEN into `shards` (tools/shard.py's exit code)."""
     import shard as shard_tool
     from sample_corpus import write_sample_corpus
 
-    write_sample_corpus(corpus, seed=0, scale=1.0)
+    write_sample_corpus(corpus, seed=0, scale=scale)
     return shard_tool.main(
         ["dolma", str(corpus / "dolma" / "documents"), "--out", str(shards),
          "--max-seq-len", str(SEQ_LEN), "--val-count", "16", "--no-progress"]

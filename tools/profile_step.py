@@ -3,6 +3,7 @@
 Example:
     python tools/profile_step.py                              # proportioned config, r = 2, 3 profiled steps
     python tools/profile_step.py --config tiny --ratio 4 --steps 5
+    python tools/profile_step.py --quick                      # smoke run: tiny, 1 warm-up + 1 profiled step
 
 Builds the benchmark's trainer (tools/bench_step.py: same synthetic shards, seq 128, fp32 on
 CPU), trains `--warmup` steps, then profiles `--steps` steps and prints the mean milliseconds per
@@ -77,19 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps before profiling (default: 3)")
     parser.add_argument("--steps", type=int, default=3, help="profiled steps, averaged (default: 3)")
     parser.add_argument("--strategy", default="partitionsel", help="strategy to profile (default: partitionsel)")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="smoke run, not a measurement: --config tiny --warmup 1 --steps 1 on bench_step.py's quarter-size "
+        "corpus (overrides those)",
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.config, args.warmup, args.steps = "tiny", 1, 1
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1")
 
     import torch
-    from bench_step import CONFIGS, write_bench_shards
+    from bench_step import CONFIGS, QUICK_CORPUS_SCALE, write_bench_shards
     from torch.profiler import ProfilerActivity, profile, record_function
 
     uptime_before = _uptime()
     with tempfile.TemporaryDirectory(prefix="profile_step_") as tmp:
         root = Path(tmp)
         shards = root / "shards"
-        rc = write_bench_shards(root / "corpus", shards)
+        rc = write_bench_shards(root / "corpus", shards, scale=QUICK_CORPUS_SCALE if args.quick else 1.0)
         if rc:
             return rc
         trainer = _build(CONFIGS[args.config], shards, root / "run", args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -105,3 +106,49 @@ def test_table_prints_the_floors():
     text = bench_step.format_table({"proportioned": [row]}, floors={"proportioned r=2": 1.6})
     assert "FLOP floor" in text
     assert "  proportioned r=2: 1.60" in text
+
+
+@pytest.mark.timeout(240)  # measured 20-45 s at load 3-11 on 2 cores (a subprocess: torch, shards, trainers)
+def test_quick_run_prints_a_complete_finite_table():
+    """`bench_step.py --quick` end to end (shards, four trainers, standalone timings, memory): its table."""
+    from tests.tools.tool_runs import finite, numbers, run_tool
+
+    proc = run_tool("bench_step.py", "--quick")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["config", "r", "none"])
+    end = lines.index("", head)  # the table ends at the first blank line
+    rows = [line.split() for line in lines[head + 1 : end]]
+    assert len(rows) == 1 and len(rows[0]) == 13, out
+    r, *cells = (float(x) for x in rows[0][1:])
+    assert r == 2
+    times, ratios = cells[:7], cells[7:]  # none random greats ps fwd features solve (ms); 4 ratios
+    assert finite(times) and min(times) > 0, rows
+    assert finite(ratios) and ratios[0] > 0 and ratios[2] > 0, rows  # ps/random, feat/fwd; the others may be < 0
+    floors = [line for line in out.splitlines() if line.startswith("  tiny r=2 (pool ")]
+    assert len(floors) == 1 and numbers(floors[0].rsplit(":", 1)[1])[0] >= 1, out
+    mem = [line for line in out.splitlines() if line.startswith("  tiny r=2 microbatch ")]
+    assert len(mem) == 1, out
+    score, train = (float(x) for x in re.findall(r"(\S+) MB", mem[0]))
+    assert finite([score, train]) and score > 0 and train > 0, mem
+
+
+@pytest.mark.timeout(240)  # measured 20-45 s at load 3-11 on 2 cores (a subprocess: torch, shards, trainers)
+def test_profile_step_quick_run_prints_the_stage_table():
+    """`profile_step.py --quick` end to end (shards, trainer, instrumentation, profiler): its stage table."""
+    from tests.tools.tool_runs import finite, run_tool
+
+    proc = run_tool("profile_step.py", "--quick")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split() == ["stage", "ms/step", "%", "step"])
+    table = {line[:40].strip(): line[40:].split() for line in lines[head + 1 :] if line.strip()}
+    needed = ["step", "selection", "selection/features", "features/pool", "features/forward", "features/loss",
+              "features/backward", "selection/solve", "train", "train/forward", "rest (data loading, callbacks)"]
+    assert set(needed) <= set(table), proc.stdout
+    for name in needed[:-1]:
+        ms, share = (float(x) for x in table[name])
+        assert finite([ms, share]) and ms > 0 and 0 < share <= 100, (name, table[name])
+    assert table["step"][1] == "100.0"
+    assert float(table["selection"][0]) + float(table["train"][0]) <= float(table["step"][0])
