@@ -3,6 +3,7 @@
 Example:
     .venv/bin/python tools/bench_features.py                 # both model sizes, CPU, 5 timed rounds
     .venv/bin/python tools/bench_features.py --configs small --repeats 5 --device cuda
+    .venv/bin/python tools/bench_features.py --quick         # smoke run in seconds (tiny model), not a measurement
 
 For each model (random Llama, vocab 8192, sequence 128, pool 32; "small": 4 blocks, hidden 256;
 "large": 8 blocks, hidden 512), side by side in one run:
@@ -18,7 +19,12 @@ times, so load changes on a shared machine hit them alike; the median and the mi
 ratios use the median. Memory: each method runs once more in its own subprocess, which reports the
 peak it added over its setup and warm-up: on CPU the rise of the peak RSS (/proc/self/status VmHWM,
 reset through /proc/self/clear_refs; large allocations are forced to mmap so freed memory leaves the
-RSS), on CUDA torch.cuda.max_memory_allocated above the allocated level.
+RSS), on CUDA torch.cuda.max_memory_allocated above the allocated level. The exit code is 1 when a
+method failed (its error is printed) or has no row.
+
+`--quick` runs every method on a "tiny" model (2 blocks, hidden 64, vocab 512, sequence 32, pool 8),
+one timed round, and one memory subprocess for all methods (each peak then includes the other
+methods' setup): a check that every path runs, in seconds.
 """
 
 from __future__ import annotations
@@ -36,39 +42,60 @@ from pathlib import Path
 CONFIGS = {
     "small": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=4),
     "large": dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=8),
+    # --quick only: every path in seconds.
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=172, num_attention_heads=2, num_key_value_heads=2),
 }
 METHODS = ["forward", "batch_grad", "feat_exact", "feat_sketch", "feat_default", "func"]
 VOCAB, SEQ, POOL = 8192, 128, 32
+QUICK_SIZES = dict(vocab=512, seq=32, pool=8)  # with the tiny config
 TARGETS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=["small", "large"], choices=list(CONFIGS))
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="smoke run: the tiny model, 1 round, one memory subprocess (overrides --configs and --repeats)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(_run_worker(json.loads(args.worker))))
-        return
+        return 0
+    if args.quick:
+        args.configs, args.repeats = ["tiny"], 1
 
     results: dict[str, dict[str, dict]] = {}
+    failed: list[str] = []
     for cfg in args.configs:
         job = dict(config=cfg, methods=args.methods, repeats=args.repeats, device=args.device, threads=args.threads)
+        if args.quick:
+            job.update(QUICK_SIZES)
         timings = _call_worker(dict(job, mode="time"))
         results[cfg] = {}
+        if timings is None:  # the worker failed before timing anything: no memory runs either
+            failed += [f"{cfg}/{method}" for method in args.methods]
+            continue
+        quick_mem = _call_worker(dict(job, mode="memory")) if args.quick else None
         for method in args.methods:
-            mem = _call_worker(dict(job, mode="memory", methods=[method]))
-            if timings is None or method not in timings:
+            mem = quick_mem if args.quick else _call_worker(dict(job, mode="memory", methods=[method]))
+            if method not in timings or mem is None:
+                failed.append(f"{cfg}/{method}")
                 continue
-            res = dict(timings[method], peak_mb=mem[method]["peak_mb"] if mem else float("nan"))
+            res = dict(timings[method], peak_mb=mem[method]["peak_mb"])
             results[cfg][method] = res
             print(f"[{cfg}] {method:<13} median {res['median_s'] * 1e3:9.1f} ms  (min {res['min_s'] * 1e3:9.1f})  "
                   f"peak +{res['peak_mb']:8.1f} MB", flush=True)
     _print_report(results)
+    if failed:
+        print(f"\nFAILED (no row; the errors are above on stderr): {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _call_worker(job: dict) -> dict | None:
@@ -125,13 +152,14 @@ def _run_worker(job: dict) -> dict:
         torch.set_num_threads(job["threads"])
     device = torch.device(job["device"])
     torch.manual_seed(0)
+    vocab, seq, pool = job.get("vocab", VOCAB), job.get("seq", SEQ), job.get("pool", POOL)
     config = LlamaConfig(
-        vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=False, attn_implementation="eager",
+        vocab_size=vocab, max_position_embeddings=seq, tie_word_embeddings=False, attn_implementation="eager",
         **CONFIGS[job["config"]],
     )
     model = LlamaForCausalLM(config).to(device)
     gen = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, VOCAB, (POOL, SEQ), generator=gen).to(device)
+    input_ids = torch.randint(0, vocab, (pool, seq), generator=gen).to(device)
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
     last = config.num_hidden_layers - 1
     target_names = [f"model.layers.{last}.{t}" for t in TARGETS]
@@ -193,7 +221,7 @@ def _make_method(method: str, model, batch: dict, target_names: list[str]):
         threshold = {"feat_exact": 10**12, "feat_sketch": 0, "feat_default": 65536}[method]
         extractor = GradFeatureExtractor(
             model, target_modules=[re.escape(n) + "$" for n in target_names], exact_max_numel=threshold,
-            sketch_dim=32, normalization="adam_optimizer", chunk_size=POOL,
+            sketch_dim=32, normalization="adam_optimizer", chunk_size=len(batch["input_ids"]),
         )
 
         def run():
@@ -259,4 +287,4 @@ def _proc_status_kb(key: str) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

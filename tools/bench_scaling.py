@@ -9,12 +9,14 @@ the bytes each rank moves per step (the all-gather of features, domain ids and v
 and the example exchange) and the global pool every solve faces at 8 to 1024 ranks.
 
 On a shared machine the wall times vary 2-4x between runs; the table reports medians and the
-process CPU time next to them.
+process CPU time next to them. A case that fails is reported in its row and the table goes on;
+the exit code is then 1.
 
 Example:
     .venv/bin/python tools/bench_scaling.py
     .venv/bin/python tools/bench_scaling.py --sizes 512 1024 --threads 1 --repeats 5
     .venv/bin/python tools/bench_scaling.py --traffic-only
+    .venv/bin/python tools/bench_scaling.py --quick        # smoke run: n = 256, one thread, one timed run
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 # torch and the selection core load in the functions that use them, so --help and --traffic-only are fast.
@@ -124,7 +127,7 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:9.2f} MiB"
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="pooled examples n")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts")
@@ -136,7 +139,19 @@ def main() -> None:
         "--kappa-divisors", type=int, nargs="+", default=[2, 8], help="kappa = n / each of these"
     )
     parser.add_argument("--traffic-only", action="store_true", help="print only the traffic table")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="smoke run, not a measurement: --sizes 256 --threads 1 --repeats 1 (overrides those)",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.threads, args.repeats = [256], [1], 1
+    for name in ("sizes", "threads", "kappa_divisors"):
+        bad = [v for v in getattr(args, name) if v < 1]
+        if bad:
+            parser.error(f"--{name.replace('_', '-')} must all be >= 1, got {bad}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
 
     print("traffic per step and rank under global scope (weak scaling; D = proj_dim, float32 features)")
     print(
@@ -150,7 +165,7 @@ def main() -> None:
                 f" {_mib(row['exchange_bytes']):>16} {_mib(row['gram_bytes']):>14}"
             )
     if args.traffic_only:
-        return
+        return 0
 
     import torch
 
@@ -159,6 +174,7 @@ def main() -> None:
         f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}"
     )
     print(f"{'threads':>7} {'n':>6} {'kappa':>6} {'wall s (median)':>16} {'cpu s':>9} {'runs':>5}")
+    failed = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         for n in args.sizes:
@@ -169,9 +185,14 @@ def main() -> None:
                 except Exception as err:  # report a failing case and go on with the table
                     took = time.perf_counter() - start
                     print(f"{threads:>7} {n:>6} {kappa:>6}   failed after {took:.1f} s: {err!r}", flush=True)
+                    failed.append(f"threads {threads} n {n} kappa {kappa}")
                     continue
                 print(f"{threads:>7} {n:>6} {kappa:>6} {wall:>16.3f} {cpu:>9.3f} {runs:>5}", flush=True)
+    if failed:
+        print(f"FAILED cases (see their rows): {'; '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

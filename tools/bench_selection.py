@@ -22,6 +22,7 @@ Example:
     .venv/bin/python tools/bench_selection.py
     .venv/bin/python tools/bench_selection.py --threads 1 --cases small --repeats 9
     .venv/bin/python tools/bench_selection.py --cpu-single-thread
+    .venv/bin/python tools/bench_selection.py --quick     # smoke run: the small case, one timed run each
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _fmt(wall: float, cpu: float) -> str:
     return f"{wall * 1e3:10.2f} ms wall {cpu * 1e3:10.2f} ms cpu"
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of exact and exact+swap (median)")
     parser.add_argument("--apga-repeats", type=int, default=3, help="timed runs of the support APGA")
@@ -97,7 +98,13 @@ def main() -> None:
         help="pass cpu_single_thread=True (OMP rounds and swap checks with one intra-op thread)",
     )
     parser.add_argument("--skip-pool", action="store_true", help="leave out the slow full-pool APGA")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="smoke run, not a measurement: --cases small with one timed run of every variant (overrides those)",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.cases, args.repeats, args.apga_repeats, args.pool_repeats = ["small"], 1, 1, 1
     import torch
 
     from composer_algos.selection import compute_gram, select_partitionsel
@@ -176,7 +183,8 @@ def main() -> None:
                 f" solve only (Gram subtracted) {(wall - w_gram) / (w_ex - w_gram):6.1f}x wall,"
                 f" {(cpu - c_gram) / (c_ex - c_gram):6.1f}x cpu; objective at least as high (1e-6): {ok}"
             )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

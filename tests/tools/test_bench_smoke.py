@@ -1,0 +1,112 @@
+"""Smoke runs of the benchmarks (issue 20 point 4): each script's main path end to end at its smallest
+sizes, its table complete with finite figures, and a non-zero exit when a row fails.
+
+tools/bench_step.py and tools/profile_step.py have theirs in test_bench_step.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.tools.tool_runs import NUMBER, finite, numbers, run_tool, run_tool_patched
+
+
+def _markdown_rows(out: str, first_cell: str) -> list[list[str]]:
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in out.splitlines()
+        if line.startswith(f"| {first_cell} |")
+    ]
+
+
+@pytest.mark.timeout(240)  # measured 15-30 s at load 3-11 on 2 cores (subprocesses importing torch, transformers)
+def test_bench_features_quick_table_has_every_method():
+    proc = run_tool("bench_features.py", "--quick")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _markdown_rows(proc.stdout, "tiny")
+    methods = ["forward", "batch_grad", "feat_exact", "feat_sketch", "feat_default", "func"]
+    assert [r[1] for r in rows] == methods, proc.stdout
+    for row in rows:
+        median, peak, per_fwd, per_bgrad = (float(x) for x in row[2:6])
+        assert finite([median, peak, per_fwd, per_bgrad]) and median > 0 and per_fwd > 0 and per_bgrad > 0, row
+    assert rows[0][4] == "1.00" and rows[1][5] == "1.00"  # the forward and batch_grad rows against themselves
+    ratios = re.findall(rf"\[tiny\] feat_\w+:\s+\(c\)/\(b\) = ({NUMBER})\s+\(d\)/\(c\) = ({NUMBER})", proc.stdout)
+    assert len(ratios) == 3 and finite([float(x) for pair in ratios for x in pair]), proc.stdout
+
+
+@pytest.mark.timeout(240)  # measured 15-30 s at load 3-11 on 2 cores (subprocesses importing torch, transformers)
+def test_bench_features_exits_nonzero_when_a_method_fails():
+    # An unknown device makes every worker fail: no row may be dropped silently with exit code 0.
+    proc = run_tool("bench_features.py", "--quick", "--methods", "forward", "--device", "no_such_device")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FAILED (no row" in proc.stderr and "tiny/forward" in proc.stderr
+
+
+_RAISE = "def _boom(*a, **k):\n    raise RuntimeError('injected failure')\n"
+
+
+def test_bench_selection_quick_table():
+    proc = run_tool("bench_selection.py", "--quick", "--threads", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "[small] n=256 kappa=64 C=8 D=1024" in out, out
+    for label in ("gram alone", "exact", "apga (support) x128", "apga_pool (paper) x128", "exact + swap"):
+        line = next((x for x in out.splitlines() if x.strip().startswith(label + " ")), None)
+        assert line is not None, (label, out)
+        wall, cpu = (float(x) for x in re.findall(rf"({NUMBER}) ms (?:wall|cpu)", line))
+        assert finite([wall, cpu]) and wall > 0 and cpu > 0, line
+        if label != "gram alone":
+            f_s = float(re.search(rf"f\(S\) = ({NUMBER})", line).group(1))
+            assert finite([f_s]) and f_s > 0, line
+    speedups = [x for x in out.splitlines() if x.strip().startswith("exact vs ")]
+    assert len(speedups) == 2, out
+    for line in speedups:
+        assert finite([float(x) for x in re.findall(rf"({NUMBER})x", line)]) and line.endswith(("True", "False")), line
+
+
+def test_bench_scaling_quick_tables():
+    proc = run_tool("bench_scaling.py", "--quick")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    traffic = [x.split() for x in lines if x.startswith(("llama1b_dolma ", "qwen2.5-3b_metamathqa "))]
+    assert len(traffic) == 8, proc.stdout  # 2 recipes x 4 world sizes
+    for row in traffic:
+        values = [float(v) for v in row[1:] if v != "MiB"]
+        assert len(values) == 6 and finite(values) and min(values) > 0, row
+    head = next(i for i, x in enumerate(lines) if x.split()[:3] == ["threads", "n", "kappa"])
+    solves = [x.split() for x in lines[head + 1 :]]
+    assert [r[:3] for r in solves] == [["1", "256", "128"], ["1", "256", "32"]], proc.stdout
+    for row in solves:
+        wall, cpu, runs = float(row[3]), float(row[4]), int(row[5])
+        assert finite([wall, cpu]) and wall > 0 and cpu >= 0 and runs == 1, row
+
+
+def test_bench_scaling_exits_nonzero_when_a_case_fails():
+    proc = run_tool_patched("bench_scaling", _RAISE + "m.time_solve = _boom", "--quick")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("failed after") == 2 and "injected failure" in proc.stdout, proc.stdout
+    assert "FAILED cases" in proc.stderr
+
+
+def test_bench_shard_smallest_run_table():
+    proc = run_tool("bench_shard.py", "--scale", "0.05", "--repeats", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    rows = [x for x in lines if x.startswith(("tokenizer alone (1 thread)", "shard.py --workers"))]
+    assert rows[0].startswith("tokenizer alone") and len(rows) >= 3, proc.stdout
+    for row in rows:
+        values = numbers(row[30:])  # after the 30-character label
+        assert len(values) == 6, row
+        tokens, wall, median, per_s, cpu_main, cpu_workers = values
+        assert finite([tokens, wall, median, per_s, cpu_main, cpu_workers]), row
+        assert tokens > 0 and wall > 0 and median >= wall and per_s > 0 and cpu_main >= 0 and cpu_workers >= 0, row
+    for target in ("2 workers / 1 worker throughput:", "1 worker total time / tokenizer alone:"):
+        line = next(x for x in lines if x.startswith(target))
+        assert finite(numbers(line.split(":", 1)[1])) and line.endswith(("PASS", "FAIL")), line
+
+
+def test_bench_shard_exits_nonzero_when_a_run_fails():
+    proc = run_tool_patched("bench_shard", _RAISE + "m.shard_corpus = _boom", "--scale", "0.05", "--repeats", "1")
+    assert proc.returncode != 0 and "injected failure" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
