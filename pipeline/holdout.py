@@ -16,6 +16,9 @@ __all__ = ["DEFAULT_GUIDE_FRACTION", "guide_mask", "dataset_guide_mask", "heldou
 # Half of every domain's validation split guides validation-aware selection; evaluation reads the other half.
 DEFAULT_GUIDE_FRACTION = 0.5
 
+# (domain, split) pairs already reported as single-example domains (one warning per process).
+_WARNED_SINGLE: set[tuple[str, str]] = set()
+
 
 def guide_mask(domain: str, num_samples: int, guide_fraction: float) -> np.ndarray:
     """Which of a domain's `num_samples` validation samples (by position in its split) guide selection.
@@ -23,8 +26,11 @@ def guide_mask(domain: str, num_samples: int, guide_fraction: float) -> np.ndarr
     The samples are ranked by a hash of (domain name, position), fixed across runs, seeds and
     machines, and the first `round(guide_fraction * num_samples)` are the guide part; when
     0 < guide_fraction < 1 and the domain has 2 or more samples, each part keeps at least one.
-    The ranking is shared by every fraction, so a smaller fraction's guide part lies inside a
-    larger one's: evaluating with a fraction >= the selection's never reads a guide sample.
+    A domain with a single sample cannot be split: for 0 < guide_fraction < 1 it is held out
+    (evaluated, never guiding selection; `dataset_guide_mask` warns naming it), so its per-domain
+    evaluator still has something to read. The ranking is shared by every fraction, so a smaller
+    fraction's guide part lies inside a larger one's: evaluating with a fraction >= the selection's
+    never reads a guide sample.
 
     Args:
         domain: Domain name (salts the hash, so domains get different patterns).
@@ -41,8 +47,8 @@ def guide_mask(domain: str, num_samples: int, guide_fraction: float) -> np.ndarr
         raise ValueError(f"guide_fraction must be in [0, 1], got {guide_fraction}")
     n = int(num_samples)
     k = int(math.floor(guide_fraction * n + 0.5))
-    if 0.0 < guide_fraction < 1.0 and n >= 2:
-        k = min(max(k, 1), n - 1)
+    if 0.0 < guide_fraction < 1.0:
+        k = min(max(k, 1), n - 1)  # a single sample (n = 1) stays held out: k = 0
     salt = int.from_bytes(hashlib.blake2b(domain.encode(), digest_size=8).digest(), "little")
     z = np.arange(n, dtype=np.uint64) + np.uint64(salt)
     # splitmix64 finaliser (uint64 arrays wrap silently).
@@ -62,13 +68,31 @@ def dataset_guide_mask(dataset, guide_fraction: float) -> np.ndarray:
     so a sample's part depends only on its domain and position in that domain: datasets over
     different domain subsets agree.
 
+    A domain with a single sample in the split is held out (see `guide_mask`), with a warning
+    naming it, once per process.
+
     Returns:
         A boolean array of length `dataset.num_samples`.
     """
     mask = np.zeros(int(dataset.num_samples), dtype=bool)
+    single = []
     for s, domain_id in enumerate(dataset.stream_domain_ids):
         start, n = int(dataset.sample_offset_per_stream[s]), int(dataset.samples_per_stream[s])
-        mask[start : start + n] = guide_mask(dataset.domain_names[domain_id], n, guide_fraction)
+        name = dataset.domain_names[domain_id]
+        mask[start : start + n] = guide_mask(name, n, guide_fraction)
+        if n == 1 and 0.0 < guide_fraction < 1.0:
+            single.append(name)
+    fresh = [name for name in single if (name, dataset.split) not in _WARNED_SINGLE]
+    if fresh:
+        _WARNED_SINGLE.update((name, dataset.split) for name in fresh)
+        log.warning(
+            "%s split: domain(s) %s have a single example, which cannot be both guide and held out: it is "
+            "evaluated and never guides selection (guide_fraction %g); shard more %s examples for them to guide",
+            dataset.split,
+            ", ".join(repr(n) for n in fresh),
+            guide_fraction,
+            dataset.split,
+        )
     return mask
 
 
@@ -76,7 +100,7 @@ def heldout_subset(dataset, guide_fraction: float, *, what: str = "evaluation") 
     """The samples of `dataset` outside the guide part, as a map-style dataset (the whole dataset at 0).
 
     Raises:
-        ValueError: nothing is left (a fraction of 1, or single-sample domains).
+        ValueError: nothing is left (a fraction of 1).
     """
     if guide_fraction == 0.0:
         return Subset(dataset, list(range(int(dataset.num_samples))))

@@ -8,7 +8,7 @@ import pytest
 from composer_algos.validation_source import ValidationSource
 from pipeline.config import ConfigError, load_config
 from pipeline.dataset import DomainStreamingDataset
-from pipeline.holdout import guide_mask
+from pipeline.holdout import dataset_guide_mask, guide_mask, heldout_subset
 from pipeline.loaders import build_domain_evaluators
 from tests.common.paths import REPO_ROOT
 from tests.training.conftest import SEQ_LEN, tiny_overrides
@@ -99,3 +99,29 @@ def test_the_same_split_check_compares_resolved_paths(dolma_shards, tmp_path, sp
     )
     with pytest.raises(ConfigError, match="eval_loader.guide_fraction 0.5 is below"):
         load_config(TINY, overrides)
+
+
+class _Split:
+    """What `dataset_guide_mask` / `heldout_subset` read from a DomainStreamingDataset: per-domain streams."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.domain_names = list(sizes)
+        self.stream_domain_ids = list(range(len(sizes)))
+        self.samples_per_stream = list(sizes.values())
+        self.sample_offset_per_stream = list(np.cumsum([0, *sizes.values()])[:-1])
+        self.num_samples = sum(sizes.values())
+        self.split = "val"
+
+
+def test_a_single_example_domain_is_evaluated_and_never_guides(caplog):
+    """One validation example cannot be both guide and held out: it is held out (issue 20.10)."""
+    assert not guide_mask("solo", 1, 0.5).any() and not guide_mask("solo", 1, 0.99).any()
+    assert guide_mask("solo", 1, 1.0).all()  # everything guides when asked to
+    with caplog.at_level("WARNING", logger="pipeline.holdout"):
+        # The per-domain evaluator of that domain builds (it used to refuse, even in runs selecting nothing).
+        only = heldout_subset(_Split({"solo": 1}), 0.5).indices
+        mixed = _Split({"wiki": 10, "solo": 1})
+        guide = dataset_guide_mask(mixed, 0.5)
+    assert only == [0]
+    assert guide[:10].sum() == 5 and not guide[10]  # the other domain still splits in half
+    assert any("'solo'" in r.getMessage() and "evaluat" in r.getMessage() for r in caplog.records), caplog.text
