@@ -87,3 +87,72 @@ def test_final_eval_precedes_results_when_steps_are_not_a_multiple_of_the_interv
     with open(run_dir / "eval_history.csv", newline="") as f:
         last = {r["domain"]: float(r["cross_entropy"]) for r in csv.DictReader(f) if int(r["step"]) == 3}
     assert results["val_cross_entropy"] == last
+
+
+def test_budget_json_records_step_cost_and_the_counts_a_flop_estimate_needs(dolma_shards, tmp_path):
+    """3 steps of kappa 4 from pools of 12 (oversampling 3), rows padded to 64 tokens; timing after 1 step."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        TINY,
+        tiny_overrides(
+            dolma_shards,
+            run_dir,
+            "algorithms.data_selection.strategy=random",
+            "callbacks.train_budget.budget_seconds=null",
+            "callbacks.train_budget.warmup_steps=1",
+        ),
+    )
+    trainer = train.build_trainer(cfg)
+    trainer.fit()
+    trainer.close()
+    budget = json.loads((run_dir / "train_budget.json").read_text())
+    assert budget["steps"] == 3 and budget["warmup_steps"] == 1 and budget["world_size"] == 1
+    assert (budget["pool_samples"], budget["pool_tokens"]) == (36, 36 * 64)
+    assert (budget["trained_samples"], budget["trained_tokens"]) == (12, 12 * 64)
+    assert 0 < budget["warmup_time_s"] < budget["train_time_s"]
+    assert budget["step_time_s"] == (budget["train_time_s"] - budget["warmup_time_s"]) / 2
+    assert 0 < budget["warmup_cpu_s"] < budget["train_cpu_s"]
+    assert budget["step_cpu_s"] == (budget["train_cpu_s"] - budget["warmup_cpu_s"]) / 2
+    assert budget["model"] == {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 4096,
+        "head_dim": 8,
+    }
+
+
+def test_step_time_is_null_until_the_warmup_steps_are_past():
+    cb = TrainTimeBudget(warmup_steps=5)
+    assert cb.step_time_s(steps=5, train_time_s=3.0) is None
+    cb.warmup_time_s = 1.0
+    assert cb.step_time_s(steps=9, train_time_s=3.0) == 0.5
+    assert TrainTimeBudget(warmup_steps=0).step_time_s(steps=4, train_time_s=2.0) == 0.5
+
+
+def test_bad_warmup_steps_are_rejected_naming_the_field():
+    import pytest
+
+    with pytest.raises(ValueError, match="callbacks.train_budget.warmup_steps"):
+        TrainTimeBudget(warmup_steps=-1)
+
+
+def test_cpu_time_counts_training_and_leaves_evaluation_out(monkeypatch):
+    """Process CPU 0 at fit start, 1 at step 1's end, an evaluation until 5, 6 at step 2's end: 2 s trained."""
+    import composer_algos.train_budget as tb
+
+    clock = iter([0.0, 1.0, 5.0, 6.0])
+    monkeypatch.setattr(tb.time, "process_time", lambda: next(clock))
+    cb = TrainTimeBudget(warmup_steps=1)
+    state = SimpleNamespace(
+        timestamp=SimpleNamespace(total_wct=datetime.timedelta(seconds=0.5), batch=SimpleNamespace(value=1)),
+        evaluators=[],
+    )
+    cb.fit_start(state, None)  # type: ignore[arg-type]
+    cb.batch_end(state, None)  # type: ignore[arg-type]
+    cb.eval_end(state, None)  # type: ignore[arg-type]
+    state.timestamp.batch.value = 2
+    cb.batch_end(state, None)  # type: ignore[arg-type]
+    assert (cb.train_cpu_s, cb.warmup_cpu_s) == (2.0, 1.0)
