@@ -4,8 +4,9 @@ Example:
     python tools/run_experiment.py --yaml yamls/testing/demo_dolma.yaml \
         --shard-dir demo_out/shards/dolma --strategies partitionsel,id,random,greats \
         --seeds 1,2,3 --steps 200 --paired-baseline random --log-selected-ids --out demo_out/experiments/demo
-    # equal wall-clock instead of equal steps: 120 s of training each (evaluation excluded)
-    python tools/run_experiment.py ... --budget-seconds 120 --steps 400 --paired-baseline random
+    # equal compute: each run trains the steps that the cost of 200 random steps buys, its
+    # learning-rate schedule laid over its own steps (step costs measured first)
+    python tools/run_experiment.py ... --compute-budget random=200 --paired-baseline random
 
 Every run uses the same shards, model and kappa (`global_train_batch_size`); only
 `algorithms.data_selection.strategy` and the seed change. The seed sets the model's
@@ -19,11 +20,28 @@ Variants: `--variant NAME=STRATEGY[,yaml.key=value...]` adds a named configurati
 reported and paired like a strategy (e.g. `ps_w=partitionsel,algorithms.data_selection.weighted_loss=true`),
 for one-at-a-time studies of a setting.
 
-Budgets: `--steps N` trains every run N steps. `--budget-seconds S` gives every run S seconds of
-training time instead (Composer's wall-clock account: data loading, selection and the training
-step; evaluation excluded), so a slower strategy trains fewer steps; `--steps` is then the step
-cap and the learning-rate schedule's horizon (default 1000000: a constant rate after warmup).
-Every run evaluates at its last step.
+Budgets (one of):
+- `--steps N`: every run trains N steps (equal steps).
+- `--compute-budget B`: equal compute. B is `LABEL=N` (what N steps of LABEL cost, e.g.
+  `random=200`) or `S`/`Ss` (S seconds of training). Each configuration's cost per step (seconds
+  of training: Composer's wall-clock account of data loading, selection and the training step,
+  evaluation excluded) is first measured by a calibration run (`--step-costs calibrate`, the
+  default: the first seed, `--calibration-warmup` steps left out, then `--calibration-steps`
+  timed, no evaluation; OUT/calibration.json, reused while the command is unchanged) or given
+  (`--step-costs random=0.41,partitionsel=0.97`, e.g. from tools/bench_step.py). Each run then
+  trains floor(budget / its cost) steps with `max_duration` = those steps, so its warm-up and
+  decay are laid over its own steps and it ends at the schedule's final rate; durations in `dur`
+  (`t_warmup: 0.03dur`, the selection's `start`/`end`) are fractions of its own steps. A plan
+  with a run that would not leave a warm-up given in `ba` is rejected before training.
+  OUT/plan.json holds the costs and the steps.
+- `--budget-seconds S --steps N`: every run stops once it has trained S seconds (same account),
+  so a slower strategy trains fewer steps. N is the step cap and the schedule's horizon: a run the
+  budget stops ends wherever its schedule then is (not decayed; the runs stop at different points
+  of it), and `dur` fractions are fractions of N. Kept for measuring the cost of a fixed schedule;
+  compare strategies with `--compute-budget`.
+Every run evaluates at its last step. The reports give, per run, the steps, the training time and
+the estimated FLOPs (training and selection's scoring; composer_algos/compute_plan.py says what
+the estimate counts).
 
 Evaluation reads the held-out part of each domain's `val` split; the selection's validation
 batches come from the other part (see docs/evaluation.md, `guide_fraction`), so no evaluated
@@ -37,7 +55,8 @@ Writes OUT/comparison.md, OUT/comparison.json and OUT/curves.png: per-domain val
 log-perplexity at the last evaluation (mean +- std over seeds), their average, steps, training
 and wall time and the share spent selecting. With `--paired-baseline B`, OUT/paired.md and
 OUT/paired.json: per seed, each strategy's final loss minus B's (average and per domain), with
-the mean and a 95% t interval. OUT/selection.md and OUT/selection.json: the conflict fraction,
+the mean and a 95% t interval. With `--compute-budget` the comparison also lists every run's planned
+and trained steps, training time and FLOPs. OUT/selection.md and OUT/selection.json: the conflict fraction,
 the induced domain mixture beside the natural one (both as shares of training examples) and,
 with `--log-selected-ids`, the Jaccard overlap of each strategy's selected examples with
 random's on the same pools (after checking the pools are identical).
@@ -58,7 +77,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_STEP_CAP = 1_000_000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,21 +117,56 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget-seconds must be > 0, got {args.budget_seconds}")
     if args.report_only and args.rerun:
         parser.error("--report-only and --rerun contradict each other")
-    if args.steps is None and args.budget_seconds is None:
-        parser.error("give --steps (equal steps) or --budget-seconds (equal training time)")
+    from composer_algos.compute_plan import parse_compute_budget, parse_step_costs
+
+    budget = None
+    if args.compute_budget is not None:
+        if args.steps is not None or args.budget_seconds is not None:
+            parser.error(
+                "--compute-budget gives every run its own steps: drop --steps and --budget-seconds"
+            )
+        try:
+            budget = parse_compute_budget(args.compute_budget)
+        except ValueError as e:
+            parser.error(str(e))
+    elif args.budget_seconds is not None and args.steps is None:
+        parser.error(
+            "--budget-seconds needs --steps: the step cap, which is also the learning-rate schedule's "
+            "horizon and what durations in dur (t_warmup, the selection's start/end) are fractions of; "
+            "a run the budget stops is not decayed. For runs that each end decayed use --compute-budget"
+        )
+    elif args.steps is None:
+        parser.error(
+            "give --steps (equal steps), --compute-budget (equal compute: each run its own steps and "
+            "schedule) or --budget-seconds with --steps (stop at a training time)"
+        )
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.calibration_steps < 1 or args.calibration_warmup < 0:
+        parser.error(
+            f"--calibration-steps must be >= 1 and --calibration-warmup >= 0, got "
+            f"{args.calibration_steps} and {args.calibration_warmup}"
+        )
+    given_costs = None
+    if args.step_costs != "calibrate":
+        try:
+            given_costs = parse_step_costs(args.step_costs)
+        except ValueError as e:
+            parser.error(str(e))
     if args.paired_baseline is not None and args.paired_baseline not in strategies:
         parser.error(f"--paired-baseline {args.paired_baseline!r} must be one of --strategies {strategies}")
-    steps = args.steps if args.steps is not None else DEFAULT_STEP_CAP
-    if args.eval_interval is not None:
-        eval_interval = args.eval_interval
-    else:
-        # Equal steps: 5 evaluations. Budget without a step cap: only the final one.
-        eval_interval = max(1, steps // 5) if args.steps is not None else steps
 
     gpus = [g for g in (args.gpus or "").split(",") if g]
     args.out.mkdir(parents=True, exist_ok=True)
+    plan = None
+    if budget is not None:
+        try:
+            plan = plan_compute(args, strategies, runs_of, seeds[0], budget, given_costs, extra, gpus)
+        except PlanError as e:
+            parser.error(str(e))
+        steps_of = plan["steps"]
+    else:
+        steps_of = {label: args.steps for label in strategies}
     todo = []
     for label, seed in plan_runs(strategies, seeds):
         strategy, variant_overrides = runs_of[label]
@@ -121,13 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         if (run_dir / "eval_results.json").exists() and not args.rerun:
             print(f"{run_dir.name}: already done, reusing", flush=True)
             continue
+        steps = steps_of[label]
         cmd = train_command(
             yaml=args.yaml,
             shard_dir=args.shard_dir,
             strategy=strategy,
             seed=seed,
             steps=steps,
-            eval_interval=eval_interval,
+            eval_interval=args.eval_interval or max(1, steps // 5),  # default: 5 evaluations
             run_dir=run_dir,
             run_name=f"{args.out.name}-{label}-seed{seed}",
             budget_seconds=args.budget_seconds,
@@ -139,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if todo:
             print(f"--report-only: {len(todo)} runs not finished, left out: {', '.join(d.name for d, _ in todo)}")
         todo = []
-    failed = _run_queue(todo, jobs=args.jobs, gpus=gpus, budget_seconds=args.budget_seconds, steps=args.steps)
+    failed = _run_queue(todo, jobs=args.jobs, gpus=gpus, budget_seconds=args.budget_seconds)
     if failed:
         print(f"failed runs: {failed}")
         return 1
@@ -150,8 +204,150 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         budget_seconds=args.budget_seconds,
         paired_baseline=args.paired_baseline,
+        plan=plan,
     )
     return 0
+
+
+class PlanError(ValueError):
+    """An equal-compute plan that cannot run (a missing cost, a failed calibration, a run inside its warm-up)."""
+
+
+def plan_compute(
+    args: argparse.Namespace,
+    labels: list[str],
+    runs_of: dict[str, tuple[str, list[str]]],
+    seed: int,
+    budget: Any,
+    given_costs: dict[str, float] | None,
+    extra: list[str],
+    gpus: list[str],
+) -> dict[str, Any]:
+    """Every configuration's step cost (calibrated or given), then its steps; writes OUT/plan.json.
+
+    Raises:
+        PlanError: a configuration without a cost, a calibration run that failed or measured
+            nothing, a budget below one step, or a planned run that would end inside a warm-up
+            given in `ba`. All before any comparison run starts.
+    """
+    from composer_algos.compute_plan import plan_steps
+
+    warmups = {label: _warmup_of(args.yaml, extra + runs_of[label][1]) for label in labels}  # config errors first
+    if given_costs is not None:
+        costs, source = dict(given_costs), "given"
+    else:
+        costs, source = calibrate(args, labels, runs_of, seed, extra, gpus), "calibrated"
+    unit = "CPU s" if args.cost_clock == "cpu" else "s"
+    try:
+        steps = plan_steps(costs, budget, labels)
+    except ValueError as e:
+        raise PlanError(f"--compute-budget {args.compute_budget}: {e}") from None
+    for label, n in steps.items():
+        warmup = warmups[label]
+        if warmup.endswith("ba") and int(float(warmup[:-2])) >= n:
+            raise PlanError(
+                f"--compute-budget {args.compute_budget}: {label} would train {n} steps, inside its "
+                f"scheduler.t_warmup {warmup} (the rate would never decay); raise the budget or give the "
+                "warm-up in dur (a fraction of each run's own steps)"
+            )
+    reference = budget.steps * costs[budget.reference] if budget.reference is not None else budget.seconds
+    plan = {
+        "budget": budget.describe(unit),
+        "budget_seconds": reference,
+        "clock": args.cost_clock,
+        "cost_source": source,
+        "step_costs_s": {label: costs[label] for label in dict.fromkeys([*labels, *([budget.reference] if budget.reference else [])])},
+        "steps": steps,
+    }
+    (args.out / "plan.json").write_text(json.dumps(plan, indent=2))
+    print(
+        f"equal compute: {plan['budget']} ({reference:.1f} {unit} of training); step costs ({source}) "
+        + ", ".join(f"{k} {v:.3f} {unit}" for k, v in plan["step_costs_s"].items())
+        + "; steps "
+        + ", ".join(f"{k} {v}" for k, v in steps.items()),
+        flush=True,
+    )
+    return plan
+
+
+def calibrate(
+    args: argparse.Namespace,
+    labels: list[str],
+    runs_of: dict[str, tuple[str, list[str]]],
+    seed: int,
+    extra: list[str],
+    gpus: list[str],
+) -> dict[str, float]:
+    """Seconds of training per step of each configuration, measured by a short run of it.
+
+    Each calibration run is the configuration's own command (first seed, same shards, threads
+    and `--jobs`) for `--calibration-warmup` + `--calibration-steps` steps without evaluation;
+    its cost is `train_budget.json`'s `step_time_s` (`step_cpu_s` with `--cost-clock cpu`), the
+    mean training time of the steps after the warm-up ones. OUT/calibration.json keeps both
+    measurements with the command, reused while the command is the same (unless `--rerun`).
+
+    Raises:
+        PlanError: a calibration that is missing under `--report-only`, failed, or measured nothing.
+    """
+    path = args.out / "calibration.json"
+    known = json.loads(path.read_text()) if path.exists() and not args.rerun else {}
+    total = args.calibration_warmup + args.calibration_steps
+    todo, commands = [], {}
+    for label in labels:
+        strategy, variant_overrides = runs_of[label]
+        run_dir = args.out / "calibration" / label
+        cmd = train_command(
+            yaml=args.yaml,
+            shard_dir=args.shard_dir,
+            strategy=strategy,
+            seed=seed,
+            steps=total,
+            eval_interval=total,
+            run_dir=run_dir,
+            run_name=f"{args.out.name}-calibration-{label}",
+            extra=extra + variant_overrides + ["eval_loader=null", f"callbacks.train_budget.warmup_steps={args.calibration_warmup}"],
+        )
+        commands[label] = cmd[1:]  # the interpreter's path left out
+        if known.get(label, {}).get("command") == commands[label]:
+            continue
+        todo.append((run_dir, cmd))
+    if todo and args.report_only:
+        raise PlanError(f"--report-only: no calibration for {[d.name for d, _ in todo]} in {path}")
+    if todo:
+        print(f"calibrating {len(todo)} configurations: {args.calibration_steps} timed steps after {args.calibration_warmup}", flush=True)
+        failed = _run_queue(list(todo), jobs=args.jobs, gpus=gpus, budget_seconds=None)  # it pops its queue
+        if failed:
+            raise PlanError(f"calibration runs failed: {failed} (see their logs in {args.out / 'calibration'})")
+        for run_dir, _ in todo:
+            budget_json = run_dir / "train_budget.json"
+            measured = json.loads(budget_json.read_text()) if budget_json.exists() else {}
+            if measured.get("step_time_s") is None or measured.get("step_cpu_s") is None:
+                raise PlanError(f"calibration of {run_dir.name} measured no step time ({budget_json})")
+            known[run_dir.name] = {
+                "step_time_s": measured["step_time_s"],
+                "step_cpu_s": measured["step_cpu_s"],
+                "warmup_steps": args.calibration_warmup,
+                "timed_steps": args.calibration_steps,
+                "seed": seed,
+                "command": commands[run_dir.name],
+            }
+        path.write_text(json.dumps(known, indent=2))
+    key = "step_cpu_s" if args.cost_clock == "cpu" else "step_time_s"
+    return {label: float(known[label][key]) for label in labels}
+
+
+def _warmup_of(yaml: Path, overrides: list[str]) -> str:
+    """The run's `scheduler.t_warmup`, from its yaml and overrides.
+
+    Raises:
+        PlanError: the configuration does not load (its message lists every bad key).
+    """
+    from pipeline.config import ConfigError, load_config
+
+    try:
+        return str(load_config(yaml, overrides).scheduler.t_warmup)
+    except ConfigError as e:
+        raise PlanError(f"{yaml} with {overrides}: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,13 +371,43 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps",
         type=int,
         default=None,
-        help="training steps of every run (with --budget-seconds: the step cap)",
+        help="training steps of every run (with --budget-seconds: the step cap and the schedule's horizon)",
+    )
+    parser.add_argument(
+        "--compute-budget",
+        default=None,
+        help="equal compute: LABEL=N (the cost of N steps of LABEL, e.g. random=200) or SECONDS of training; "
+        "each run trains the steps its measured step cost fits, its schedule (warm-up, decay) over its own steps",
+    )
+    parser.add_argument(
+        "--step-costs",
+        default="calibrate",
+        help="with --compute-budget: 'calibrate' (default: a short run of each configuration measures it) or "
+        "LABEL=SECONDS,... seconds of training per step (e.g. from tools/bench_step.py)",
+    )
+    parser.add_argument(
+        "--cost-clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="with --compute-budget: the clock step costs and a budget in seconds are measured on: 'wall' "
+        "(default: Composer's training wall clock) or 'cpu' (the training process's CPU time, evaluation "
+        "excluded: steadier on a CPU shared with other jobs)",
+    )
+    parser.add_argument(
+        "--calibration-steps", type=int, default=10, help="timed steps of a calibration run (default 10)"
+    )
+    parser.add_argument(
+        "--calibration-warmup",
+        type=int,
+        default=2,
+        help="steps of a calibration run before the timed ones (default 2; lazy state is built there)",
     )
     parser.add_argument(
         "--budget-seconds",
         type=float,
         default=None,
-        help="equal wall-clock: each run trains until it has spent this many seconds training (evaluation excluded)",
+        help="stop each run once it has trained this many seconds (evaluation excluded); needs --steps, the "
+        "schedule's horizon, so a run stopped early is not decayed (prefer --compute-budget)",
     )
     parser.add_argument(
         "--paired-baseline",
@@ -194,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log the pool's and the selection's sample ids every step (selected_ids.jsonl) and report overlaps",
     )
     parser.add_argument(
-        "--eval-interval", type=int, default=None, help="evaluate every N steps (default: steps/5)"
+        "--eval-interval", type=int, default=None, help="evaluate every N steps (default: a run's steps/5)"
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--rerun", action="store_true", help="rerun runs that already have results")
@@ -317,12 +543,17 @@ def report(
     budget_seconds: float | None = None,
     paired_baseline: str | None = None,
     reference: str = "random",
+    plan: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write (and print) the comparison, the paired comparison and the selection report."""
+    """Write (and print) the comparison, the paired comparison and the selection report.
+
+    `plan` is an equal-compute plan (`plan_compute`): the budget, the step costs and each
+    configuration's steps, stated above the table and listed per run.
+    """
     from composer_algos.experiment_stats import format_paired_markdown, paired_comparison
 
-    table = collect(out, strategies, seeds)
-    md = format_markdown(table, steps, budget_seconds=budget_seconds)
+    table = collect(out, strategies, seeds, plan=plan)
+    md = format_markdown(table, steps, budget_seconds=budget_seconds, plan=plan)
     print("\n" + md)
     written = [out / "comparison.md", out / "comparison.json"]
     if paired_baseline is not None:
@@ -347,12 +578,16 @@ def report(
     return table
 
 
-def collect(out: Path, strategies: list[str], seeds: list[int]) -> dict:
+def collect(out: Path, strategies: list[str], seeds: list[int], *, plan: dict[str, Any] | None = None) -> dict:
     """Aggregate every run's eval_results.json (and train_budget.json) into mean and std per strategy.
 
-    Also keeps each run's final losses under `per_seed[strategy][seed]` for the paired comparison.
+    Also keeps each run's final losses under `per_seed[strategy][seed]` for the paired comparison,
+    and under `runs` each run's planned and trained steps, training and wall time and estimated
+    FLOPs (`composer_algos.compute_plan.estimate_run_flops`; None where the run lacks the counts).
     """
-    table: dict = {"strategies": {}, "seeds": seeds, "per_seed": {}}
+    from composer_algos.compute_plan import estimate_run_flops
+
+    table: dict = {"strategies": {}, "seeds": seeds, "per_seed": {}, "runs": []}
     for strategy in strategies:
         per_seed = {}
         for seed in seeds:
@@ -360,11 +595,24 @@ def collect(out: Path, strategies: list[str], seeds: list[int]) -> dict:
             path = run_dir / "eval_results.json"
             if path.exists():
                 r = json.loads(path.read_text())
-                budget = run_dir / "train_budget.json"
-                r["train_time_s"] = (
-                    json.loads(budget.read_text())["train_time_s"] if budget.exists() else math.nan
-                )
+                budget_path = run_dir / "train_budget.json"
+                budget = json.loads(budget_path.read_text()) if budget_path.exists() else {}
+                r["train_time_s"] = budget.get("train_time_s", math.nan)
+                r["flops"] = estimate_run_flops(run_dir)
                 per_seed[seed] = r
+                table["runs"].append(
+                    {
+                        "label": strategy,
+                        "seed": seed,
+                        "planned_steps": (plan or {}).get("steps", {}).get(strategy),
+                        "steps": r.get("steps"),
+                        "train_time_s": r["train_time_s"],
+                        "train_cpu_s": budget.get("train_cpu_s"),
+                        "step_time_s": budget.get("step_time_s"),
+                        "wall_time_s": r["wall_time_s"],
+                        "flops": r["flops"],
+                    }
+                )
         if not per_seed:
             continue
         runs = list(per_seed.values())
@@ -377,6 +625,7 @@ def collect(out: Path, strategies: list[str], seeds: list[int]) -> dict:
         entry["train_time_s"] = _mean_std([r["train_time_s"] for r in runs])
         entry["wall_time_s"] = _mean_std([r["wall_time_s"] for r in runs])
         entry["selection_time_s"] = _mean_std([r["selection_time_s"] for r in runs])
+        entry["flops"] = _mean_std([r["flops"]["total"] if r["flops"] else math.nan for r in runs])
         table["strategies"][strategy] = entry
         table["per_seed"][strategy] = {
             seed: {"average": r["val_cross_entropy_mean"], "domains": dict(r["val_cross_entropy"])}
@@ -386,15 +635,28 @@ def collect(out: Path, strategies: list[str], seeds: list[int]) -> dict:
     return table
 
 
-def format_markdown(table: dict, steps: int | None, *, budget_seconds: float | None = None) -> str:
-    """The comparison as a markdown table (mean +- std over seeds)."""
+def format_markdown(
+    table: dict, steps: int | None, *, budget_seconds: float | None = None, plan: dict[str, Any] | None = None
+) -> str:
+    """The comparison as a markdown table (mean +- std over seeds), then one row per run."""
     strategies = list(table["strategies"])
     if not strategies:
         return "(no finished runs)"
     domains = list(table["strategies"][strategies[0]]["domains"])
-    head = ["strategy", *domains, "average", "steps", "train s", "wall s", "selection %"]
-    if budget_seconds is not None:
-        budget = f"an equal training-time budget of {budget_seconds:g} s each (evaluation excluded)"
+    head = ["strategy", *domains, "average", "steps", "train s", "wall s", "selection %", "est. FLOPs"]
+    if plan is not None:
+        costs = ", ".join(f"{k} {v:.3f}" for k, v in plan["step_costs_s"].items())
+        unit = "CPU s" if plan.get("clock") == "cpu" else "s"
+        budget = (
+            f"equal compute: {plan['budget']} ({plan['budget_seconds']:.1f} {unit} of training) each; every "
+            f"run trains the steps its step cost fits, its learning-rate schedule laid over them ({unit} per "
+            f"step, {plan['cost_source']}: {costs})"
+        )
+    elif budget_seconds is not None:
+        budget = (
+            f"an equal training-time budget of {budget_seconds:g} s each (evaluation excluded; the "
+            f"schedule laid over {steps} steps, the step cap, so a run stopped earlier is not decayed)"
+        )
     else:
         budget = f"{steps} steps"
     lines = [
@@ -414,9 +676,42 @@ def format_markdown(table: dict, steps: int | None, *, budget_seconds: float | N
             f"{train_s:.0f}" if math.isfinite(train_s) else "-",
             f"{wall:.0f}",
             f"{100 * sel / wall:.1f}" if wall > 0 else "-",
+            _flops(e["flops"]["mean"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Per run: steps planned and trained; training time (evaluation excluded) on the wall clock and in "
+        "the process's CPU time; s / step, the wall clock's mean after the first step; wall time with "
+        "evaluation; estimated FLOPs (training: 3 forwards of the trained rows; selection: the feature "
+        "pass's floor on the scored rows; composer_algos/compute_plan.py)",
+        "",
+        "| run | seed | planned steps | steps | train s | train CPU s | s / step | wall s | FLOPs train "
+        "| FLOPs selection | FLOPs total |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in table.get("runs", []):
+        f = r["flops"] or {}
+        steps_done, train_s = r["steps"], r["train_time_s"]
+        cells = [
+            r["label"],
+            str(r["seed"]),
+            "-" if r["planned_steps"] is None else str(r["planned_steps"]),
+            "-" if steps_done is None else str(steps_done),
+            f"{train_s:.1f}" if math.isfinite(train_s) else "-",
+            "-" if r.get("train_cpu_s") is None else f"{r['train_cpu_s']:.1f}",
+            "-" if r.get("step_time_s") is None else f"{r['step_time_s']:.3f}",
+            f"{r['wall_time_s']:.1f}",
+            _flops(f.get("train")),
+            _flops(f.get("selection")),
+            _flops(f.get("total")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _flops(value: float | None) -> str:
+    return f"{value:.3g}" if value is not None and math.isfinite(value) else "-"
 
 
 def selection_report(
@@ -568,11 +863,9 @@ def _run_queue(
     jobs: int,
     gpus: list[str],
     budget_seconds: float | None,
-    steps: int | None,
 ) -> list[str]:
     """Run the queued trainings, `jobs` at a time, in order; returns the names of the failed runs."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    what = f"{budget_seconds:g} s of training" if budget_seconds is not None else f"{steps} steps"
     running: list[tuple[Path, subprocess.Popen, float, Any]] = []
     started = 0
     failed = []
@@ -585,6 +878,8 @@ def _run_queue(
             )
             log = open(run_dir.with_suffix(".log"), "w")
             started += 1
+            steps = next(a for a in cmd if a.startswith("max_duration=")).split("=", 1)[1].removesuffix("ba")
+            what = f"{steps} steps" + (f" or {budget_seconds:g} s of training" if budget_seconds is not None else "")
             print(f"[{started}] {run_dir.name}: training {what} (log {log.name})", flush=True)
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.append((run_dir, proc, time.perf_counter(), log))

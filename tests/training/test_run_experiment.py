@@ -17,6 +17,16 @@ from tests.common.paths import REPO_ROOT
 TOOL = REPO_ROOT / "tools" / "run_experiment.py"
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 NAMES = ["a", "b"]
+FAKE_STEP_COST = {"random": 0.5, "partitionsel": 1.5}
+FAKE_SHAPE = {
+    "hidden_size": 4,
+    "num_hidden_layers": 2,
+    "intermediate_size": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 10,
+    "head_dim": 2,
+}
 
 
 def _tool():
@@ -48,6 +58,7 @@ def fake_training(monkeypatch):
         run_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("save_folder="))
         from pathlib import Path
 
+        steps = int(_arg(cmd, "max_duration").removesuffix("ba"))
         Path(run_dir, "eval_results.json").write_text(
             json.dumps(
                 {
@@ -55,7 +66,29 @@ def fake_training(monkeypatch):
                     "val_cross_entropy_mean": 1.0,
                     "wall_time_s": 1.0,
                     "selection_time_s": 0.0,
-                    "steps": 3,
+                    "steps": steps,
+                }
+            )
+        )
+        # A training second per step is the strategy's FAKE_STEP_COST (1.0 when not listed).
+        cost = FAKE_STEP_COST.get(_arg(cmd, "algorithms.data_selection.strategy"), 1.0)
+        Path(run_dir, "train_budget.json").write_text(
+            json.dumps(
+                {
+                    "train_time_s": cost * steps,
+                    "steps": steps,
+                    "warmup_steps": 1,
+                    "warmup_time_s": cost,
+                    "step_time_s": cost if steps > 1 else None,
+                    "train_cpu_s": 2 * cost * steps,  # the fake's CPU clock: twice its wall
+                    "warmup_cpu_s": 2 * cost,
+                    "step_cpu_s": 2 * cost if steps > 1 else None,
+                    "trained_samples": 4 * steps,
+                    "trained_tokens": 4 * 8 * steps,
+                    "pool_samples": 8 * steps,
+                    "pool_tokens": 8 * 8 * steps,
+                    "world_size": 1,
+                    "model": FAKE_SHAPE,
                 }
             )
         )
@@ -123,6 +156,8 @@ def test_budget_commands(fake_training, tmp_path):
             "1",
             "--budget-seconds",
             "7.5",
+            "--steps",
+            "40",
             "--log-selected-ids",
             "--out",
             str(tmp_path / "exp"),
@@ -132,15 +167,113 @@ def test_budget_commands(fake_training, tmp_path):
     ((cmd, _),) = launched
     assert _arg(cmd, "callbacks.train_budget.budget_seconds") == "7.5"
     assert _arg(cmd, "callbacks.mixture_monitor.log_selected_ids") == "true"
-    cap = int(_arg(cmd, "max_duration").removesuffix("ba"))
-    assert cap >= 100_000  # the budget, not the step cap, ends the run
-    assert "training-time budget of 7.5 s" in (tmp_path / "exp" / "comparison.md").read_text()
+    assert _arg(cmd, "max_duration") == "40ba"  # the cap the user gave: the schedule's horizon
+    md = (tmp_path / "exp" / "comparison.md").read_text()
+    assert "training-time budget of 7.5 s" in md and "schedule laid over 40 steps" in md
+
+
+def test_budget_seconds_needs_an_explicit_step_cap(tmp_path, capsys):
+    """The hidden default cap of 1,000,000 steps made a 0.03dur warm-up and `end: 0.5` never arrive."""
+    with pytest.raises(SystemExit):
+        _tool().main(
+            ["--yaml", str(TINY), "--shard-dir", "s", "--budget-seconds", "5", "--out", str(tmp_path)]
+        )
+    err = capsys.readouterr().err
+    assert "--budget-seconds needs --steps" in err and "--compute-budget" in err
 
 
 def test_needs_steps_or_budget(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _tool().main(["--yaml", str(TINY), "--shard-dir", "s", "--out", str(tmp_path)])
-    assert "--budget-seconds" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--budget-seconds" in err and "--compute-budget" in err
+
+
+@pytest.mark.parametrize("other", [["--steps", "3"], ["--budget-seconds", "5", "--steps", "3"]])
+def test_compute_budget_excludes_the_other_budgets(other, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _tool().main(
+            ["--yaml", str(TINY), "--shard-dir", "s", "--compute-budget", "random=4", *other, "--out", str(tmp_path)]
+        )
+    assert "--compute-budget" in capsys.readouterr().err
+
+
+def _compute_args(tmp_path, *extra):
+    return [
+        "--yaml",
+        str(TINY),
+        "--shard-dir",
+        "s",
+        "--strategies",
+        "random,partitionsel",
+        "--seeds",
+        "1,2",
+        "--out",
+        str(tmp_path / "exp"),
+        *extra,
+    ]
+
+
+def test_compute_budget_with_given_step_costs_gives_each_run_its_own_steps(fake_training, tmp_path):
+    tool, launched = fake_training
+    rc = tool.main(
+        _compute_args(tmp_path, "--compute-budget", "random=40", "--step-costs", "random=0.5,partitionsel=1.0")
+    )
+    assert rc == 0
+    assert len(launched) == 4  # no calibration: the costs were given
+    for cmd, _ in launched:
+        steps = {"random": 40, "partitionsel": 20}[_arg(cmd, "algorithms.data_selection.strategy")]
+        assert _arg(cmd, "max_duration") == f"{steps}ba"  # the schedule's horizon is the run's own steps
+        assert _arg(cmd, "save_interval") == f"{steps}ba"
+        assert _arg(cmd, "eval_interval") == f"{steps // 5}ba"
+        assert _arg(cmd, "callbacks.train_budget.budget_seconds") == "null"
+    plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    assert plan["steps"] == {"random": 40, "partitionsel": 20} and plan["cost_source"] == "given"
+    md = (tmp_path / "exp" / "comparison.md").read_text()
+    assert "equal compute: the cost of 40 steps of random" in md
+    assert "| partitionsel | 2 | 20 | 20 |" in md  # the per-run table: label, seed, planned and trained steps
+
+
+def test_compute_budget_calibrates_every_configuration_first_and_reuses_it(fake_training, tmp_path):
+    tool, launched = fake_training
+    args = _compute_args(
+        tmp_path, "--compute-budget", "random=60", "--calibration-steps", "6", "--calibration-warmup", "2"
+    )
+    assert tool.main(args) == 0
+    calibrations, runs = launched[:2], launched[2:]
+    for cmd, _ in calibrations:
+        assert _arg(cmd, "max_duration") == "8ba" and _arg(cmd, "seed") == "1"
+        assert _arg(cmd, "eval_loader") == "null"
+        assert _arg(cmd, "callbacks.train_budget.warmup_steps") == "2"
+        assert "/calibration/" in _arg(cmd, "save_folder")
+    # Measured 0.5 and 1.5 s a step: 60 random steps cost 30 s, which buy 20 partitionsel steps.
+    steps = {_arg(c, "algorithms.data_selection.strategy"): _arg(c, "max_duration") for c, _ in runs}
+    assert steps == {"random": "60ba", "partitionsel": "20ba"} and len(runs) == 4
+    calibration = json.loads((tmp_path / "exp" / "calibration.json").read_text())
+    assert calibration["random"]["step_time_s"] == 0.5 and calibration["partitionsel"]["step_time_s"] == 1.5
+    launched.clear()
+    assert tool.main(args) == 0
+    assert launched == []  # calibration and runs reused
+
+
+def test_a_plan_that_never_leaves_warmup_is_rejected_before_training(fake_training, tmp_path, capsys):
+    """tiny_dolma warms up over 10ba: 5 planned steps of partitionsel would end inside the warm-up."""
+    tool, launched = fake_training
+    with pytest.raises(SystemExit):
+        tool.main(_compute_args(tmp_path, "--compute-budget", "random=20", "--step-costs", "random=1,partitionsel=4"))
+    err = capsys.readouterr().err
+    assert "partitionsel" in err and "5 steps" in err and "t_warmup 10ba" in err
+    assert launched == []
+
+
+def test_compute_report_lists_steps_time_and_flops_per_run(fake_training, tmp_path):
+    tool, _ = fake_training
+    assert tool.main(_compute_args(tmp_path, "--compute-budget", "random=10", "--step-costs", "random=1,partitionsel=2", "--eval-interval", "5", "--", "scheduler.t_warmup=2ba")) == 0
+    table = json.loads((tmp_path / "exp" / "comparison.json").read_text())
+    runs = {(r["label"], r["seed"]): r for r in table["runs"]}
+    ps = runs[("partitionsel", 2)]
+    assert (ps["planned_steps"], ps["steps"], ps["train_time_s"]) == (5, 5, 7.5)
+    assert ps["flops"]["train"] > 0 and runs[("random", 1)]["flops"]["selection"] == 0
 
 
 def _fake_run(out, strategy, seed, avg, doms, mixture, pools_sel, conflict=None):
@@ -208,6 +341,8 @@ def test_paired_and_selection_report_from_finished_runs(tmp_path, capsys):
             "1,2,3",
             "--budget-seconds",
             "5",
+            "--steps",
+            "4",
             "--paired-baseline",
             "random",
             "--out",
@@ -349,3 +484,15 @@ def test_report_only_trains_nothing_and_reports_the_finished_runs(fake_training,
     assert "2 runs not finished" in printed and "partitionsel-seed1" in printed
     summary = json.loads((out / "comparison.json").read_text())
     assert summary["strategies"]["random"]["average"]["mean"] == pytest.approx(2.2)
+
+
+def test_calibration_on_the_cpu_clock_plans_in_cpu_seconds(fake_training, tmp_path):
+    """--cost-clock cpu: 1.0 and 3.0 CPU s a step (the fake's); a budget of 9 CPU s buys 9 and 3 steps."""
+    tool, launched = fake_training
+    assert tool.main(_compute_args(tmp_path, "--compute-budget", "9s", "--cost-clock", "cpu", "--", "scheduler.t_warmup=0.1dur")) == 0
+    runs = launched[2:]
+    steps = {_arg(c, "algorithms.data_selection.strategy"): _arg(c, "max_duration") for c, _ in runs}
+    assert steps == {"random": "9ba", "partitionsel": "3ba"}
+    plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    assert plan["clock"] == "cpu" and plan["step_costs_s"] == {"random": 1.0, "partitionsel": 3.0}
+    assert "9 CPU s of training" in (tmp_path / "exp" / "comparison.md").read_text()

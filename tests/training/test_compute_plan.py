@@ -1,0 +1,277 @@
+"""Equal compute: the planner's steps, each planned run's schedule ending decayed, and the FLOP estimate."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from composer_algos.compute_plan import (
+    ComputeBudget,
+    estimate_run_flops,
+    forward_flops_per_token,
+    parse_compute_budget,
+    parse_step_costs,
+    plan_steps,
+    scoring_forwards,
+)
+from tests.common.paths import REPO_ROOT
+
+TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+TOOL = REPO_ROOT / "tools" / "run_experiment.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("run_experiment", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_planner_gives_steps_in_inverse_proportion_to_step_cost():
+    costs = {"random": 1.0, "partitionsel": 2.0}
+    # The budget is what 100 random steps cost (100 s): a step of cost 2 buys 50.
+    assert plan_steps(costs, ComputeBudget(reference="random", steps=100), ["random", "partitionsel"]) == {
+        "random": 100,
+        "partitionsel": 50,
+    }
+    assert plan_steps(costs, ComputeBudget(seconds=150.0), ["random", "partitionsel"]) == {
+        "random": 150,
+        "partitionsel": 75,
+    }
+    # floor: 100 s buy 33 steps of 3 s; exact ratios in floating point do not lose a step.
+    assert plan_steps({"a": 1.0, "b": 3.0}, ComputeBudget(reference="a", steps=100), ["b"]) == {"b": 33}
+    assert plan_steps({"a": 0.1, "b": 0.3}, ComputeBudget(reference="a", steps=30), ["b"]) == {"b": 10}
+
+
+def test_planner_rejects_missing_costs_and_budgets_below_one_step():
+    with pytest.raises(ValueError, match=r"no step cost for \['random'\]"):
+        plan_steps({"partitionsel": 2.0}, ComputeBudget(reference="random", steps=10), ["partitionsel"])
+    with pytest.raises(ValueError, match="less than one step of partitionsel"):
+        plan_steps({"partitionsel": 2.0}, ComputeBudget(seconds=1.5), ["partitionsel"])
+    with pytest.raises(ValueError, match="finite and > 0"):
+        plan_steps({"a": 0.0}, ComputeBudget(seconds=1.0), ["a"])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("random=200", ComputeBudget(reference="random", steps=200)),
+        ("300", ComputeBudget(seconds=300.0)),
+        ("12.5s", ComputeBudget(seconds=12.5)),
+    ],
+)
+def test_parse_compute_budget(text, expected):
+    assert parse_compute_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["random=", "random=2.5", "random=0", "=3", "-4", "abc", "0s", "nan"])
+def test_parse_compute_budget_rejects_naming_the_text(bad):
+    with pytest.raises(ValueError, match="--compute-budget"):
+        parse_compute_budget(bad)
+
+
+def test_parse_step_costs():
+    assert parse_step_costs("random=0.5, partitionsel=1.25") == {"random": 0.5, "partitionsel": 1.25}
+    for bad in ("random", "random=0", "random=x", "=1", ""):
+        with pytest.raises(ValueError, match="--step-costs"):
+            parse_step_costs(bad)
+
+
+def _planned_config(tool, steps: int, tmp_path: Path, *scheduler: str):
+    """The config train.py builds for a planned run: run_experiment's own command line, parsed."""
+    from pipeline.config import load_config
+
+    cmd = tool.train_command(
+        yaml=TINY,
+        shard_dir=str(tmp_path / "shards"),
+        strategy="random",
+        seed=1,
+        steps=steps,
+        eval_interval=max(1, steps // 5),
+        run_dir=tmp_path / f"run{steps}",
+        run_name="t",
+    )
+    overrides = [a for a in cmd[3:]]  # after python, train.py and the yaml
+    return load_config(TINY, overrides + list(scheduler))
+
+
+def _lr_at(scheduler, state, batch: int) -> float:
+    from composer.core import Timestamp
+
+    state.timestamp = Timestamp(batch=batch)
+    return float(scheduler(state))
+
+
+@pytest.mark.parametrize("name", ["linear_decay_with_warmup", "cosine_with_warmup"])
+def test_planned_runs_schedules_end_at_their_final_rate(name, tmp_path):
+    """Step costs 1 and 2, a budget of 100 steps of the first: 100 and 50 steps, each schedule over its own.
+
+    Hand-computed, in multiples of the peak rate: warm-up 0.04dur ends at step 4 of 100 and
+    step 2 of 50 (half the peak at half the warm-up); both end at alpha_f = 0.1 at their last
+    step; half-way through the decay the linear rate is 0.55 and the cosine one
+    0.1 + 0.9 * 0.5 = 0.55 as well.
+    """
+    import torch
+    from composer.core import State
+    from composer.devices import DeviceCPU
+
+    from composer_algos.builders import build_scheduler
+
+    tool = _tool()
+    plan = plan_steps({"a": 1.0, "b": 2.0}, ComputeBudget(reference="a", steps=100), ["a", "b"])
+    assert plan == {"a": 100, "b": 50}
+    for label, steps in plan.items():
+        cfg = _planned_config(
+            tool, steps, tmp_path, f"scheduler.name={name}", "scheduler.t_warmup=0.04dur", "scheduler.alpha_f=0.1"
+        )
+        assert cfg.max_duration == f"{steps}ba"
+        scheduler = build_scheduler(**dataclasses.asdict(cfg.scheduler))
+        state = State(
+            model=torch.nn.Linear(1, 1),
+            rank_zero_seed=0,
+            run_name="t",
+            device=DeviceCPU(),
+            max_duration=cfg.max_duration,
+        )
+        warmup = {"a": 4, "b": 2}[label]
+        assert _lr_at(scheduler, state, 0) == pytest.approx(0.0)
+        assert _lr_at(scheduler, state, warmup // 2) == pytest.approx(0.5)
+        assert _lr_at(scheduler, state, warmup) == pytest.approx(1.0)
+        assert _lr_at(scheduler, state, warmup + (steps - warmup) // 2) == pytest.approx(0.55)
+        assert _lr_at(scheduler, state, steps) == pytest.approx(0.1), f"{label}: not decayed at its last step"
+
+
+def test_a_planned_run_trains_its_own_steps_with_its_window_and_schedule(dolma_shards, tmp_path):
+    """A real (tiny) training of a planned run: `end: 0.5` and a 0.5dur warm-up follow its 4 steps.
+
+    Under the old `--budget-seconds` default (a cap of 1,000,000 steps) neither would ever end.
+    Composer evaluates the schedule for step i at the end of step i - 1 (step 0 uses its value
+    at 0), so the trained rates are s(0), s(0), s(1), s(2) of s = [0, 0.5, 1, 0.55, 0.1] and the
+    optimizer holds s(3) = 0.55 after the last step; the schedule's own end, s(4), is alpha_f.
+    """
+    from composer.core import Callback
+
+    import train
+    from pipeline.config import load_config
+    from tests.training.conftest import tiny_overrides
+
+    tool = _tool()
+    run_dir = tmp_path / "run"
+    cmd = tool.train_command(
+        yaml=TINY,
+        shard_dir=str(dolma_shards),
+        strategy="partitionsel",
+        seed=1,
+        steps=4,
+        eval_interval=4,
+        run_dir=run_dir,
+        run_name="planned",
+    )
+
+    class Rates(Callback):
+        def __init__(self) -> None:
+            self.lrs: list[float] = []
+
+        def before_forward(self, state, logger) -> None:
+            self.lrs.append(float(state.optimizers[0].param_groups[0]["lr"]))
+
+    base = [o for o in tiny_overrides(dolma_shards, run_dir) if not o.startswith(("max_duration", "eval_interval"))]
+    cfg = load_config(
+        TINY,
+        base
+        + cmd[3:]
+        + [
+            "algorithms.data_selection.end=0.5",
+            "scheduler.t_warmup=0.5dur",
+            "scheduler.alpha_f=0.1",
+            "optimizer.lr=1.0",
+        ],
+    )
+    trainer = train.build_trainer(cfg)
+    # What train.main saves beside the run (the FLOP estimate reads the selection's settings there).
+    from omegaconf import OmegaConf
+
+    from pipeline.config import config_to_dict
+
+    OmegaConf.save(OmegaConf.create(config_to_dict(cfg)), run_dir / "config.yaml")
+    rates = Rates()
+    trainer.state.callbacks.append(rates)
+    trainer.fit()
+    trainer.close()
+    assert int(trainer.state.timestamp.batch.value) == 4
+    assert rates.lrs == pytest.approx([0.0, 0.0, 0.5, 1.0])
+    assert trainer.state.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.55)
+    with open(run_dir / "selection_log.csv", newline="") as f:
+        ran = [r["strategy"] for r in csv.DictReader(f)]
+    assert ran == ["partitionsel", "partitionsel", "random", "random"]
+    budget = json.loads((run_dir / "train_budget.json").read_text())
+    assert budget["steps"] == 4
+    flops = estimate_run_flops(run_dir)
+    assert flops is not None and flops["selection"] > 0 and flops["total"] == flops["train"] + flops["selection"]
+    # Two of the four steps scored: a pool of 12 rows each (oversampling 3 x kappa 4), and a validation batch of 2.
+    assert flops["scored_pool_rows"] == 24 and flops["scored_validation_rows"] == 4
+
+
+def test_forward_flops_and_scoring_forwards_hand_computed():
+    shape = {
+        "hidden_size": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 10,
+    }
+    # d_head 2; attention weights 4 * (2 + 2) * 2 + 2 * 2 * 4 = 48, MLP 3 * 4 * 8 = 96, lm_head 40:
+    # 2 * (2 * 144 + 40) = 656, attention scores 4 * 2 blocks * 8 * 2 heads * 2 = 256.
+    assert forward_flops_per_token(shape, 8) == 656 + 256
+    # lm_head share 80 / 912; one of two blocks: 1 + s + 2 * 1 * (1 - s) / 2 = 2.
+    assert scoring_forwards(shape, 8, 1) == pytest.approx(2.0)
+    assert scoring_forwards(shape, 8, 2) == pytest.approx(1 + 80 / 912 + 2 * (1 - 80 / 912))
+
+
+def test_run_flops_from_the_recorded_counts(tmp_path):
+    """A run of 10 steps: 4 rows of width 8 trained a step, pools of 8 rows, 3 steps scored pool and validation."""
+    shape = {
+        "hidden_size": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 10,
+    }
+    (tmp_path / "train_budget.json").write_text(
+        json.dumps(
+            {
+                "steps": 10,
+                "trained_samples": 40,
+                "trained_tokens": 320,
+                "pool_samples": 80,
+                "pool_tokens": 640,
+                "world_size": 1,
+                "model": shape,
+            }
+        )
+    )
+    (tmp_path / "config.yaml").write_text(
+        "algorithms:\n  data_selection:\n    strategy: partitionsel\n    validation: {batch_size: 2}\n"
+        "    features: {last_n_blocks: 1}\n"
+    )
+    rows = ["partitionsel"] * 2 + ["random"] * 7 + ["random_stratified"]
+    fallback = [0] * 9 + [1]
+    (tmp_path / "selection_log.csv").write_text(
+        "step,strategy,fallback\n" + "".join(f"{i},{s},{f}\n" for i, (s, f) in enumerate(zip(rows, fallback)))
+    )
+    flops = estimate_run_flops(tmp_path)
+    assert flops is not None
+    assert flops["train"] == pytest.approx(3 * 320 * 912)
+    # 3 scoring steps (two selecting, one that fell back after scoring): 24 pool rows, 6 validation rows,
+    # each 8 tokens of 912 FLOPs at 2 forwards.
+    assert (flops["scored_pool_rows"], flops["scored_validation_rows"]) == (24, 6)
+    assert flops["selection"] == pytest.approx(30 * 8 * 912 * 2.0)
+    assert estimate_run_flops(tmp_path / "nothing") is None
