@@ -9,7 +9,9 @@ Parts (each reuses what an earlier, interrupted invocation finished):
              held-out examples against random subsets with the same capacities
   main       tools/run_experiment.py: every strategy x seed, equal steps, paired against random,
              regime (a) from scratch and regime (b) fine-tuning the base
-  wallclock  equal training time (evaluation excluded) for the main contenders, regime (a)
+  wallclock  equal compute for the main contenders, regime (a): run_experiment --compute-budget
+             (each configuration's step cost measured by a calibration run, then each run trains
+             the steps the budget buys, its learning-rate schedule laid over them)
   ablations  PartitionSel settings varied one at a time (paired against random), regime (a)
   ablations_finetune  the settings regime (a) credits (FINETUNE_ABLATIONS), checked on regime (b)
   report     docs/results/study_dm_math.md, curves and the cost-vs-quality frontier PNGs
@@ -23,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,9 @@ DATA = REPO.parent / "shared" / "data" / "dm_math"
 YAML = REPO / "yamls" / "study" / "dm_math.yaml"
 PARTS = ("shard", "base", "lookahead", "main", "wallclock", "ablations", "ablations_finetune", "report")
 STRATEGIES = "partitionsel,id,random,random_stratified,greats,gradnorm,colm"
-WALLCLOCK_STRATEGIES = "partitionsel,id,random,greats"
+WALLCLOCK_STRATEGIES = "random,id,greats"
+# PartitionSel at the library's default preconditioner (the prec_pool ablation that made it the default).
+WALLCLOCK_VARIANTS = ["partitionsel=partitionsel,algorithms.data_selection.features.precondition=pool"]
 # The regime (b) base trains on these four domains only, then every strategy fine-tunes on all eight.
 BASE_DOMAINS = "[arithmetic,numbers,comparison,measurement]"
 SEL = "algorithms.data_selection"
@@ -88,10 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--early", type=int, default=50, help="the early lookahead checkpoint step (default 50)")
     p.add_argument("--pools", type=int, default=24, help="lookahead pools per checkpoint (default 24)")
     p.add_argument(
-        "--budget-seconds",
-        type=float,
+        "--compute-budget",
         default=None,
-        help="equal-wall-clock budget (default: random's median training time at --steps)",
+        help="the wallclock part's budget, run_experiment's --compute-budget (default: random=STEPS, the "
+        "cost of random's --steps steps)",
+    )
+    p.add_argument(
+        "--cost-clock",
+        choices=("wall", "cpu"),
+        default="cpu",
+        help="the clock the wallclock part measures step costs on (default cpu: the study runs on a CPU "
+        "shared with other jobs, where the process's CPU time varies less with their load than the wall clock)",
     )
     p.add_argument(
         "--ablations",
@@ -231,20 +241,19 @@ def main(argv: list[str] | None = None) -> int:
             cmd = experiment + ["--strategies", STRATEGIES, "--steps", str(steps), "--log-selected-ids"]
             _run(cmd + ["--out", str(out / name)] + (["--", *overrides] if overrides else []))
     if "wallclock" in parts:
-        budget = args.budget_seconds or _median_train_seconds(out / "main_scratch", "random", args.seeds)
-        _run(
-            experiment
-            + [
-                "--strategies",
-                WALLCLOCK_STRATEGIES,
-                "--budget-seconds",
-                f"{budget:.1f}",
-                "--steps",
-                str(4 * steps),
-                "--out",
-                str(out / "wallclock_scratch"),
-            ]
-        )
+        cmd = experiment + [
+            "--strategies",
+            WALLCLOCK_STRATEGIES,
+            "--compute-budget",
+            args.compute_budget or f"random={steps}",
+            "--cost-clock",
+            args.cost_clock,
+            "--out",
+            str(out / "wallclock_scratch"),
+        ]
+        for variant in WALLCLOCK_VARIANTS:
+            cmd += ["--variant", variant]
+        _run(cmd)
     if "ablations" in parts:
         cmd = experiment + ["--strategies", "random", "--steps", str(steps), "--out", str(out / "ablations")]
         for name in ablations:
@@ -271,21 +280,6 @@ def _train(overrides: list[str]) -> list[str]:
 def _run(cmd: list[str]) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
-
-
-def _median_train_seconds(exp: Path, strategy: str, seeds: str) -> float:
-    """Median training time (evaluation excluded) of a strategy's finished runs in an experiment."""
-    times = []
-    for seed in seeds.split(","):
-        path = exp / f"{strategy}-seed{seed}" / "train_budget.json"
-        if path.exists():
-            times.append(float(json.loads(path.read_text())["train_time_s"]))
-    if not times:
-        raise SystemExit(
-            f"no finished {strategy} runs in {exp}: run the main part first or give --budget-seconds"
-        )
-    times.sort()
-    return times[len(times) // 2]
 
 
 if __name__ == "__main__":
