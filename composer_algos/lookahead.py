@@ -97,6 +97,7 @@ def run_lookahead(
     seed: int = 0,
     chunk_size: int = 64,
     progress: Callable[[int], None] | None = None,
+    steps: Sequence[str] = STEPS,
 ) -> LookaheadResult:
     """Measure every arm's one-step effect on the given pools (model and optimizer left as found).
 
@@ -114,10 +115,16 @@ def run_lookahead(
         seed: base seed of capacities and random draws (pool p uses seed + p).
         chunk_size: examples per forward when evaluating losses.
         progress: called with the pool index after each pool.
+        steps: which one-step updates to measure, a subset of `STEPS` ("sgd", "opt"); each costs
+            a loss evaluation of the evaluation and guide sets per subset, the bulk of the time on
+            long sequences.
 
     Returns:
         A `LookaheadResult`.
     """
+    steps = tuple(steps)
+    if not steps or any(s not in STEPS for s in steps):
+        raise ValueError(f"steps must be a non-empty subset of {list(STEPS)}, got {list(steps)}")
     hf = unwrap_model(model)
     params = [p for p in hf.parameters() if p.requires_grad]
     theta0 = [p.detach().clone() for p in params]
@@ -146,7 +153,7 @@ def run_lookahead(
         def drops_of(grads_NP, tokens_N, idx_K, weights_K) -> dict[tuple[str, str], float]:
             grad_P = _subset_grad(grads_NP, tokens_N, idx_K, weights_K)
             out = {}
-            for step in STEPS:
+            for step in steps:
                 _apply_step(step, params, theta0, grad_P, optimizer, opt_state0, sgd_lr)
                 for name, rows in (("eval", evalset), ("guide", guide)):
                     out[(step, name)] = base[name] - _mean_loss(hf, rows, chunk_size)

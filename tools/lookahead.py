@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eval-size", type=int, default=200, help="held-out evaluation examples (default 200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--step-kinds",
+        default="sgd,opt",
+        help="one-step updates to measure: sgd, opt or both (default sgd,opt); each costs a loss "
+        "evaluation of the evaluation and guide sets per subset",
+    )
     p.add_argument("--out", help="write summary.json, summary.md and selected.json here")
     p.add_argument("overrides", nargs="*", help="yaml key=value overrides")
     return p
@@ -102,6 +108,9 @@ def parse_arm(text: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     arm_kwargs = [parse_arm(a) for a in args.arm]  # errors before anything heavy
+    step_kinds = [s for s in args.step_kinds.split(",") if s]
+    if not step_kinds or any(s not in ("sgd", "opt") for s in step_kinds):
+        raise SystemExit(f"--step-kinds: expected sgd, opt or sgd,opt, got {args.step_kinds!r}")
 
     import torch
 
@@ -152,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         sgd_lr=args.sgd_lr,
         seed=args.seed,
         progress=lambda _: bar.update(1),
+        steps=step_kinds,
     )
     bar.close()
     summary = summarize(result)

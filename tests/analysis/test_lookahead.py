@@ -102,3 +102,17 @@ def test_fidelity_figures_are_reported_for_feature_arms(proj_dim):
         assert fid["raw_spearman"] == 1.0
     else:
         assert -1 <= fid["raw_spearman"] <= 1
+
+
+def test_one_step_kind_measures_the_same_drops_as_both():
+    model, opt, pools, guide, evalset, _ = _setup(seed=4)
+    arm = Arm("ps", "partitionsel", features={"normalization": "none", "proj_dim": 0})
+    kw = dict(kappa=4, num_domains=2, n_random=3, sgd_lr=0.5, seed=7)
+    both = run_lookahead(model, opt, pools[:2], guide, evalset, [arm], **kw)
+    only = run_lookahead(model, opt, pools[:2], guide, evalset, [arm], steps=("opt",), **kw)
+    assert set(only.drops["ps"]) == {("opt", "eval"), ("opt", "guide")}
+    for key, values in only.drops["ps"].items():
+        assert values == pytest.approx(both.drops["ps"][key], rel=1e-5, abs=1e-7)
+    assert "opt/eval" in format_summary(summarize(only)) and "sgd/eval" not in format_summary(summarize(only))
+    with pytest.raises(ValueError, match="subset of"):
+        run_lookahead(model, opt, pools[:1], guide, evalset, [arm], steps=("adam",), **kw)
