@@ -22,6 +22,10 @@ SECTIONS = (
 )
 # The experiment whose `partitionsel` runs (same pools, default settings) each ablation is paired with.
 ABLATION_DEFAULTS = {"ablations": "main_scratch", "ablations_finetune": "main_finetune"}
+# Variants that change a setting on top of another variant, paired with that one as well: `valavg`
+# runs under `precondition: pool` (averaging is rejected with the study yaml's `both`), so its own
+# effect is its difference from `prec_pool` on the same pools.
+VARIANT_BASES = {"ps_valavg": "ps_prec_pool"}
 
 
 def verdict(name: str, baseline: str, summary: dict) -> str:
@@ -149,6 +153,15 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
         if (exp / "comparison.json").exists():
             per_seed = json.loads((exp / "comparison.json").read_text()).get("per_seed", {})
             table, verdicts = partitionsel_against_others(per_seed)
+            if table:
+                lines += [table, ""]
+                conclusions += [f"- {title}: {v}" for v in verdicts]
+            stacked = [(v, per_seed[v], b, per_seed[b]) for v, b in VARIANT_BASES.items() if v in per_seed and b in per_seed]
+            table, verdicts = paired_table(
+                stacked,
+                title="Settings changed on top of another variant, against that variant (paired by seed, average "
+                "validation loss; mean [95% t interval]; negative = the added setting is better)",
+            )
             if table:
                 lines += [table, ""]
                 conclusions += [f"- {title}: {v}" for v in verdicts]

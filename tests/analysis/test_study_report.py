@@ -104,3 +104,17 @@ def test_regime_b_ablations_are_paired_with_regime_b_defaults(tmp_path):
     text = doc.read_text()
     assert "## PartitionSel settings on regime (b), equal steps" in text
     assert "| ps_prec_pool - partitionsel | 2 | -0.1000 [" in text
+
+
+def test_a_variant_built_on_another_is_paired_with_it(tmp_path):
+    out, doc = tmp_path / "study", tmp_path / "docs" / "study.md"
+    (out / "ablations").mkdir(parents=True)
+    (out / "ablations" / "comparison.md").write_text("table of ablations")
+    # Hand-computed: ps_valavg - ps_prec_pool per seed = +0.1, +0.3 -> mean +0.2 (valavg runs under pool).
+    per_seed = {
+        "ps_prec_pool": {"1": {"average": 1.8}, "2": {"average": 1.9}},
+        "ps_valavg": {"1": {"average": 1.9}, "2": {"average": 2.2}},
+    }
+    (out / "ablations" / "comparison.json").write_text(json.dumps({"strategies": {}, "per_seed": per_seed}))
+    study_report.write_report(out, doc, steps=200, early=50)
+    assert "| ps_valavg - ps_prec_pool | 2 | +0.2000 [" in doc.read_text()
