@@ -578,11 +578,20 @@ class GradFeatureExtractor:
         missing = tuple(t.name for t, scales in zip(self.targets, pre) if scales is None)
         self.preconditioned_fraction = 1.0 - len(missing) / len(self.targets)
         if len(missing) == len(self.targets):
-            if self.normalization_in_use != "none":
+            stepped = optimizer is not None and len(optimizer.state) > 0  # not step 0: the targets are frozen
+            if self.normalization_in_use != "none" and not stepped:
                 log.warning(
                     "adam_optimizer normalisation: the optimizer has no second moment for any target layer "
                     "yet (no optimizer, or step 0); using no normalisation until it has"
                 )
+            elif stepped and missing != self._unpreconditioned_warned:
+                log.warning(
+                    "adam_optimizer normalisation: the optimizer has taken steps but holds no second moment for "
+                    "any target layer %s (frozen, or not given to the optimizer); the features are not normalised "
+                    "(selection/normalization_preconditioned_fraction 0)",
+                    list(missing),
+                )
+                self._unpreconditioned_warned = missing
             self.normalization_in_use = "none"
             return None
         if missing and missing != self._unpreconditioned_warned:

@@ -119,6 +119,20 @@ def test_a_target_without_optimizer_state_is_used_raw_and_the_others_preconditio
     assert len(named) == 1, named  # once, naming the layer
 
 
+def test_targets_all_without_state_after_steps_are_named_once(caplog):
+    model = tiny_llama(seed=1)
+    ex = GradFeatureExtractor(model, proj_dim=0, target_modules=["v_proj"])
+    frozen = {id(p) for t in ex.targets for p in t.params}
+    opt = torch.optim.Adam([p for p in model.parameters() if id(p) not in frozen], lr=1e-3)
+    _train_steps(model, opt, 1)
+    with caplog.at_level("WARNING", logger="composer_algos.features.extractor"):
+        ex.compute(make_batch(n=3, seed=2), optimizer=opt)
+        ex.compute(make_batch(n=3, seed=3), optimizer=opt)
+    assert ex.normalization_in_use == "none" and ex.preconditioned_fraction == 0.0
+    named = [r.getMessage() for r in caplog.records if ex.target_names[0] in r.getMessage()]
+    assert len(named) == 1 and "taken steps" in named[0], caplog.text
+
+
 def test_precondition_side_is_validated():
     with pytest.raises(ValueError, match="precondition"):
         GradFeatureExtractor(tiny_llama(seed=0), precondition="twice")
