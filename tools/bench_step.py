@@ -4,6 +4,8 @@ Example:
     python tools/bench_step.py                          # both configs, r = 2 and 4 (about 8 minutes on 2 cores)
     python tools/bench_step.py --configs proportioned --ratios 2 --steps 12
     python tools/bench_step.py --device cuda            # on a GPU, in amp_bf16 as a real run
+    python tools/bench_step.py --long only              # the long-sequence rows alone
+    python tools/bench_step.py --device cuda --long only --long-model llama1b --long-seqs 2048
     python tools/bench_step.py --quick                  # smoke run: tiny, r = 2, 3 steps, 1 round, small corpus
 
 For each config and each oversampling ratio r, side by side in one run: the median step time
@@ -30,6 +32,15 @@ and 4 S h_attn (h_attn = n_heads d_head) the attention scores QK^T and their pro
 sequence length S, counted over the full S x S square (PaLM's appendix B convention; no causal
 halving). Embedding lookups, norms and softmax are not counted. Llama-3.2-1B at S = 2048 gives
 19.2% by this formula.
+
+Long sequences (issue 22; `--long on|off|only`, tools/window_cost.py): packed rows of S = 1024 and
+2048 tokens on yamls/testing/long_proportioned.yaml, a CPU-sized model with Llama-3.2-1B's
+attention/weights ratio and lm_head share at every S; per r in {2, 4, 8}, random and partitionsel
+scoring a random window of t in {64, 128, 256, S} tokens (`features.score_window`), and t = 128 with
+the lm_head's features alone, stepped round robin; each ratio `ps/random` beside its FLOP floor
+(`window_cost.window_step_floor`), then Llama-3.2-1B's floors and what the t = 128 floor is made of.
+Target: `ps/random <= 1.05` at S = 2048, r = 2, t = 128 (PASS/FAIL). On a GPU, `--device cuda
+--long only --long-model llama1b` measures the real shape (random weights).
 
 Targets (issue 15) on the proportioned config at r = 2: `(ps - random) / fwd <= 1.3` and
 `ps / random <= 1.6`, each printed PASS/FAIL.
@@ -268,11 +279,47 @@ def main(argv: list[str] | None = None) -> int:
         help=f"smoke run (under a minute), not a measurement: --configs tiny --ratios 2 --steps {QUICK_STEPS} "
         f"({QUICK_WARMUP_STEPS} warm-up) --repeats 1 on a quarter-size corpus (overrides those options)",
     )
+    parser.add_argument(
+        "--long", choices=("on", "off", "only"), default="on",
+        help="the long-sequence rows (tools/window_cost.py: packed rows of --long-seqs tokens, partitionsel "
+        "scoring --windows-token windows vs random, against the FLOP floor; issue 22's 1.05 target): "
+        "on (after the short configs; default), off, or only (default off with --quick)",
+    )
+    parser.add_argument("--long-seqs", default="1024,2048", help="sequence lengths S of the long rows (default: 1024,2048)")
+    parser.add_argument("--long-ratios", default="2,4,8", help="oversampling ratios of the long rows (default: 2,4,8)")
+    parser.add_argument(
+        "--windows", default="64,128,256,S",
+        help="window lengths t scored with last-block features; S = the whole row (default: 64,128,256,S; "
+        "the whole row is not measured at r = 8)",
+    )
+    parser.add_argument(
+        "--head-windows", default="128",
+        help="window lengths also scored with lm_head features alone (default: 128; empty for none)",
+    )
+    parser.add_argument("--long-steps", type=int, default=6, help="steps per arm of the long rows, 2 warm-up (default: 6)")
+    parser.add_argument(
+        "--long-model", choices=("proportioned", "llama1b"), default="proportioned",
+        help="proportioned: yamls/testing/long_proportioned.yaml (CPU-sized, Llama-3.2-1B's cost structure); "
+        "llama1b: the real Llama-3.2-1B shape, random weights (for --device cuda)",
+    )
     args = parser.parse_args(argv)
     if args.solver_threads:
         return solver_threads(args.threads or 2)
     if args.quick:
         args.configs, args.ratios, args.steps, args.repeats = "tiny", "2", QUICK_STEPS, 1
+        if args.long == "on":
+            args.long = "off"
+    try:
+        long_seqs = [int(x) for x in args.long_seqs.split(",") if x.strip()]
+        long_ratios = [float(x) for x in args.long_ratios.split(",") if x.strip()]
+        windows = [None if x.strip() == "S" else int(x) for x in args.windows.split(",") if x.strip()]
+        head_windows = [int(x) for x in args.head_windows.split(",") if x.strip()]
+    except ValueError as e:
+        parser.error(f"--long-seqs/--long-ratios/--windows/--head-windows: {e}")
+    if any(s < 2 for s in long_seqs) or any(r <= 1 for r in long_ratios) or any(w is not None and w < 2 for w in windows):
+        parser.error("--long-seqs and --windows must be >= 2 tokens and --long-ratios > 1")
+    if args.long_steps < 3:
+        parser.error("--long-steps must be at least 3 (2 warm-up steps are dropped)")
     args.warmup = QUICK_WARMUP_STEPS if args.quick else WARMUP_STEPS
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
@@ -309,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         rows: dict[str, list[dict]] = {}
         shares: dict[str, float] = {}
         floors: dict[str, float] = {}
-        for name in configs:
+        for name in configs if args.long != "only" else ():
             cfg = load_config(CONFIGS[name], [f"variables.shard_dir={shards}"])
             model_cfg = cfg.model.config
             assert model_cfg is not None
@@ -332,14 +379,42 @@ def main(argv: list[str] | None = None) -> int:
         floors["Llama-3.2-1B, no validation batch, last 1 block"] = scoring_flop_floor(
             llama, LLAMA_1B["num_hidden_layers"], 1, 0
         )
-        print()
-        print(format_table(rows, shares, floors))
+        if args.long != "only":
+            print()
+            print(format_table(rows, shares, floors))
+        if args.long != "off":
+            long_table(root, args, long_seqs, long_ratios, windows, head_windows)
     load_after = os.getloadavg()
     print(
         f"\nwall {time.perf_counter() - t_start:.0f} s; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after (on a shared machine compare the ratios, not the milliseconds)"
     )
     return 0
+
+
+def long_table(root: Path, args: argparse.Namespace, seqs, ratios, windows, head_windows) -> None:
+    """The long-sequence rows (tools/window_cost.py), measured at each S, then their table with the 1.05 target."""
+    import window_cost as wc
+
+    from pipeline.config import load_config
+
+    overrides = wc.llama_1b_overrides(LLAMA_1B) if args.long_model == "llama1b" else []
+    cfg = load_config(wc.LONG_YAML, overrides)
+    kappa = int(cfg.global_train_batch_size)
+    val = int(cfg.algorithms["data_selection"]["validation"]["batch_size"])
+    print(f"\nlong sequences ({args.long_model} model, {args.long_steps} steps per arm, 2 warm-up):", flush=True)
+    rows: list[dict] = []
+    for S in seqs:
+        shards = root / f"shards-long-{S}"
+        rc = wc.write_long_shards(root / "corpus-long", shards, S)
+        if rc:
+            raise RuntimeError(f"sharding the long-sequence corpus at S={S} failed (tools/shard.py exit {rc})")
+        rows += wc.bench_long(
+            shards, root / "runs-long", S, ratios, windows, head_windows=head_windows, steps=args.long_steps,
+            device=args.device, model_overrides=overrides, log=lambda line: print(line, flush=True),
+        )
+    print()
+    print(wc.format_long_table(rows, config=cfg.model.config, kappa=kappa, val_rows=val, reference=LLAMA_1B))
 
 
 # (n, D, repeats) of the thread comparison: the tiny configs' pools (proj_dim 64) and a large pool

@@ -81,3 +81,17 @@ def test_bench_long_smoke(tmp_path):
     assert set(row["ps"]) == {"16", "S", "16/head"}
     assert row["random"] > 0 and all(s > 0 for _w, _b, s in row["ps"].values())
     assert row["ps"]["16/head"][:2] == (16, 0) and row["ps"]["S"][:2] == (None, 1)
+
+
+@pytest.mark.timeout(600)
+def test_bench_step_long_only_prints_the_long_table(capsys):
+    import bench_step
+
+    rc = bench_step.main(["--long", "only", "--long-seqs", "64", "--long-ratios", "2", "--windows", "16",
+                          "--head-windows", "", "--long-steps", "3", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "long sequences (kappa 2 rows trained a step" in out
+    row = next(line.split() for line in out.splitlines() if line.split()[:3] == ["64", "2", "16"])
+    assert float(row[5]) > 0 and float(row[6]) > 1  # ps/random measured, floor above 1
+    assert "not measured in this run" in out  # the target's S = 2048 row was not asked for
