@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if not seeds:
+        parser.error("--seeds: give at least one seed")
     if not args.yaml.is_file():
         parser.error(f"--yaml: no such file {args.yaml}")
     if args.jobs < 1:
@@ -142,6 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    compute_only = {
+        "--step-costs": args.step_costs is not None,
+        "--cost-clock": args.cost_clock is not None,
+        "--calibration-steps": args.calibration_steps is not None,
+        "--calibration-warmup": args.calibration_warmup is not None,
+    }
+    if budget is None and any(compute_only.values()):
+        parser.error(f"{', '.join(k for k, v in compute_only.items() if v)} only apply with --compute-budget")
+    args.step_costs = args.step_costs or "calibrate"
+    args.cost_clock = args.cost_clock or "wall"
+    args.calibration_steps = 10 if args.calibration_steps is None else args.calibration_steps
+    args.calibration_warmup = 2 if args.calibration_warmup is None else args.calibration_warmup
     if args.calibration_steps < 1 or args.calibration_warmup < 0:
         parser.error(
             f"--calibration-steps must be >= 1 and --calibration-warmup >= 0, got "
@@ -171,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     for label, seed in plan_runs(strategies, seeds):
         strategy, variant_overrides = runs_of[label]
         run_dir = args.out / f"{label}-seed{seed}"
-        if (run_dir / "eval_results.json").exists() and not args.rerun:
-            print(f"{run_dir.name}: already done, reusing", flush=True)
-            continue
         steps = steps_of[label]
+        if (run_dir / "eval_results.json").exists() and not args.rerun:
+            done = json.loads((run_dir / "eval_results.json").read_text()).get("steps")
+            note = "" if done in (None, steps) else f" (it trained {done} steps, {steps} now; --rerun to redo it)"
+            print(f"{run_dir.name}: already done, reusing{note}", flush=True)
+            continue
         cmd = train_command(
             yaml=args.yaml,
             shard_dir=args.shard_dir,
@@ -381,25 +397,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--step-costs",
-        default="calibrate",
+        default=None,
         help="with --compute-budget: 'calibrate' (default: a short run of each configuration measures it) or "
         "LABEL=SECONDS,... seconds of training per step (e.g. from tools/bench_step.py)",
     )
     parser.add_argument(
         "--cost-clock",
         choices=("wall", "cpu"),
-        default="wall",
+        default=None,
         help="with --compute-budget: the clock step costs and a budget in seconds are measured on: 'wall' "
         "(default: Composer's training wall clock) or 'cpu' (the training process's CPU time, evaluation "
         "excluded: steadier on a CPU shared with other jobs)",
     )
     parser.add_argument(
-        "--calibration-steps", type=int, default=10, help="timed steps of a calibration run (default 10)"
+        "--calibration-steps", type=int, default=None, help="timed steps of a calibration run (default 10)"
     )
     parser.add_argument(
         "--calibration-warmup",
         type=int,
-        default=2,
+        default=None,
         help="steps of a calibration run before the timed ones (default 2; lazy state is built there)",
     )
     parser.add_argument(

@@ -496,3 +496,23 @@ def test_calibration_on_the_cpu_clock_plans_in_cpu_seconds(fake_training, tmp_pa
     plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
     assert plan["clock"] == "cpu" and plan["step_costs_s"] == {"random": 1.0, "partitionsel": 3.0}
     assert "9 CPU s of training" in (tmp_path / "exp" / "comparison.md").read_text()
+
+
+@pytest.mark.parametrize("flag", [["--step-costs", "random=1"], ["--cost-clock", "cpu"], ["--calibration-steps", "4"]])
+def test_equal_compute_flags_without_a_compute_budget_are_rejected(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _tool().main(["--yaml", str(TINY), "--shard-dir", "s", "--steps", "3", *flag, "--out", str(tmp_path)])
+    assert f"{flag[0]} only apply with --compute-budget" in capsys.readouterr().err
+
+
+def test_a_finished_run_of_another_plan_is_reused_with_a_note(fake_training, tmp_path, capsys):
+    tool, launched = fake_training
+    args = _compute_args(tmp_path, "--compute-budget", "random=40", "--step-costs", "random=0.5,partitionsel=1.0")
+    assert tool.main(args) == 0
+    launched.clear()
+    args[args.index("random=0.5,partitionsel=1.0")] = "random=0.5,partitionsel=0.8"  # now 25 steps
+    assert tool.main(args) == 0
+    assert launched == []
+    assert "partitionsel-seed1: already done, reusing (it trained 20 steps, 25 now; --rerun to redo it)" in (
+        capsys.readouterr().out
+    )
