@@ -16,7 +16,7 @@ from pathlib import Path
 SECTIONS = (
     ("main_scratch", "Regime (a): from scratch, equal steps"),
     ("main_finetune", "Regime (b): fine-tuning a base trained on another mixture, equal steps"),
-    ("wallclock_scratch", "Regime (a): equal training time (evaluation excluded)"),
+    ("wallclock_scratch", "Regime (a): equal compute (each run trains the steps its measured step cost fits)"),
     ("ablations", "PartitionSel settings, one at a time (regime a, equal steps)"),
     ("ablations_finetune", "PartitionSel settings on regime (b), equal steps"),
 )
