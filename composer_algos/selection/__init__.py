@@ -27,6 +27,7 @@ from composer_algos.selection.capacities import compute_capacities, resolve_capa
 from composer_algos.selection.colm import select_colm
 from composer_algos.selection.conflicts import conflict_fraction
 from composer_algos.selection.domain_greedy import select_id, select_iwd
+from composer_algos.selection.facloc import select_facloc
 from composer_algos.selection.gradnorm import select_gradnorm
 from composer_algos.selection.gram_rows import GramRows
 from composer_algos.selection.greats import select_greats
@@ -44,6 +45,7 @@ from composer_algos.selection.types import (
     finish_result,
     strategy,
 )
+from composer_algos.selection.uniprot import select_uniprot
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ __all__ = [
     "select_iwd",
     "select_gradnorm",
     "select_colm",
+    "select_facloc",
+    "select_uniprot",
     "select_random",
     "select_random_stratified",
 ]
@@ -87,6 +91,8 @@ STRATEGIES: dict[str, StrategySpec] = {
     "iwd": StrategySpec(select_iwd, needs_features=True, needs_validation=True, uses_capacities=True),
     "gradnorm": StrategySpec(select_gradnorm, needs_features=True, needs_validation=False, uses_capacities=False),
     "colm": StrategySpec(select_colm, needs_features=True, needs_validation=False, uses_capacities=False),
+    "facloc": StrategySpec(select_facloc, needs_features=True, needs_validation=True, uses_capacities=False),
+    "uniprot": StrategySpec(select_uniprot, needs_features=True, needs_validation=True, uses_capacities=False),
     "random": StrategySpec(select_random, needs_features=False, needs_validation=False, uses_capacities=False),
     "random_stratified": StrategySpec(
         select_random_stratified, needs_features=False, needs_validation=False, uses_capacities=True

@@ -77,6 +77,9 @@ class StrategySpec:
         options: the dataclass of the strategy's options (its fields are the allowed names, its
             ``__post_init__`` checks the values); default: the one ``@strategy`` recorded on ``fn``,
             else ``NoOptions``.
+        needs_validation_rows: needs the validation examples' features one by one (``val_rows``,
+            ``(V, D)``; facloc and uniprot use them as anchors), not only their mean; default: what
+            ``@strategy`` recorded on ``fn``, else False.
     """
 
     fn: Callable[..., SelectionResult]
@@ -84,10 +87,13 @@ class StrategySpec:
     needs_validation: bool
     uses_capacities: bool
     options: type | None = None
+    needs_validation_rows: bool | None = None
 
     def __post_init__(self) -> None:
         if self.options is None:  # the @strategy decorator records the option dataclass on the function
             object.__setattr__(self, "options", getattr(self.fn, "options", NoOptions))
+        if self.needs_validation_rows is None:
+            object.__setattr__(self, "needs_validation_rows", bool(getattr(self.fn, "needs_validation_rows", False)))
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,8 @@ class SelectionInputs:
         eta: the learning rate as a Python float.
         strategy: the strategy name, for error messages.
         num_domains: ``C``.
+        val_rows: ``(V, D)`` validation features on ``device`` in ``dtype`` (strategies with
+            ``needs_validation_rows``), or None.
     """
 
     n: int
@@ -121,6 +129,7 @@ class SelectionInputs:
     eta: float
     strategy: str = ""
     num_domains: int = 0
+    val_rows: torch.Tensor | None = None
 
     def finish(
         self,
@@ -159,13 +168,14 @@ def strategy(
     needs_validation: bool,
     gram_suffices: bool = False,
     weighted: bool = False,
+    needs_validation_rows: bool = False,
 ) -> Callable[[_StrategyBody], Callable[..., SelectionResult]]:
     """Give a strategy body the registry signature and the one shared prologue.
 
     The decorated function has the keyword-only signature of every strategy::
 
         fn(*, features, val_feature, domain_ids, num_domains, kappa, eta, generator,
-           capacities=None, gram=None, **options) -> SelectionResult
+           capacities=None, gram=None, val_rows=None, **options) -> SelectionResult
 
     It parses ``options`` into the ``options`` dataclass (unknown names raise), validates the inputs
     (``validate_inputs``), answers ``kappa == 0`` or an empty pool with an empty result, and
@@ -180,7 +190,8 @@ def strategy(
     learning rate (>= 0); ``generator`` the step's randomness (strategies without randomness never
     touch it); ``capacities`` ``(C,)`` per-domain capacities (proportional ones when None, for the
     strategies that use capacities); ``gram`` an optional precomputed ``(N, N)`` ``G G^T``;
-    ``**options`` the fields of the strategy's option dataclass.
+    ``val_rows`` the ``(V, D)`` validation features one by one (read only with
+    ``needs_validation_rows``); ``**options`` the fields of the strategy's option dataclass.
 
     Args:
         name: the strategy name, used in error messages.
@@ -189,6 +200,7 @@ def strategy(
         needs_validation: whether ``val_feature`` is required.
         gram_suffices: whether ``gram`` can stand in for ``features``.
         weighted: whether an empty result carries (empty) weights and a zero objective.
+        needs_validation_rows: whether ``val_rows`` is required and read.
 
     Returns:
         The decorator.
@@ -206,6 +218,7 @@ def strategy(
             generator: torch.Generator | None,
             capacities: torch.Tensor | None = None,
             gram: torch.Tensor | None = None,
+            val_rows: torch.Tensor | None = None,
             **option_values: Any,
         ) -> SelectionResult:
             opts = parse_options(name, options, option_values)
@@ -228,6 +241,8 @@ def strategy(
                 needs_features=needs_features,
                 needs_validation=needs_validation,
                 gram_suffices=gram_suffices,
+                val_rows=val_rows if needs_validation_rows else None,
+                needs_validation_rows=needs_validation_rows,
             )
             if inputs.k == 0:
                 return empty_result(inputs, num_domains, with_weights=weighted)
@@ -238,6 +253,7 @@ def strategy(
         fn.__doc__ = body.__doc__
         fn.__module__ = body.__module__
         fn.options = options  # type: ignore[attr-defined]  # read by StrategySpec and the config
+        fn.needs_validation_rows = needs_validation_rows  # type: ignore[attr-defined]  # read by StrategySpec
         return fn
 
     return decorate
@@ -257,6 +273,8 @@ def validate_inputs(
     needs_features: bool,
     needs_validation: bool,
     gram_suffices: bool = False,
+    val_rows: torch.Tensor | None = None,
+    needs_validation_rows: bool = False,
 ) -> SelectionInputs:
     """Check the common arguments of a strategy call and move them to one device and dtype.
 
@@ -278,6 +296,8 @@ def validate_inputs(
         needs_features: whether ``features`` (or ``gram`` if ``gram_suffices``) is required.
         needs_validation: whether ``val_feature`` is required.
         gram_suffices: whether ``gram`` can stand in for ``features``.
+        val_rows: ``(V, D)`` validation features or None.
+        needs_validation_rows: whether ``val_rows`` is required.
 
     Returns:
         The validated inputs.
@@ -329,6 +349,21 @@ def validate_inputs(
             )
     if needs_validation and val_feature is None:
         raise ValueError(f"{strategy}: needs `val_feature` (the validation gradient feature), got None")
+    if val_rows is not None:
+        dim = features.shape[1] if features is not None else None
+        if (
+            not isinstance(val_rows, torch.Tensor)
+            or val_rows.dim() != 2
+            or val_rows.shape[0] < 1
+            or not val_rows.dtype.is_floating_point
+            or (dim is not None and val_rows.shape[1] != dim)
+        ):
+            raise ValueError(
+                f"{strategy}: `val_rows` must be a floating (V >= 1, D={dim}) tensor of validation features, "
+                f"got {_describe(val_rows)}"
+            )
+    if needs_validation_rows and val_rows is None:
+        raise ValueError(f"{strategy}: needs `val_rows` (the validation examples' features, (V, D)), got None")
 
     anchor = features if features is not None else gram
     device = anchor.device if anchor is not None else domain_ids.device
@@ -347,6 +382,8 @@ def validate_inputs(
         features = features.to(device=device, dtype=dtype)
     if val_feature is not None:
         val_feature = val_feature.to(device=device, dtype=dtype)
+    if val_rows is not None:
+        val_rows = val_rows.to(device=device, dtype=dtype)
     if gram is not None:
         gram = gram.to(device=device, dtype=dtype)
         # A caller-supplied Gram is scanned in full: its off-diagonal entries are not implied by its
@@ -380,6 +417,7 @@ def validate_inputs(
         eta=eta_f,
         strategy=strategy,
         num_domains=num_domains,
+        val_rows=val_rows,
     )
 
 

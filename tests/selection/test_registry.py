@@ -17,14 +17,20 @@ from tests.selection.reference import make_instance
 NAMES = ["partitionsel", "greats", "id", "iwd", "gradnorm", "colm", "random", "random_stratified"]
 
 
+# Strategies guided by the validation rows one by one (tests/selection/test_anchor_strategies.py).
+ANCHOR_NAMES = ["facloc", "uniprot"]
+
+
 def test_registry_names_and_flags():
-    assert sorted(STRATEGIES) == sorted(NAMES)
+    assert sorted(STRATEGIES) == sorted(NAMES + ANCHOR_NAMES)
     flags = {name: (s.needs_features, s.needs_validation, s.uses_capacities) for name, s in STRATEGIES.items()}
     assert flags["partitionsel"] == (True, True, True)
     assert flags["greats"] == (True, True, False)
     assert flags["id"] == (True, True, True) and flags["iwd"] == (True, True, True)
     assert flags["gradnorm"] == (True, False, False) and flags["colm"] == (True, False, False)
     assert flags["random"] == (False, False, False) and flags["random_stratified"] == (False, False, True)
+    assert flags["facloc"] == flags["uniprot"] == (True, True, False)
+    assert [n for n, s in STRATEGIES.items() if s.needs_validation_rows] == ANCHOR_NAMES
     assert get_strategy("iwd") is STRATEGIES["iwd"]
     with pytest.raises(ValueError, match="unknown selection strategy 'doremi'"):
         get_strategy("doremi")
