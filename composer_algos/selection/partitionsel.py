@@ -257,7 +257,8 @@ def omp_select(
         mu_N: ``(N,)`` linear term ``mu``.
         domain_ids_N: ``(N,)`` int64 domain ids.
         capacities_C: ``(C,)`` int64 capacities (each at most the domain's pool count, summing
-            to at least ``k``).
+            to at least ``k``; above ``k`` they are upper bounds of a partition matroid truncated
+            at ``k``: the rounds stop after ``k`` picks).
         k: rounds, ``0 <= k <= N``.
         pick: ``"greedy"`` or ``"randomized"``.
         refit: ``"exact"``, ``"apga"`` (support system) or ``"apga_pool"`` (full pool vector).
@@ -332,13 +333,17 @@ def _omp_rounds(
     if randomized:
         gen = generator if generator is not None else torch.Generator(device=device)
         uniforms_K = torch.rand(k, generator=gen, device=gen.device, dtype=torch.float64).to(device)
+        # Bounds summing above k (capacities: slack): the base of the matroid truncated at k keeps
+        # only the k - r heaviest of the per-domain bases.
+        truncated = int(capacities_C.sum()) > k
     for r in range(k):
         scores_N = state.grad_N + penalty_N
         if randomized:
             avail_N = penalty_N == 0
             j_greedy = scores_N.argmax()
             j1 = _randomized_pick(
-                state.grad_N, avail_N, dom_N, rem_C, starts_C, positions_N, uniforms_K[r], j_greedy
+                state.grad_N, avail_N, dom_N, rem_C, starts_C, positions_N, uniforms_K[r], j_greedy,
+                remaining=k - r if truncated else None,
             ).view(1)
             g_j = None
         else:
@@ -424,14 +429,17 @@ def _randomized_pick(
     positions_N: torch.Tensor,
     uniform: torch.Tensor,
     j_greedy: torch.Tensor,
+    remaining: int | None = None,
 ) -> torch.Tensor:
     """Uniform pick from the maximum-weight base of the contracted matroid (weights ``max(0, grad)``).
 
     The base takes, in each domain with remaining capacity ``rem_c``, its ``rem_c`` available
     elements of largest weight: two stable sorts group the pool by domain with weights descending
     (ties by pool position), and an element is in the base when its rank in its domain is below
-    ``rem_c``. Falls back to ``j_greedy`` (the largest gradient) when no available gradient is
-    positive.
+    ``rem_c``. With ``remaining`` (capacities that are upper bounds summing above ``k``: the
+    partition matroid truncated at ``k``), only the ``remaining`` heaviest of those are the base
+    (ties by that order). Falls back to ``j_greedy`` (the largest gradient) when no available
+    gradient is positive.
     """
     weight_N = torch.where(avail_N, grad_N.clamp_min(0.0), torch.full_like(grad_N, -1.0))
     by_weight_N = torch.sort(weight_N, descending=True, stable=True).indices
@@ -440,6 +448,10 @@ def _randomized_pick(
     dom_sorted_N = dom_N.index_select(0, perm_N)
     rank_N = positions_N - starts_C.index_select(0, dom_sorted_N)
     base_N = rank_N < rem_C.index_select(0, dom_sorted_N)
+    if remaining is not None:
+        key_N = torch.where(base_N, weight_N.index_select(0, perm_N), torch.full_like(weight_N, float("-inf")))
+        top_N = torch.sort(key_N, descending=True, stable=True).indices[:remaining]
+        base_N = base_N & torch.zeros_like(base_N).index_fill_(0, top_N, True)
     size = base_N.sum()
     target = torch.minimum((uniform * size).floor().long(), size - 1)
     pos = torch.argmax((torch.cumsum(base_N.long(), 0) > target).long())
