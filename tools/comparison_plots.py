@@ -98,7 +98,9 @@ def plot_trajectories(
     """One panel per method: per-step weights (thin) and their running mean (thick), per domain.
 
     The running mean over the rows is what `mixture.json` reports (for DoReMi the first row is
-    the initial weights, which the average includes).
+    the initial weights, which the average includes). A selection run's capacities
+    (`capacity_steps.csv`: each domain's capacity as a share of the trained examples; with
+    `capacities: slack` its upper bound) are drawn beside them, dashed, as their running mean.
 
     Returns:
         The written path.
@@ -126,7 +128,11 @@ def plot_trajectories(
         for c, n in enumerate(t.domain_names):
             ax.plot(t.steps, t.weights_SC[:, c], color=color[n], alpha=0.3, linewidth=0.7)
             ax.plot(t.steps, running_SC[:, c], color=color[n], linewidth=1.8, label=n)
-        ax.set_title(t.label)
+        if t.capacities_SC is not None and t.capacity_steps:
+            caps_SC = np.cumsum(t.capacities_SC, axis=0) / np.arange(1, len(t.capacity_steps) + 1)[:, None]
+            for c, n in enumerate(t.domain_names):
+                ax.plot(t.capacity_steps, caps_SC[:, c], color=color[n], linewidth=1.0, linestyle="--")
+        ax.set_title(t.label + (" (dashed: capacity)" if t.capacities_SC is not None else ""))
         ax.set_xlabel("step")
         ax.grid(color="0.9")
     for ax in list(axes.flat)[len(trajectories) :]:

@@ -29,7 +29,9 @@ def read_mixture(run_dir: Path) -> dict:
 
     Returns:
         A dict with ``domains`` (list), ``steps`` (list of int), ``selected`` and ``pool`` (domain ->
-        per-step shares), and ``natural``, ``pool_mean``, ``selected_mean`` (domain -> share).
+        per-step shares), ``capacity`` (domain -> per-step capacity share of the trained examples,
+        NaN on steps without capacities; empty when the run logged none), and ``natural``,
+        ``pool_mean``, ``selected_mean``, ``capacity_mean`` (domain -> share; NaN without capacities).
 
     Raises:
         FileNotFoundError: when one of the two files is missing.
@@ -41,6 +43,10 @@ def read_mixture(run_dir: Path) -> dict:
     steps = [int(r["step"]) for r in rows]
     selected = {n: [float(r[f"mixture/{n}"]) for r in rows] for n in names}
     pool = {n: [float(r[f"pool/{n}"]) for r in rows] for n in names}
+    # Capacity shares (selection_log.csv of runs since issue 21); with capacities: slack they are upper bounds.
+    capacity = {n: [float(r.get(f"capacity/{n}") or "nan") for r in rows] for n in names}
+    if not any(math.isfinite(x) for v in capacity.values() for x in v):
+        capacity = {}
     natural = mix.get("natural") or {}
     return {
         "domains": names,
@@ -50,6 +56,8 @@ def read_mixture(run_dir: Path) -> dict:
         "natural": {n: float(natural.get(n, math.nan)) for n in names},
         "pool_mean": {n: sum(v) / len(v) if v else math.nan for n, v in pool.items()},
         "selected_mean": {n: float(mix["weights"][n]) for n in names},
+        "capacity": capacity,
+        "capacity_mean": {n: _finite_mean(capacity.get(n, [])) for n in names},
     }
 
 
@@ -86,7 +94,10 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def plot_mixture(run_dir: Path, out_path: Path, *, window: int = 25) -> Path:
-    """Two panels: selected vs pool share per domain over the steps, and natural / pool / selected bars.
+    """Two panels: selected vs pool (and capacity) share per domain over the steps, and the mean shares as bars.
+
+    The capacities (dotted; with `capacities: slack` the upper bounds) and their bar appear when the
+    run logged them.
 
     Args:
         run_dir: the run directory (see ``read_mixture``).
@@ -106,16 +117,23 @@ def plot_mixture(run_dir: Path, out_path: Path, *, window: int = 25) -> Path:
         c = colors[i % len(colors)]
         ax_t.plot(steps, moving_average(mix["selected"][n], w), color=c, label=n)
         ax_t.plot(steps, moving_average(mix["pool"][n], w), color=c, linestyle="--", linewidth=0.8)
+        if mix["capacity"]:
+            cap_steps = [s for s, x in zip(steps, mix["capacity"][n]) if math.isfinite(x)]
+            cap = [x for x in mix["capacity"][n] if math.isfinite(x)]
+            ax_t.plot(cap_steps, moving_average(cap, max(1, min(w, len(cap)))), color=c, linestyle=":", linewidth=1.2)
     ax_t.set_xlabel("step")
     ax_t.set_ylabel(f"share ({w}-step moving average)")
-    ax_t.set_title("selected (solid) vs pool (dashed) per domain")
+    what = "selected (solid), pool (dashed), capacity (dotted)" if mix["capacity"] else "selected (solid) vs pool (dashed)"
+    ax_t.set_title(f"{what} per domain")
     ax_t.legend(fontsize=8, loc="best")
-    width = 0.27
+    bars = [("natural", "natural"), ("pool_mean", "pool"), ("selected_mean", "selected")]
+    if mix["capacity"]:
+        bars.append(("capacity_mean", "capacity"))
+    width = 0.8 / len(bars)
     xs = range(len(names))
-    for j, (key, label) in enumerate(
-        [("natural", "natural"), ("pool_mean", "pool"), ("selected_mean", "selected")]
-    ):
-        ax_b.bar([x + (j - 1) * width for x in xs], [mix[key][n] for n in names], width, label=label)
+    for j, (key, label) in enumerate(bars):
+        offset = (j - (len(bars) - 1) / 2) * width
+        ax_b.bar([x + offset for x in xs], [mix[key][n] for n in names], width, label=label)
     ax_b.set_xticks(list(xs))
     ax_b.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     ax_b.set_ylabel("share")
@@ -163,6 +181,11 @@ def plot_val_curves(run_dir: Path, out_path: Path) -> Path:
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
     return out_path
+
+
+def _finite_mean(values: list[float]) -> float:
+    finite = [x for x in values if math.isfinite(x)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def _pyplot():

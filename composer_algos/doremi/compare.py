@@ -53,12 +53,17 @@ class Trajectory:
         steps: Step of each row.
         domain_names: Columns of `weights_SC`.
         weights_SC: Per-step weights, shape (S, C).
+        capacity_steps: Steps of `capacities_SC` (the steps whose strategy ran within capacities).
+        capacities_SC: Per-step capacity shares of a selection run (`capacity_steps.csv`; with
+            `capacities: slack` the upper bounds), or None.
     """
 
     label: str
     steps: list[int]
     domain_names: list[str]
     weights_SC: np.ndarray
+    capacity_steps: list[int] | None = None
+    capacities_SC: np.ndarray | None = None
 
 
 def natural_token_shares(shard_dir: str | os.PathLike, split: str = "train") -> dict[str, float]:
@@ -220,14 +225,20 @@ def format_markdown(names: Sequence[str], columns: Sequence[MixtureColumn]) -> s
 
 
 def load_trajectory(label: str, json_path: str | os.PathLike) -> Trajectory | None:
-    """Read the `mixture_steps.csv` next to a `mixture.json`, or None when there is none."""
+    """Read the `mixture_steps.csv` (and `capacity_steps.csv`) next to a `mixture.json`, or None without one."""
     csv_path = Path(json_path).with_name("mixture_steps.csv")
     if not csv_path.is_file():
         return None
     steps, names, weights_SC = read_mixture_csv(csv_path)
     if not steps:
         return None
-    return Trajectory(label, steps, names, weights_SC)
+    trajectory = Trajectory(label, steps, names, weights_SC)
+    cap_path = csv_path.with_name("capacity_steps.csv")
+    if cap_path.is_file():
+        cap_steps, cap_names, caps_SC = read_mixture_csv(cap_path)
+        if cap_steps and cap_names == names:
+            trajectory.capacity_steps, trajectory.capacities_SC = cap_steps, caps_SC
+    return trajectory
 
 
 def read_labelled(spec: str) -> tuple[str, MixtureFile, Path]:
