@@ -47,14 +47,20 @@ class MixtureMonitor(LoggerDestination):
     - `data/mixture_mean/<domain>`: its running mean over steps (comparable to DoReMi's
       averaged domain weights);
     - `data/pool/<domain>`: the share of each domain in the candidate pool (equal to the
-      mixture when nothing is selected).
+      mixture when nothing is selected);
+    - `data/capacity/<domain>` and `data/capacity_used/<domain>`, on steps whose strategy ran
+      within per-domain capacities (`selection/capacities`): each domain's capacity as a share of
+      the examples trained (with `capacities: slack`, its upper bound: the shares then sum above
+      1), and the part of it the selection used (trained / capacity; 1 whenever the capacities
+      sum to the budget).
 
     It is also a logger destination (it adds itself to the run's `Logger` at `INIT`, so it can be
     listed with the callbacks): the files are written from what was logged, never from another
     object's attributes. `DataSelection` logs its `selection/*` metrics and its traces (the
     strategy, the pool's per-domain counts and sample ids; `selection_step.record_step`) before
-    this callback sees the step. On rank 0 it appends `mixture_steps.csv` (per-step mixture) and
-    `selection_log.csv` (the logged selection metrics plus mixture and pool columns) in `run_dir`, and writes
+    this callback sees the step. On rank 0 it appends `mixture_steps.csv` (per-step mixture),
+    `capacity_steps.csv` (per-step capacity shares, when capacities are logged) and
+    `selection_log.csv` (the logged selection metrics plus mixture, pool and capacity columns) in `run_dir`, and writes
     `mixture.json` (the running mean, in the shape of DoReMi's output) at every checkpoint and
     at the end of training. With `log_selected_ids`, it also appends `selected_ids.jsonl`: one
     line per step, `{"step", "pool", "selected"}`, the dataset sample indices (`sample_id`, the
@@ -99,6 +105,7 @@ class MixtureMonitor(LoggerDestination):
         self.steps = 0
         self._resumed = False
         self._mix_csv: MixtureCSVWriter | None = None
+        self._cap_csv: MixtureCSVWriter | None = None
         self._sel_csv = None
         self._sel_writer = None
         self._metrics: dict[str, float] = {}  # selection/* metrics logged this step
@@ -141,10 +148,18 @@ class MixtureMonitor(LoggerDestination):
         trained_C = torch.bincount(domain_N, minlength=C).to(torch.float64)
         pool_C = traces.get("selection/pool_counts")
         pool_C = trained_C.clone() if pool_C is None else _pad(pool_C.to(torch.float64), C)
-        both = torch.cat([trained_C, pool_C])
+        caps = traces.get("selection/capacities")
+        # Capacities of a gathered problem are the same on every rank: rank 0's count once. The flag
+        # counts the ranks that logged capacities, so the sum is used only when every rank did.
+        shared = bool(traces.get("selection/capacities_shared", False))
+        mine = caps is not None and (not shared or dist.get_global_rank() == 0)
+        caps_C = _pad(caps.to(torch.float64), C) if mine else torch.zeros(C, dtype=torch.float64)
+        flag = torch.tensor([1.0 if caps is not None else 0.0], dtype=torch.float64)
+        both = torch.cat([trained_C, pool_C, caps_C, flag])
         if dist.get_world_size() > 1:
             dist.all_reduce(both, reduce_operation="SUM")
-        trained_C, pool_C = both[:C], both[C:]
+        trained_C, pool_C, caps_C = both[:C], both[C : 2 * C], both[2 * C : 3 * C]
+        has_caps = int(both[3 * C]) == dist.get_world_size()
         mix_C = trained_C / trained_C.sum().clamp_min(1)
         pool_mix_C = pool_C / pool_C.sum().clamp_min(1)
         self.sum_C += mix_C
@@ -155,10 +170,17 @@ class MixtureMonitor(LoggerDestination):
             metrics[f"data/mixture/{name}"] = float(mix_C[c])
             metrics[f"data/mixture_mean/{name}"] = float(mean_C[c])
             metrics[f"data/pool/{name}"] = float(pool_mix_C[c])
+        cap_share_C = None
+        if has_caps:
+            cap_share_C = caps_C / trained_C.sum().clamp_min(1)
+            for c, name in enumerate(self.domain_names):
+                metrics[f"data/capacity/{name}"] = float(cap_share_C[c])
+                if caps_C[c] > 0:
+                    metrics[f"data/capacity_used/{name}"] = float(trained_C[c] / caps_C[c])
         logger.log_metrics(metrics)
         if dist.get_global_rank() == 0:
             strategy = traces.get("selection/strategy", self.method or "none")
-            self._write_rows(int(state.timestamp.batch.value), mix_C, pool_mix_C, strategy, metrics_logged)
+            self._write_rows(int(state.timestamp.batch.value), mix_C, pool_mix_C, strategy, metrics_logged, cap_share_C)
         if self.log_selected_ids:
             self._write_ids(int(state.timestamp.batch.value), batch, traces.get("selection/pool_sample_ids"))
 
@@ -176,6 +198,9 @@ class MixtureMonitor(LoggerDestination):
         if self._mix_csv is not None:
             self._mix_csv.close()
             self._mix_csv = None
+        if self._cap_csv is not None:
+            self._cap_csv.close()
+            self._cap_csv = None
         if self._sel_csv is not None:
             self._sel_csv.close()
             self._sel_csv = None
@@ -197,15 +222,27 @@ class MixtureMonitor(LoggerDestination):
             self.sum_C = _pad(self.sum_C, len(self.domain_names))
 
     def _write_rows(
-        self, step: int, mix_C: torch.Tensor, pool_C: torch.Tensor, strategy: str, metrics: dict[str, Any]
+        self,
+        step: int,
+        mix_C: torch.Tensor,
+        pool_C: torch.Tensor,
+        strategy: str,
+        metrics: dict[str, Any],
+        cap_C: torch.Tensor | None = None,
     ) -> None:
         if self._mix_csv is None:
             self._mix_csv = MixtureCSVWriter(self.run_dir / "mixture_steps.csv", self.domain_names, resume=self._resumed)
         self._mix_csv.write(step, mix_C.tolist())
+        if cap_C is not None:
+            if self._cap_csv is None:
+                path = self.run_dir / "capacity_steps.csv"
+                self._cap_csv = MixtureCSVWriter(path, self.domain_names, resume=self._resumed)
+            self._cap_csv.write(step, cap_C.tolist())
         if self._sel_writer is None:
             path = self.run_dir / "selection_log.csv"
             header = [*SELECTION_LOG_COLUMNS]
             header += [f"mixture/{n}" for n in self.domain_names] + [f"pool/{n}" for n in self.domain_names]
+            header += [f"capacity/{n}" for n in self.domain_names]
             rows: list[list[str]] = []
             if self._resumed and path.exists():
                 with open(path, newline="") as f:
@@ -220,6 +257,7 @@ class MixtureMonitor(LoggerDestination):
             value = metrics.get(f"selection/{col}")
             row.append("" if value is None else repr(float(value)))
         row += [repr(float(x)) for x in mix_C] + [repr(float(x)) for x in pool_C]
+        row += [repr(float(x)) for x in cap_C] if cap_C is not None else [""] * len(mix_C)
         self._sel_writer.writerow(row)
         assert self._sel_csv is not None
         self._sel_csv.flush()

@@ -51,6 +51,8 @@ SELECTION_STRATEGIES = (
     "iwd",
     "gradnorm",
     "colm",
+    "facloc",
+    "uniprot",
     "random",
     "random_stratified",
     "none",
@@ -63,7 +65,16 @@ DEFAULT_OVERSAMPLING = 2.0
 # What the steps between selections (`interval` > 1) train on; see `DataSelection`'s `between`.
 BETWEEN_MODES = ("random", "stale_topk")
 
-VALIDATION_KEYS = ("shard_dir", "split", "domains", "batch_size", "remote", "guide_fraction", "average_beta", "batches")
+VALIDATION_KEYS = (
+    "shard_dir", "split", "domains", "batch_size", "remote", "guide_fraction", "average_beta", "batches", "target",
+    "stratify",
+)
+
+# What the guiding validation feature is (`validation.target`).
+VALIDATION_TARGETS = ("mean", "domain_balanced")
+
+# Strategies whose refit weights the adaptive capacities' per-domain utilities are computed from.
+ADAPTIVE_STRATEGIES = ("partitionsel", "iwd")
 
 
 class DataSelection(Algorithm):
@@ -97,10 +108,14 @@ class DataSelection(Algorithm):
             the batch at position s mod its length, so a resumed run draws the same), or a mapping
             with `shard_dir`, `split` (`val`), `domains`, `batch_size` (4), `remote`,
             `guide_fraction` (0.5: draw from the guide half of each domain's split; evaluation reads
-            the other), `batches` (instead of `shard_dir`) and `average_beta` (0.0: a running mean of
-            the validation feature over steps, `ValidationAverage`). Default: the training dataset's
-            shards when it is a `DomainStreamingDataset`. The collator's pad id and length come from
-            the shards' manifest.
+            the other), `batches` (instead of `shard_dir`), `average_beta` (0.0: a running mean of
+            the validation feature over steps, `ValidationAverage`), `target` (`mean`, default: the
+            mean of the validation rows; `domain_balanced`: every domain present in the step's
+            validation rows weighted equally, the official code's `val_srcwt`) and `stratify`
+            (False; True draws every domain each step, `ValidationSource`). Default: the training
+            dataset's shards when it is a `DomainStreamingDataset`; `domains` then defaults to the
+            domains the training dataset streams (a run restricted to some domains is guided by
+            those). The collator's pad id and length come from the shards' manifest.
         domain_key: Batch field holding each example's domain id (default `domain_id`).
         domain_names: Names of the domains by id (default: the validation shards' or the training
             dataset's manifest, else `domain_<i>` for each id seen; under global scope, seen on any
@@ -116,7 +131,15 @@ class DataSelection(Algorithm):
         capacity_fractions: Fixed per-domain shares of kappa by domain name, or `uniform` (the
             same share for every domain); default: proportional to the pool, as in the paper.
             Only the strategies that select within capacities honour it (partitionsel, id, iwd,
-            random_stratified); with another strategy it is rejected.
+            random_stratified); with another strategy it is rejected. The older spelling of
+            `capacities: {policy: fractions, weights: ...}` (or `capacities: uniform`); give one.
+        capacities: The capacity policy (`composer_algos.capacity_policy.parse_capacity_policy`):
+            `proportional` (default), `uniform`, `adaptive` (the official code's budget curriculum;
+            partitionsel and iwd only), or a mapping `{policy: slack, factor: s}`, `{policy:
+            adaptive, beta, lamb}`, `{policy: fractions, weights: {...} | file: <DoReMi weights
+            file>}`, `{policy: minority_full, domains: [...] | max_share: x, base: ...}`. Honoured
+            by the strategies that select within capacities; with another one a policy other than
+            `proportional` is rejected.
         weighted_loss: Weight each selected example's loss by its refit weight, so the step
             optimises `sum_i w_i l_i / sum_i w_i` over the selected examples of all ranks and
             microbatches (weights normalised to mean 1 over all ranks); strategies without weights
@@ -161,6 +184,7 @@ class DataSelection(Algorithm):
         features: Mapping[str, Any] | None = None,
         strategy_options: Mapping[str, Any] | None = None,
         capacity_fractions: Mapping[str, float] | str | None = None,
+        capacities: str | dict[str, Any] | None = None,
         weighted_loss: bool = False,
         start: float = 0.0,
         end: float = 1.0,
@@ -208,6 +232,52 @@ class DataSelection(Algorithm):
             problems.append(f"validation.average_beta must be in [0, 1), got {beta!r}")
         elif beta > 0:
             problems += _average_beta_conflicts(beta, features or {})
+        target = validation_cfg.get("target", "mean")
+        if target not in VALIDATION_TARGETS:
+            problems.append(f"validation.target must be one of {list(VALIDATION_TARGETS)}, got {target!r}")
+        stratify = validation_cfg.get("stratify", False)
+        if not isinstance(stratify, bool):
+            problems.append(f"validation.stratify must be true or false, got {stratify!r}")
+        elif stratify and validation_cfg.get("batches") is not None:
+            problems.append(
+                "validation.stratify draws from validation shards; with given batches the draw is yours: remove "
+                "validation.stratify or give validation.shard_dir"
+            )
+        guided = strategy in known and strategy != "none" and get_strategy(strategy).needs_validation
+        if strategy in known and not guided and (target != "mean" or stratify is True):
+            problems.append(
+                f"validation.target {target!r} / validation.stratify {stratify!r} would be ignored: strategy "
+                f"{strategy!r} draws no validation batch; remove them or use a validation-guided strategy"
+            )
+        policy = None
+        if capacities is not None and capacity_fractions:
+            problems.append(
+                "capacities and capacity_fractions both given; capacity_fractions is the older spelling of "
+                "capacities: {policy: fractions, weights: ...} (or capacities: uniform): keep one"
+            )
+        else:
+            try:
+                from composer_algos.capacity_policy import parse_capacity_policy
+
+                policy = parse_capacity_policy(capacities, where="capacities")
+            except (ValueError, FileNotFoundError) as e:
+                problems.append(str(e))
+        if policy is not None and capacities is not None and policy.name != "proportional" and strategy in known:
+            from composer_algos.selection import STRATEGIES
+
+            uses = strategy != "none" and get_strategy(strategy).uses_capacities
+            if not uses:
+                honour = [name for name, spec in STRATEGIES.items() if spec.uses_capacities]
+                what = "trains on the whole pool" if strategy == "none" else "does not use per-domain capacities"
+                problems.append(
+                    f"capacities {policy.describe()!r} would be ignored: strategy {strategy!r} {what} (only "
+                    f"{', '.join(honour)} honour them): remove capacities or choose one of those strategies"
+                )
+            elif policy.name == "adaptive" and strategy not in ADAPTIVE_STRATEGIES:
+                problems.append(
+                    f"capacities adaptive updates each domain's budget from the refit weights of the selection, which "
+                    f"strategy {strategy!r} does not have; use one of {list(ADAPTIVE_STRATEGIES)}"
+                )
         if capacity_fractions and strategy in known:
             from composer_algos.selection import STRATEGIES
 
@@ -248,6 +318,14 @@ class DataSelection(Algorithm):
         self.capacity_fractions: dict[str, float] | str | None = (
             capacity_fractions if isinstance(capacity_fractions, str) else dict(capacity_fractions or {}) or None
         )
+        if self.capacity_fractions is not None:
+            from composer_algos.capacity_policy import FractionsPolicy
+
+            policy = FractionsPolicy(weights=self.capacity_fractions, source="algorithms.data_selection.capacity_fractions")
+        assert policy is not None
+        self.capacity_policy = policy
+        self.validation_target = target
+        self._trained_domains: list[str] | None = None  # the names the training dataset streams, once known
         self.weighted_loss = weighted_loss
         self.start, self.end, self.interval = start, end, interval
         self.between = between
@@ -269,6 +347,9 @@ class DataSelection(Algorithm):
         # under global scope, after the running average), and whether it is the same on every rank.
         self._stale_gbar: torch.Tensor | None = None
         self._stale_gbar_shared = True
+        # This step's validation rows (V, D) and their domain ids (V,), when `_needs_validation_rows`.
+        self._val_rows_VD: torch.Tensor | None = None
+        self._val_domain_V: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ Composer hooks
     def match(self, event: Event, state: State) -> bool:
@@ -291,6 +372,9 @@ class DataSelection(Algorithm):
         # Composer writes rank 0's state: a per-rank feature (local scope, several ranks) is left out.
         keep = self._stale_gbar is not None and self._stale_gbar_shared
         sd["stale_gbar"] = self._stale_gbar.detach().cpu() if keep else None  # type: ignore[union-attr]
+        if self.capacity_policy.stateful:
+            # The same on every rank under global scope (see AdaptivePolicy); local scope on several ranks is rejected.
+            sd["capacity_policy"] = {"name": self.capacity_policy.name, **self.capacity_policy.state_dict()}
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -301,6 +385,14 @@ class DataSelection(Algorithm):
         if self.extractor is not None and self._extractor_state is not None:
             self.extractor.load_state_dict(self._extractor_state)
         self._stale_gbar = state.get("stale_gbar")
+        saved = state.get("capacity_policy")
+        if saved is not None and self.capacity_policy.stateful:
+            if saved.get("name") != self.capacity_policy.name:
+                raise ValueError(
+                    f"algorithms.data_selection.capacities: the checkpoint holds the state of capacity policy "
+                    f"{saved.get('name')!r}, the run configures {self.capacity_policy.name!r}"
+                )
+            self.capacity_policy.load_state_dict(saved)
 
     @property
     def num_domains(self) -> int:
@@ -318,6 +410,12 @@ class DataSelection(Algorithm):
                 f"algorithms.data_selection.validation.average_beta {self.val_average.beta} needs scope global or "
                 "auto on more than one rank (with scope local each rank would average its own validation "
                 "feature and only rank 0's average would be checkpointed); set average_beta: 0 or scope: auto"
+            )
+        if self.capacity_policy.stateful and self.scope == "local" and dist.get_world_size() > 1:
+            raise ValueError(
+                f"algorithms.data_selection.capacities {self.capacity_policy.name} keeps a per-domain state across steps, "
+                "which needs scope global or auto on more than one rank (with scope local every rank would follow its "
+                "own pool and only rank 0's state would be checkpointed); set scope: auto"
             )
         cfg = self.validation_cfg
         if self.spec.needs_validation and ("shard_dir" in cfg or "batches" in cfg):
@@ -340,11 +438,15 @@ class DataSelection(Algorithm):
                 "dataloader or list of batches, or {shard_dir: ...} (algorithms.data_selection.validation.shard_dir; "
                 "default: the training dataset's shards when it is a DomainStreamingDataset)"
             )
+        domains = cfg.get("domains")
+        if domains is None and state is not None:
+            domains = self._default_validation_domains(state, shard_dir)
         try:
             self.validation = ValidationSource(
                 shard_dir=str(shard_dir),
                 split=cfg.get("split", "val"),
-                domains=cfg.get("domains"),
+                domains=domains,
+                stratify=bool(cfg.get("stratify", False)),
                 batch_size=int(cfg.get("batch_size", 4)),
                 remote=remote,
                 guide_fraction=float(cfg.get("guide_fraction", 0.5)),
@@ -356,9 +458,26 @@ class DataSelection(Algorithm):
         if self.domain_names is None:
             self.domain_names = list(self.validation.dataset.domain_names)
 
+    def _default_validation_domains(self, state: State, shard_dir: Any) -> list[str] | None:
+        """The trained domains, when the validation shards are the training dataset's (else None: every domain).
+
+        A run restricted to some domains (`train_loader.dataset.domains`) is then guided by those, not by
+        domains it neither trains nor evaluates. Validation shards elsewhere (a target set) keep all theirs.
+        """
+        dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
+        trained = _trained_domain_names(dataset)
+        train_dir = getattr(dataset, "shard_dir", None)
+        if trained is None or train_dir is None:
+            return None
+        same = os.path.realpath(os.fspath(train_dir)) == os.path.realpath(os.fspath(shard_dir))
+        return trained if same else None
+
     def _prepare(self, state: State, n: int, domain_N: torch.Tensor) -> None:
         """Settle what the first batch tells: kappa, the validation source, the domain names."""
         if self.kappa is None:
+            dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
+            self._trained_domains = _trained_domain_names(dataset)
+            self._restrict_validation(state)
             self.kappa = self._resolve_kappa(state, n)
         if self.domain_names is None:
             dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
@@ -380,20 +499,28 @@ class DataSelection(Algorithm):
             self.domain_names += [f"domain_{i}" for i in range(len(self.domain_names), top)]
         self._resolve_fractions()
 
-    def _resolve_fractions(self) -> None:
-        """The capacity shares by domain id, resolved again whenever the number of domains changes."""
-        if self.capacity_fractions is not None and self._fractions_for != self.num_domains:
-            from pipeline.dataset import resolve_domain_weights
+    def _restrict_validation(self, state: State) -> None:
+        """At the first batch: rebuild validation shards built at INIT when they draw untrained domains."""
+        if not isinstance(self.validation, ValidationSource) or self.validation_cfg.get("domains") is not None:
+            return
+        wanted = self._default_validation_domains(state, self.validation.dataset.shard_dir)
+        names = self.validation.dataset.domain_names
+        drawn = {names[i] for i in self.validation.domain_ids}
+        if wanted is not None and not drawn <= set(wanted):
+            log.info("data_selection: validation restricted to the trained domains %s (was %s)", wanted, sorted(drawn))
+            self._build_validation(state)
 
-            shares = self.capacity_fractions
-            if shares == "uniform":
-                shares = dict.fromkeys(self.domain_names or [], 1.0)
-            # Missing domains get 0 (with a warning); the rest is normalised to sum to 1.
-            weights = resolve_domain_weights(
-                shares, self.domain_names, source="algorithms.data_selection.capacity_fractions"
-            )
-            self._fractions = [weights[name] for name in self.domain_names or []]
+    def _resolve_fractions(self) -> None:
+        """Bind the capacity policy to the domain names, again whenever the number of domains changes."""
+        if self._fractions_for != self.num_domains and self.domain_names:
+            # Fractions: missing domains get 0 (with a warning); the rest is normalised to sum to 1.
+            self.capacity_policy.bind(self.domain_names, self._trained_domains)
+            self._fractions = self.capacity_policy.fractions() if self.capacity_policy.simple() else None
             self._fractions_for = self.num_domains
+
+    def _capacity_fn(self):
+        """What `solve_problem` calls for capacities: None for `compute_capacities` with `_fractions`."""
+        return None if self.capacity_policy.simple() else self.capacity_policy.capacities
 
     def _resolve_kappa(self, state: State, n: int) -> int:
         """kappa per rank = round(pool / oversampling), the pool being the loader's batch size (else this batch's)."""
@@ -450,10 +577,13 @@ class DataSelection(Algorithm):
         # Stage 1: assemble the problem (this rank's pool, or every rank's under global scope).
         t0 = time.perf_counter()
         feats_ND, gbar_D, fallback = None, None, None  # fallback: why this step selects at random
+        self._val_rows_VD, self._val_domain_V = None, None
         if needs_features:
             feats_ND, gbar_D, fallback = self._features(
                 state, batch, step, defer_commits=multi, validation=not stale
             )
+        # The validation rows one by one (and their domains), for the targets and strategies that read them.
+        rows_needed = not stale and strategy == self.strategy and self._needs_validation_rows()
         t_feat = _sync_time(t0)
         t1 = time.perf_counter()
         problem = assemble_problem(
@@ -466,6 +596,9 @@ class DataSelection(Algorithm):
             n_val=self.validation.last_batch_size if self.validation is not None else 1,
             fallback=fallback,
             average_gbar=None if stale else self.val_average.update,
+            val_rows_VD=self._val_rows_VD if rows_needed else None,
+            val_domain_V=self._val_domain_V if rows_needed else None,
+            balance_domains=rows_needed and self.validation_target == "domain_balanced",
         )
         t_gather = time.perf_counter() - t1 if multi else 0.0
         if multi and problem.domain_P.numel():
@@ -500,7 +633,9 @@ class DataSelection(Algorithm):
                 num_domains=self.num_domains,
                 options=options,
                 fractions=self._fractions,
+                capacity_fn=self._capacity_fn(),
             )
+        adaptive_metrics = self._update_adaptive(problem, outcome, eta) if rows_needed else {}
         t_solve = _sync_time(t2)
 
         # Stage 3: redistribute (subset locally, or rebalance the global picks across ranks).
@@ -530,6 +665,7 @@ class DataSelection(Algorithm):
         if needs_features and self.extractor is not None and self.extractor.preconditioned_fraction is not None:
             # The normalisation in use: the share of target layers Adam-normalised this step.
             metrics["selection/normalization_preconditioned_fraction"] = self.extractor.preconditioned_fraction
+        metrics.update(adaptive_metrics)
         record_step(
             logger,
             method=self.strategy,
@@ -537,7 +673,49 @@ class DataSelection(Algorithm):
             pool_counts_C=pool_C,
             metrics=metrics,
             pool_sample_ids_N=pool_ids,
+            capacities_C=outcome.capacities,
+            capacities_shared=problem.gathered,
         )
+
+    def _needs_validation_rows(self) -> bool:
+        """Whether a selecting step keeps the validation rows (not only their mean)."""
+        spec = self.spec
+        if spec is None or not spec.needs_validation:
+            return False
+        return bool(
+            spec.needs_validation_rows or self.validation_target == "domain_balanced" or self.capacity_policy.stateful
+        )
+
+    def _update_adaptive(self, problem: Any, outcome: Any, eta: float) -> dict[str, float]:
+        """Fold the step's per-domain utilities into the adaptive capacities' state (the same on every rank)."""
+        from composer_algos.capacity_policy import AdaptivePolicy, per_domain_utilities
+
+        policy = self.capacity_policy
+        result = outcome.result
+        if (
+            not isinstance(policy, AdaptivePolicy)
+            or outcome.fallback is not None
+            or result.weights is None
+            or problem.features_PD is None
+            or problem.val_rows_VD is None
+        ):
+            return {}
+        # The refit weights in the scale-free variable v = eta w (reported as v already at eta = 0).
+        scale_free = bool(result.info.get("scale_free", False)) or eta <= 0
+        v_K = result.weights.double() * (1.0 if scale_free else eta)
+        utilities_C, observed_C = per_domain_utilities(
+            problem.features_PD, result.indices, v_K, problem.val_rows_VD, problem.val_domain_V, self.num_domains, eta
+        )
+        if problem.gathered:
+            # Rank 0's utilities on every rank, so the states stay identical whatever the kernels' last bits.
+            dist.broadcast(utilities_C, src=0)
+        policy.update(utilities_C, observed_C)
+        names = self.domain_names or []
+        out = {}
+        for c, name in enumerate(names):
+            out[f"selection/adaptive_gain/{name}"] = float(policy.gain_C[c])
+            out[f"selection/adaptive_utility/{name}"] = float(policy.prev_C[c])
+        return out
 
     def _settle_simulated_adam(self, multi: bool, *, failed: bool) -> None:
         """Under global scope, advance the simulated-Adam filter with every rank's pool (or with none).
@@ -579,11 +757,14 @@ class DataSelection(Algorithm):
         device = next(p.device for p in state.model.parameters())
         pool = model_inputs(batch, device)
         val = None
+        val_domain_V = None
         if validation and self.spec is not None and self.spec.needs_validation:
             if self.validation is None:
                 self._build_validation(state)
             assert self.validation is not None
-            val = model_inputs(self.validation.batch_for_step(step), device)
+            val_batch = self.validation.batch_for_step(step)
+            val = model_inputs(val_batch, device)
+            val_domain_V = self._validation_domain_ids(val_batch)
         precision = getattr(state, "precision", None)
         context = None
         if precision is not None:
@@ -603,9 +784,28 @@ class DataSelection(Algorithm):
                 auto_chunk_size=self._auto_chunk_size(state),
                 row_offset=dist.get_global_rank() * int(pool["input_ids"].shape[0]),
             )
+            rows = self.extractor.val_features_in_use
+            if rows is not None and val_domain_V is not None:
+                self._val_rows_VD, self._val_domain_V = rows.float(), val_domain_V.to(rows.device)
             return feats, gbar, None
         except FeatureError as e:
             return None, None, f"unusable gradient features ({e})"
+
+    def _validation_domain_ids(self, val_batch: Mapping[str, Any]) -> torch.Tensor | None:
+        """The validation batch's per-example domain ids (zeros when the batch has none and none are needed)."""
+        if not self._needs_validation_rows():
+            return None
+        ids = val_batch.get(self.domain_key, val_batch.get("domain_id"))
+        n = int(val_batch["input_ids"].shape[0])
+        if isinstance(ids, torch.Tensor) and ids.shape == (n,):
+            return ids.long()
+        if self.validation_target == "domain_balanced" or self.capacity_policy.stateful:
+            raise TypeError(
+                f"algorithms.data_selection: validation.target {self.validation_target!r} / capacities "
+                f"{self.capacity_policy.name!r} need each validation example's domain: the validation batches need "
+                f"a ({n},) domain id tensor under {self.domain_key!r} (the validation shards' collator writes it)"
+            )
+        return torch.zeros(n, dtype=torch.long)
 
     def _auto_chunk_size(self, state: State) -> int | None:
         """What `chunk_size: auto` scores per forward: the run's device microbatch, at most kappa.
@@ -656,12 +856,16 @@ class DataSelection(Algorithm):
         # The same generator stream as a selecting step's capacities (solve_problem's _run_strategy).
         gen = torch.Generator().manual_seed(seed)
         counts_C = torch.bincount(problem.domain_P, minlength=self.num_domains)
-        caps_C = compute_capacities(counts_C, problem.kappa, self._fractions, generator=gen)
+        capacity_fn = self._capacity_fn()
+        if capacity_fn is not None:
+            caps_C = capacity_fn(counts_C, min(problem.kappa, int(problem.domain_P.shape[0])), gen)
+        else:
+            caps_C = compute_capacities(counts_C, problem.kappa, self._fractions, generator=gen)
         sel_K = top_k_within_capacities(scores_P, problem.domain_P, caps_C.to(problem.domain_P.device), problem.kappa)
         result = finish_result(sel_K, problem.domain_P, self.num_domains)
         if problem.gathered:
             result = broadcast_selection(result, problem.domain_P, self.num_domains)
-        return SolveOutcome(result, "stale_topk", None)
+        return SolveOutcome(result, "stale_topk", None, caps_C)
 
     def _check_same_problem(self, problem: Any) -> None:
         """Verify (one all-gather of a digest) that every rank assembled the same gathered problem.
@@ -725,6 +929,14 @@ def top_k_within_capacities(
     # Among the keepable examples, the k best (the scan stops at k).
     order_N = torch.sort(torch.where(keep_N, -scores_N, torch.full_like(scores_N, float("inf"))), stable=True).indices
     return order_N[: min(k, int(keep_N.sum()))]
+
+
+def _trained_domain_names(dataset: Any) -> list[str] | None:
+    """The domains a `DomainStreamingDataset` streams (manifest order), or None for another dataset."""
+    ids, names = getattr(dataset, "stream_domain_ids", None), getattr(dataset, "domain_names", None)
+    if ids is None or names is None:
+        return None
+    return [names[i] for i in sorted(set(int(i) for i in ids))]
 
 
 def _average_beta_conflicts(beta: float, features: Mapping[str, Any]) -> list[str]:

@@ -51,6 +51,9 @@ class SelectionProblem:
         fallback: why this step selects at random within capacities, or None.
         owner_P, local_P: global scope only: the rank holding each candidate and its row there.
         world: W when gathered, else 1.
+        val_rows_VD, val_domain_V: the validation rows' features and domain ids (gathered from every
+            rank under global scope), when the step needs them (a domain-balanced target, the
+            adaptive capacities, facloc, uniprot); else None.
     """
 
     domain_P: torch.Tensor
@@ -61,6 +64,8 @@ class SelectionProblem:
     owner_P: torch.Tensor | None = None
     local_P: torch.Tensor | None = None
     world: int = 1
+    val_rows_VD: torch.Tensor | None = None
+    val_domain_V: torch.Tensor | None = None
 
     @property
     def gathered(self) -> bool:
@@ -74,6 +79,7 @@ class SolveOutcome:
     result: Any  # composer_algos.selection.SelectionResult
     strategy: str
     fallback: str | None
+    capacities: torch.Tensor | None = None  # (C,) the capacities the strategy ran with, or None
 
 
 def assemble_problem(
@@ -87,6 +93,10 @@ def assemble_problem(
     n_val: int = 1,
     fallback: str | None = None,
     average_gbar: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    val_rows_VD: torch.Tensor | None = None,
+    val_domain_V: torch.Tensor | None = None,
+    balance_domains: bool = False,
+    num_domains: int | None = None,
 ) -> SelectionProblem:
     """Build the selection problem of this step, from this rank's pool or, with `gather`, from every rank's.
 
@@ -107,6 +117,12 @@ def assemble_problem(
         fallback: this rank's reason to fall back, or None.
         average_gbar: applied to the (gathered) validation feature, e.g. `ValidationAverage.update`;
             under `gather` every rank applies it to the same vector, so all hold one state.
+        val_rows_VD, val_domain_V: this rank's validation rows and their domain ids, kept in the
+            problem (all-gathered under `gather`, in rank order) when given.
+        balance_domains: replace the validation feature by the domain-balanced mean of the
+            (gathered) rows (`capacity_policy.domain_balanced_mean`: every domain present weighted
+            equally), before `average_gbar`; needs the rows.
+        num_domains: C, for `balance_domains` (default: from the rows' ids).
 
     Returns:
         The `SelectionProblem`; its features and gbar are None when the step falls back.
@@ -134,13 +150,22 @@ def assemble_problem(
             if fallback is None:
                 assert features_ND is not None
                 feats_PD = gather_rows(features_ND, n_max)[valid_P]
-                if gbar_D is not None:
+                if val_rows_VD is not None and val_domain_V is not None:
+                    val_rows_VD, val_domain_V = _gather_validation_rows(val_rows_VD, val_domain_V, device)
+                if gbar_D is not None and not (balance_domains and val_rows_VD is not None):
                     # One gather of (n_val * gbar, n_val): the mean over every rank's validation examples.
                     packed = torch.cat([gbar_D * float(n_val), gbar_D.new_tensor([float(n_val)])])
                     summed = torch.stack(dist.all_gather(packed)).sum(0)
                     gbar_D = summed[:-1] / summed[-1]
         kappa = min(kappa_rank, int(sizes_W.sum()) // world) * world
         problem = SelectionProblem(domain_P, kappa, feats_PD, gbar_D, fallback, owner_P, local_P, world)
+    if problem.fallback is None and val_rows_VD is not None and val_domain_V is not None:
+        problem.val_rows_VD, problem.val_domain_V = val_rows_VD, val_domain_V.to(val_rows_VD.device)
+        if balance_domains and problem.gbar_D is not None:
+            from composer_algos.capacity_policy import domain_balanced_mean
+
+            balanced = domain_balanced_mean(val_rows_VD, problem.val_domain_V, num_domains)
+            problem.gbar_D = balanced.to(problem.gbar_D.dtype)
     if problem.fallback is not None:
         problem.features_PD, problem.gbar_D = None, None
     elif problem.gbar_D is not None and average_gbar is not None:
@@ -157,6 +182,7 @@ def solve_problem(
     num_domains: int,
     options: Mapping[str, Any] | None = None,
     fractions: list[float] | None = None,
+    capacity_fn: Callable[[torch.Tensor, int, torch.Generator], torch.Tensor] | None = None,
 ) -> SolveOutcome:
     """Run `strategy` on the problem; fall back to random selection within capacities when it breaks.
 
@@ -175,6 +201,8 @@ def solve_problem(
         num_domains: C.
         options: the strategy's own options (dropped when falling back).
         fractions: fixed per-domain shares of the budget (default: proportional to the pool).
+        capacity_fn: instead of `fractions`, the capacity policy: `(pool_counts_C, k, generator) ->
+            capacities_C` (`CapacityPolicy.capacities`; with `slack`, upper bounds summing above k).
 
     Returns:
         A `SolveOutcome` (result, the strategy that produced it, the fallback reason or None).
@@ -187,9 +215,8 @@ def solve_problem(
     spec = get_strategy(strategy)  # a built-in or one another package adds (entry points)
     features = problem.features_PD if spec.needs_features else None
     gbar = problem.gbar_D if spec.needs_validation else None
-    result, error = _run_strategy(
-        spec, strategy, problem, features, gbar, num_domains, eta, seed, options, fractions
-    )
+    gen, caps_C = _step_generator(spec, problem, num_domains, seed, fractions, capacity_fn)
+    result, error = _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, gen, options, caps_C)
     if problem.gathered and spec.needs_features:
         # Ranks solve the same problem; still, a failure on one must not leave the others diverged.
         flag = torch.tensor([0 if error is None else 1], device=problem.domain_P.device)
@@ -199,12 +226,11 @@ def solve_problem(
     if error is not None:
         fallback, strategy = error, FALLBACK_STRATEGY
         spec = get_strategy(strategy)
-        result, _ = _run_strategy(
-            spec, strategy, problem, None, None, num_domains, eta, seed, None, fractions
-        )
+        gen, caps_C = _step_generator(spec, problem, num_domains, seed, fractions, capacity_fn)
+        result, _ = _run_strategy(spec, strategy, problem, None, None, num_domains, eta, gen, None, caps_C)
     if problem.gathered:
         result = broadcast_selection(result, problem.domain_P, num_domains)
-    return SolveOutcome(result, strategy, fallback)
+    return SolveOutcome(result, strategy, fallback, caps_C)
 
 
 def broadcast_selection(result: Any, domain_P: torch.Tensor, num_domains: int) -> Any:
@@ -403,6 +429,8 @@ def record_step(
     pool_counts_C: torch.Tensor,
     metrics: Mapping[str, float] | None = None,
     pool_sample_ids_N: torch.Tensor | None = None,
+    capacities_C: torch.Tensor | None = None,
+    capacities_shared: bool = False,
 ) -> None:
     """Log the step through Composer's logger: numbers as metrics, the rest as traces.
 
@@ -411,8 +439,11 @@ def record_step(
     strategy), `selection/strategy` (the one that ran this step: `random` outside the selection
     window, `random_stratified` after a fallback), `selection/pool_counts` ((C,) this rank's pool
     per domain) and `selection/pool_sample_ids` ((N,) the pool's dataset indices, when the batch
-    has `sample_id`). `MixtureMonitor` turns them into `data/pool/*`, `selection_log.csv` and
-    `selected_ids.jsonl`.
+    has `sample_id`). With `capacities_C` (the step's per-domain capacities, or with `slack` upper
+    bounds): `selection/capacities` and `selection/capacities_shared` (true under global scope,
+    where they are those of the gathered problem, the same on every rank; false when each rank has
+    its own). `MixtureMonitor` turns them into `data/pool/*`, `data/capacity/*`,
+    `data/capacity_used/*`, `selection_log.csv`, `capacity_steps.csv` and `selected_ids.jsonl`.
     """
     if metrics:
         logger.log_metrics(dict(metrics))
@@ -423,6 +454,9 @@ def record_step(
     }
     if pool_sample_ids_N is not None:
         traces["selection/pool_sample_ids"] = pool_sample_ids_N.detach().cpu()
+    if capacities_C is not None:
+        traces["selection/capacities"] = capacities_C.detach().cpu()
+        traces["selection/capacities_shared"] = bool(capacities_shared)
     logger.log_traces(traces)
 
 
@@ -439,15 +473,42 @@ def subset_batch(batch: Mapping[str, Any], idx: torch.Tensor, n: int) -> dict[st
     return out
 
 
-def _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, seed, options, fractions):
-    """`(result, None)`, or `(None, reason)` when the problem is numerically broken."""
-    from composer_algos.selection import SelectionNumericsError, compute_capacities
+def _gather_validation_rows(
+    rows_VD: torch.Tensor, domain_V: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's validation rows and domain ids, in rank order (the ranks' batches may differ in size)."""
+    n_val = int(rows_VD.shape[0])
+    sizes_W = torch.cat(dist.all_gather(torch.tensor([n_val], device=device)))
+    v_max = int(sizes_W.max())
+    valid = (torch.arange(v_max, device=device)[None, :] < sizes_W[:, None]).flatten()
+    rows = gather_rows(rows_VD.to(device), v_max)[valid]
+    domains = gather_rows(domain_V.to(device=device, dtype=torch.long), v_max)[valid]
+    return rows, domains
+
+
+def _step_generator(spec, problem, num_domains, seed, fractions, capacity_fn):
+    """The step's generator and, for a strategy that uses them, the (C,) capacities drawn from it first.
+
+    The capacities are the policy's `capacity_fn`, else `compute_capacities` with `fractions`.
+    """
+    from composer_algos.selection import compute_capacities
 
     gen = torch.Generator().manual_seed(seed)
-    capacities = None
-    if spec.uses_capacities:
-        counts_C = torch.bincount(problem.domain_P, minlength=num_domains)
-        capacities = compute_capacities(counts_C, problem.kappa, fractions, generator=gen)
+    if not spec.uses_capacities:
+        return gen, None
+    counts_C = torch.bincount(problem.domain_P, minlength=num_domains)
+    if capacity_fn is not None:
+        return gen, capacity_fn(counts_C, min(problem.kappa, int(problem.domain_P.shape[0])), gen)
+    return gen, compute_capacities(counts_C, problem.kappa, fractions, generator=gen)
+
+
+def _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, gen, options, capacities):
+    """`(result, None)`, or `(None, reason)` when the problem is numerically broken."""
+    from composer_algos.selection import SelectionNumericsError
+
+    extra: dict[str, Any] = {}
+    if getattr(spec, "needs_validation_rows", False):
+        extra["val_rows"] = problem.val_rows_VD if features is not None else None
     try:
         result = spec.fn(
             features=features,
@@ -458,6 +519,7 @@ def _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, see
             eta=eta,
             generator=gen,
             capacities=capacities,
+            **extra,
             **dict(options or {}),
         )
     except (SelectionNumericsError, torch.linalg.LinAlgError) as e:

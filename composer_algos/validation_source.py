@@ -32,6 +32,13 @@ class ValidationSource:
     `guide_fraction` of it); the per-domain evaluators and `tools/evaluate.py ppl` read the rest,
     so no evaluated example ever guides a selection.
 
+    With `stratify`, every domain has its own cycle of permutations (seeded by seed, rank, epoch
+    and the domain) and each step takes `batch_size // C` examples from every one of the C domains
+    with guide examples, plus one more from `batch_size % C` domains in rotation (the window
+    advances by that many domains per step and is offset by the rank, so ranks cover different
+    domains): at least one example per domain per step when `batch_size >= C`, every domain every
+    `ceil(C / batch_size)` steps otherwise. Still a pure function of (seed, rank, step).
+
     Args:
         shard_dir: Shard directory (the output of `tools/shard.py`).
         split: Which split to draw from (default `val`).
@@ -44,6 +51,8 @@ class ValidationSource:
         remote: Optional remote root of the shards.
         guide_fraction: Share of each domain's split to draw from (default 0.5; 1 draws from
             all of it, leaving nothing held out for evaluation).
+        stratify: Draw every domain each step (see above) instead of uniformly over the guide
+            examples of all domains (default False).
 
     Raises:
         ValueError: a batch size <= 0, a guide_fraction outside (0, 1], or an empty guide part.
@@ -62,6 +71,7 @@ class ValidationSource:
         max_seq_len: int | None = None,
         remote: str | None = None,
         guide_fraction: float = DEFAULT_GUIDE_FRACTION,
+        stratify: bool = False,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"validation.batch_size must be > 0, got {batch_size}")
@@ -81,6 +91,17 @@ class ValidationSource:
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
+        self.stratify = bool(stratify)
+        # Per domain with guide examples: its guide sample ids (the strata of a stratified draw).
+        self.strata: list[np.ndarray] = []
+        if self.stratify:
+            guide = np.zeros(int(self.dataset.num_samples), dtype=bool)
+            guide[self.sample_ids] = True
+            for s in range(len(self.dataset.stream_domain_ids)):
+                start, n = int(self.dataset.sample_offset_per_stream[s]), int(self.dataset.samples_per_stream[s])
+                ids = start + np.flatnonzero(guide[start : start + n])
+                if ids.size:
+                    self.strata.append(ids)
         manifest = self.dataset.manifest
         if pad_token_id is None:
             pad_token_id = manifest.pad_token_id if manifest.pad_token_id is not None else manifest.eos_token_id
@@ -95,8 +116,15 @@ class ValidationSource:
         """Examples in each drawn batch (the weight of this rank's validation feature across ranks)."""
         return self.batch_size
 
+    @property
+    def domain_ids(self) -> list[int]:
+        """The manifest ids of the domains this source draws from."""
+        return sorted(set(int(d) for d in self.dataset.stream_domain_ids))
+
     def indices_for_step(self, step: int) -> list[int]:
         """Global sample ids drawn at `step` (deterministic)."""
+        if self.stratify:
+            return self._stratified_indices(step)
         n = self.num_samples
         start = step * self.batch_size
         out: list[int] = []
@@ -110,6 +138,26 @@ class ValidationSource:
     def batch_for_step(self, step: int) -> dict[str, torch.Tensor]:
         """The collated validation batch for `step`."""
         return self.collate([self.dataset[i] for i in self.indices_for_step(step)])
+
+    def _stratified_indices(self, step: int) -> list[int]:
+        """`stratify`: `batch_size // C` from every domain, one more from `batch_size % C` of them in rotation."""
+        num = len(self.strata)
+        base, extra = divmod(self.batch_size, num)
+        slots = base + (1 if extra else 0)  # positions each domain reserves per step in its own cycle
+        start = ((step + self.rank) * extra) % num if extra else 0
+        out: list[int] = []
+        for j, ids in enumerate(self.strata):
+            count = base + (1 if extra and (j - start) % num < extra else 0)
+            n = int(ids.size)
+            first = step * slots
+            perm, perm_epoch = None, -1
+            for pos in range(first, first + count):
+                epoch, within = divmod(pos, n)
+                if epoch != perm_epoch:
+                    seed = mix_seed(self.seed, self.rank, epoch, 7919 + j)
+                    perm, perm_epoch = torch.randperm(n, generator=torch.Generator().manual_seed(seed)), epoch
+                out.append(int(ids[int(perm[within])]))
+        return out
 
 
 class BatchValidationSource:

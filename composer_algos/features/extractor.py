@@ -246,6 +246,8 @@ class GradFeatureExtractor:
         self.resample_projections = resample_projections
         self.score_tokens = score_tokens
         self.score_length_in_use: int | None = None  # longest pool sequence the last call scored
+        # (n_v, d) the last call's validation features row by row (gbar is their mean), or None.
+        self.val_features_in_use: torch.Tensor | None = None
         if score_tokens is not None:
             log.info("score_tokens=%d: pool examples are scored on their first %d target tokens", score_tokens, score_tokens)
         self.score_window = score_window
@@ -339,13 +341,14 @@ class GradFeatureExtractor:
                         pool_batch, device, step, pool_pre, bad_rows, accumulate=use_sim, chunk=chunk,
                         precision_context=precision_context, score_tokens=self.score_tokens,
                     )
-                    gbar_d = None
+                    gbar_d, self.val_features_in_use = None, None
                     if val_batch is not None:
                         V_nd = self._features(
                             val_batch, device, step, val_pre, bad_rows, accumulate=False, chunk=chunk,
                             precision_context=precision_context,
                         )
                         gbar_d = V_nd.mean(dim=0)
+                        self.val_features_in_use = V_nd
                 with record_function("features/check_host_sync"):
                     self._check(G_nd, gbar_d, bad_rows)
                 break

@@ -21,7 +21,7 @@ from tests.training.conftest import tiny_overrides
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 PINS = REPO_ROOT / "tests" / "training" / "data" / "selection_pins.json"
-STRATEGIES = ["partitionsel", "greats", "id", "iwd", "gradnorm", "colm", "random", "random_stratified"]
+STRATEGIES = ["partitionsel", "greats", "id", "iwd", "gradnorm", "colm", "facloc", "uniprot", "random", "random_stratified"]
 RECORD = os.environ.get("PARTITIONSEL_RECORD_PINS") == "1"
 
 
