@@ -271,3 +271,21 @@ def test_adaptive_state_and_balanced_target_are_the_same_on_both_ranks(dolma_sha
     gains = [k for k in r0 if k.startswith("selection/adaptive_gain/")]
     assert gains and all(r0[k] == r1[k] for k in gains)
     assert any(v != 0 for k in gains for v in r0[k].values())
+
+
+def test_guide_signal_tool_reports_every_draw_and_target(dolma_shards, tmp_path):
+    import guide_signal  # tools/guide_signal.py
+
+    overrides = [o for o in tiny_overrides(dolma_shards, tmp_path / "run") if o.startswith(("variables.", "model."))]
+    rc = guide_signal.main([
+        "--yaml", str(TINY), "--draws", "3", "--batch-size", "2", "--eval-per-domain", "2", "--out", str(tmp_path / "out"),
+        *overrides,
+    ])
+    assert rc == 0
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())["cosine"]
+    assert set(rows) == {"plain", "stratified"}
+    for row in rows.values():
+        for key in ("mean", "domain_balanced"):
+            assert -1.0 <= row[key]["mean"] <= 1.0 and row[key]["n"] == 3
+    # A stratified draw of 2 from 5 domains holds one row per domain: both targets are the same mean.
+    assert rows["stratified"]["balanced_minus_mean"]["mean"] == pytest.approx(0.0, abs=1e-6)
