@@ -25,7 +25,6 @@ from composer_algos.features.normalize import (
 )
 from composer_algos.features.projection import FJLTPlan, apply_fjlt, make_fjlt_plan
 from composer_algos.features.score_tokens import first_target_tokens, score_tokens_problem
-from composer_algos.features.windows import POOL_STREAM, VALIDATION_STREAM, score_window_problems, window_batch
 from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
 from composer_algos.features.targets import (
     TargetLayer,
@@ -34,6 +33,12 @@ from composer_algos.features.targets import (
     fsdp_param_shards,
     resolve_targets,
     unwrap_model,
+)
+from composer_algos.features.windows import (
+    POOL_STREAM,
+    VALIDATION_STREAM,
+    score_window_problems,
+    window_batch,
 )
 
 log = logging.getLogger(__name__)
