@@ -570,6 +570,7 @@ def standalone(trainer, algo: DataSelection, repeats: int) -> dict:
         solve_problem(
             problem, "partitionsel", eta=eta, seed=step, num_domains=algo.num_domains,
             options=algo.strategy_options.get("partitionsel"), fractions=algo._fractions,
+            capacity_fn=algo._capacity_fn(),
         )
 
     return _interleaved({"forward": forward, "features": features, "solve": solve}, repeats)

@@ -303,6 +303,7 @@ def run(
             outcome = solve_problem(
                 problem, strategy, eta=eta, seed=gen_seed, num_domains=algo.num_domains,
                 options=options if strategy == "partitionsel" else None, fractions=algo._fractions,
+                capacity_fn=algo._capacity_fn(),
             )
             return set(outcome.result.indices.tolist()), time.perf_counter() - t, outcome.fallback
 
