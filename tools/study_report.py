@@ -24,7 +24,7 @@ SECTIONS = (
 ABLATION_DEFAULTS = {"ablations": "main_scratch", "ablations_finetune": "main_finetune"}
 # Variants that change a setting on top of another variant, paired with that one as well: `valavg`
 # runs under `precondition: pool` (averaging is rejected with the study yaml's `both`), so its own
-# effect is its difference from `prec_pool` on the same pools.
+# effect is its difference from `prec_pool` on the same pools (and it is not paired with the default).
 VARIANT_BASES = {"ps_valavg": "ps_prec_pool"}
 
 
@@ -168,7 +168,9 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
             default = out / ABLATION_DEFAULTS.get(name, "") / "comparison.json"
             if name in ABLATION_DEFAULTS and default.exists():
                 main_runs = json.loads(default.read_text()).get("per_seed", {}).get("partitionsel", {})
-                table, verdicts = variants_against_default(per_seed, main_runs)
+                # A variant built on another differs from the default in two settings: paired with its base above.
+                alone = {k: v for k, v in per_seed.items() if k not in VARIANT_BASES}
+                table, verdicts = variants_against_default(alone, main_runs)
                 if table:
                     lines += [table, ""]
                     conclusions += [f"- {title}: {v}" for v in verdicts]

@@ -116,5 +116,11 @@ def test_a_variant_built_on_another_is_paired_with_it(tmp_path):
         "ps_valavg": {"1": {"average": 1.9}, "2": {"average": 2.2}},
     }
     (out / "ablations" / "comparison.json").write_text(json.dumps({"strategies": {}, "per_seed": per_seed}))
+    (out / "main_scratch").mkdir()
+    main = {"partitionsel": {"1": {"average": 2.0}, "2": {"average": 2.0}}}
+    (out / "main_scratch" / "comparison.json").write_text(json.dumps({"strategies": {}, "per_seed": main}))
     study_report.write_report(out, doc, steps=200, early=50)
-    assert "| ps_valavg - ps_prec_pool | 2 | +0.2000 [" in doc.read_text()
+    text = doc.read_text()
+    assert "| ps_valavg - ps_prec_pool | 2 | +0.2000 [" in text
+    # Two settings away from the default: not paired with it; its base is.
+    assert "ps_valavg - partitionsel" not in text and "| ps_prec_pool - partitionsel | 2 | -0.1500 [" in text
