@@ -157,7 +157,9 @@ class MixtureMonitor(LoggerDestination):
         flag = torch.tensor([1.0 if caps is not None else 0.0], dtype=torch.float64)
         both = torch.cat([trained_C, pool_C, caps_C, flag])
         if dist.get_world_size() > 1:
+            both = _on_comm_device(state, both)
             dist.all_reduce(both, reduce_operation="SUM")
+            both = both.cpu()
         trained_C, pool_C, caps_C = both[:C], both[C : 2 * C], both[2 * C : 3 * C]
         has_caps = int(both[3 * C]) == dist.get_world_size()
         mix_C = trained_C / trained_C.sum().clamp_min(1)
@@ -217,6 +219,12 @@ class MixtureMonitor(LoggerDestination):
             dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
             self.domain_names = list(getattr(dataset, "domain_names", None) or [])
         top = int(domain_N.max()) + 1 if domain_N.numel() else 0
+        if dist.get_world_size() > 1:
+            # Every rank must size the vectors it all-reduces alike: the largest id any rank saw (a rank
+            # whose batch lacked it would otherwise reduce a shorter vector, and the others wait).
+            top_t = _on_comm_device(state, torch.tensor([top], dtype=torch.int64))
+            dist.all_reduce(top_t, reduce_operation="MAX")
+            top = int(top_t.item())
         self.domain_names += [f"domain_{i}" for i in range(len(self.domain_names), top)]
         if len(self.sum_C) < len(self.domain_names):
             self.sum_C = _pad(self.sum_C, len(self.domain_names))
@@ -314,6 +322,12 @@ def attach_destination(destination: LoggerDestination, logger: Logger) -> None:
     """
     if destination not in logger.destinations:
         logger.destinations = (*logger.destinations, destination)
+
+
+def _on_comm_device(state: State, x: torch.Tensor) -> torch.Tensor:
+    """`x` on the device the process group communicates on (NCCL takes CUDA tensors only): the run's device."""
+    device = getattr(state, "device", None)
+    return device.tensor_to_device(x) if hasattr(device, "tensor_to_device") else x
 
 
 def _pad(x_C: torch.Tensor, size: int) -> torch.Tensor:
