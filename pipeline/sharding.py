@@ -115,6 +115,9 @@ class ShardOptions:
             and `val_count`; every domain they hold must also occur in the training inputs.
         seed: Seed of the validation split (default 0).
         workers: Tokenizer processes (default 1); each uses one thread. Output does not depend on it.
+        start_method: How worker processes start (`multiprocessing` start methods): None (default) for
+            forkserver, or spawn where there is none. "fork" is accepted for comparisons
+            (tools/bench_shard.py) but is unsafe in a process that runs threads (see `_pool_context`).
         on_error: "stop" (default: raise `ShardError` naming file:line) or "skip" (write the bad
             record to rejects.jsonl and go on).
         overwrite: Replace an existing output directory (only one that holds a manifest.json or is empty).
@@ -138,6 +141,7 @@ class ShardOptions:
     val_inputs: list[str | Path] | None = None
     seed: int = 0
     workers: int = 1
+    start_method: str | None = None
     on_error: str = "stop"
     overwrite: bool = False
     size_limit: int | str = "64mb"
@@ -167,6 +171,8 @@ class ShardOptions:
             problems.append(f"`val_count` must be an integer >= 1, got {self.val_count!r}")
         if not isinstance(self.workers, int) or self.workers < 1:
             problems.append(f"`workers` must be an integer >= 1, got {self.workers!r}")
+        if self.start_method is not None and self.start_method not in multiprocessing.get_all_start_methods():
+            problems.append(f"`start_method` must be None or one of {multiprocessing.get_all_start_methods()}, got {self.start_method!r}")
         if self.on_error not in ON_ERROR:
             problems.append(f"`on_error` must be one of {list(ON_ERROR)}, got {self.on_error!r}")
         if not isinstance(self.chunk_records, int) or self.chunk_records < 1:
@@ -426,8 +432,10 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_pool_worker(config: _WorkerConfig) -> None:
-    """`_init_worker` in a pool process, which leaves Ctrl-C to the main process (it stops the pool)."""
+    """`_init_worker` in a pool process, which leaves Ctrl-C to the main process (it stops the pool) and ends at
+    once on SIGTERM, whatever the parent ignored or handled (an error stops the pool with SIGTERM)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _init_worker(config)
 
 
@@ -546,9 +554,36 @@ def _run_chunks(files: list[InputFile], config: _WorkerConfig, options: ShardOpt
         for file_idx, chunk in chunks:
             yield file_idx, len(chunk[2]), _process_chunk(chunk)
         return
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(options.workers, initializer=_init_pool_worker, initargs=(config,)) as pool:
+    pool = _pool_context(options.start_method).Pool(options.workers, initializer=_init_pool_worker, initargs=(config,))
+    try:
         yield from _ordered_window(pool.apply_async, chunks, window=4 * options.workers)
+        # Every result is in: each worker takes a stop sentinel from the task queue and exits by itself. Not
+        # terminate() (what `with Pool()` does): it takes the task queue's read lock for good and then waits for
+        # every worker, and a worker that was not yet waiting for work and misses the SIGTERM (a Python handler
+        # tripped just before the worker blocks never runs) then waits for that lock forever (issue 20).
+        pool.close()
+        pool.join()
+    except BaseException:
+        pool.terminate()  # an error, Ctrl-C, or the consumer stopped early (GeneratorExit): stop the workers now
+        pool.join()
+        raise
+
+
+def _pool_context(method: str | None) -> multiprocessing.context.BaseContext:
+    """The workers' start method: `method`, else forkserver (spawn where there is none), not fork.
+
+    This process may run other threads (torch's, the tokenizer's, a test runner's): a forked worker gets a copy of
+    every lock they hold, held, with no thread to release it, and the parent's Python signal handlers. A
+    forkserver worker is forked from a single-threaded server process, started once per process with this module
+    imported; it rebuilds what it needs from `_WorkerConfig` (the tokenizer from its serialized form).
+    """
+    if method is None:
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # The main module (as the forkserver loads by default) and this one: a worker then imports nothing.
+        context.set_forkserver_preload(["__main__", __name__])  # type: ignore[attr-defined]
+    return context
 
 
 def _ordered_window(submit: Callable, chunks: Iterable[tuple[int, tuple]], window: int) -> Iterator[tuple[int, int, list[tuple]]]:
