@@ -48,10 +48,17 @@ def _start(corpus: Path, out: Path) -> subprocess.Popen:
         "32kb",
         "--no-progress",
     ]
-    # Its own process group: the signal reaches the workers too, as a terminal's Ctrl-C or a job killer's would.
-    return subprocess.Popen(
-        cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    # The run must take Ctrl-C as one started from a terminal does. A test run started in the background by a
+    # non-interactive shell has SIGINT ignored, and an ignored signal stays ignored across exec (Python then
+    # installs no KeyboardInterrupt handler): give the child the default disposition.
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        # Its own process group: the signal reaches the workers too, as a terminal's Ctrl-C or a job killer's would.
+        return subprocess.Popen(
+            cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, saved)
 
 
 def _communicate(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
