@@ -31,6 +31,7 @@ def _run(cmd: list[str]) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
+@pytest.mark.timeout(600)  # measured 102-115 s on the loaded 2-core machine (issue 20.3)
 @pytest.mark.parametrize("microbatch", [6, 3])
 def test_two_ranks_match_one_process(tmp_path, microbatch):
     single, double = tmp_path / "single.json", tmp_path / "double.json"
