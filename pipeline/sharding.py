@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
+import errno
 import hashlib
 import heapq
 import json
@@ -272,7 +273,8 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
         ValueError: On invalid options or inputs, or an existing output without `overwrite`.
         ShardError: On a bad record under `on_error="stop"`, an unreadable input file, an output
             with no records (empty inputs, every record rejected or filtered), or a domain found
-            only in `val_inputs`.
+            only in `val_inputs`, or a full disk (ENOSPC, EDQUOT: one line saying what was written; nothing
+            is kept, and an existing output is left as it was).
     """
     start = time.perf_counter()
     mode = options.mode or spec.default_mode
@@ -305,9 +307,11 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
     )
     # The pid in the name lets a later run tell a dead run's leftovers from a running one's.
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    existed = out.exists()
+    writer: _CorpusWriter | None = None
     saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
     try:
+        tmp.mkdir(parents=True)
         # One thread per worker (the in-process one included), so --workers N means N cores.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         writer = _CorpusWriter(tmp, mode, options, tokenizer.eos_token_id)
@@ -353,8 +357,10 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
         )
         write_manifest(manifest, tmp)
         _move_into_place(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            raise ShardError(_disk_full_message(exc, out, tmp, writer, existed)) from exc
         raise
     finally:
         if saved_env is None:
@@ -875,6 +881,22 @@ def _list_files(inputs: list[str | Path], val_inputs: list[str | Path] | None, a
     # One call, so that short names stay unambiguous across the two lists.
     files = list_input_files([*inputs, *val_inputs], allow_hub=allow_hub)
     return [dataclasses.replace(f, split="val") if f.hub_split is None and Path(f.path).resolve() in val_paths else f for f in files]
+
+
+_DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded"}
+
+
+def _disk_full_message(exc: OSError, out: Path, tmp: Path, writer: _CorpusWriter | None, existed: bool) -> str:
+    """One line: the output, what had been written when the disk filled, and that nothing of it was kept."""
+    shards = [s for state in writer.domains.values() for w in state.writers.values() for s in w.shards] if writer else []
+    size = sum((s["zip_data"] or s["raw_data"])["bytes"] for s in shards)
+    size_text = f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
+    kept = "; the existing output is left as it was" if existed else ""
+    return (
+        f"{_DISK_FULL[exc.errno]} while writing {out}: {len(shards)} shard files ({size_text}) had been written; "
+        f"nothing was kept (the partial output {tmp.name} was removed{kept}); free space on {out.parent} or write "
+        "elsewhere"
+    )
 
 
 def _check_written(spec: CorpusSpec, files: list[InputFile], inputs_info: list[InputInfo], domains: list[DomainInfo], writer: _CorpusWriter) -> None:

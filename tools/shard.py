@@ -31,7 +31,8 @@ max_seq_len sequences, the last one holding the remainder). finetune mode writes
 JSON Lines or a JSON array (told apart by the first character). The output is built in a
 temporary directory beside OUT (.OUT.tmp-<pid>-<random>) and moved into place only when complete;
 Ctrl-C removes it and exits with 130, and a later run into OUT removes one that a killed run left.
-An output with no records (empty inputs, every record rejected) is an error (exit 1).
+An output with no records (empty inputs, every record rejected) is an error (exit 1), and so is a full
+disk: one line says what had been written, and nothing is kept.
 """
 
 from __future__ import annotations
