@@ -171,8 +171,13 @@ def plan_steps(costs: Mapping[str, float], budget: ComputeBudget, labels: Sequen
     return plan
 
 
-def forward_flops_per_token(shape: Mapping[str, Any], seq_len: float) -> float:
-    """Forward FLOPs per token of a Llama-style model at sequence width `seq_len` (module docstring).
+def flops_per_token_parts(shape: Mapping[str, Any], seq_len: float) -> dict[str, float]:
+    """Forward FLOPs per token of a Llama-style model at sequence width `seq_len`, by part (the one definition).
+
+    `block`: one block, 2 x its weights (q, k, v, o, gate, up, down) plus the attention scores and
+    their product with V, 4 S h_attn, over the full S x S square (PaLM's appendix B convention);
+    `head`: the lm_head, 2 h V; `total`: L blocks and the head; `layers`: L. Embedding lookups,
+    norms and softmax are not counted. tools/bench_step.py and tools/window_cost.py use it too.
 
     Args:
         shape: `hidden_size`, `num_hidden_layers`, `intermediate_size`, `num_attention_heads`,
@@ -186,8 +191,14 @@ def forward_flops_per_token(shape: Mapping[str, Any], seq_len: float) -> float:
     d_head = int(shape.get("head_dim") or h // heads)
     attn_params = h * (heads + 2 * kv_heads) * d_head + heads * d_head * h  # q, k, v, o
     mlp_params = 3 * h * int(shape["intermediate_size"])  # gate, up, down
-    head_params = h * int(shape["vocab_size"])
-    return 2 * (layers * (attn_params + mlp_params) + head_params) + 4 * layers * seq_len * heads * d_head
+    block = 2.0 * (attn_params + mlp_params) + 4.0 * seq_len * heads * d_head
+    head = 2.0 * h * int(shape["vocab_size"])
+    return {"block": block, "head": head, "total": layers * block + head, "layers": float(layers)}
+
+
+def forward_flops_per_token(shape: Mapping[str, Any], seq_len: float) -> float:
+    """Forward FLOPs per token of a Llama-style model at sequence width `seq_len` (`flops_per_token_parts`)."""
+    return flops_per_token_parts(shape, seq_len)["total"]
 
 
 def scoring_forwards(shape: Mapping[str, Any], seq_len: float, last_n_blocks: int) -> float:

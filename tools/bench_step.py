@@ -117,15 +117,10 @@ def lm_head_flop_share(config: Mapping[str, Any], seq_len: int) -> float:
     Returns:
         2 h V / (2 h V + L (2 (P_attn + P_mlp) + 4 S h_attn)), in [0, 1].
     """
-    h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    d_head = int(config.get("head_dim") or h // heads)
-    attn_params = h * (heads + 2 * kv_heads) * d_head + heads * d_head * h  # q, k, v, o
-    mlp_params = 3 * h * int(config["intermediate_size"])  # gate, up, down
-    block_flops = 2 * (attn_params + mlp_params) + 4 * seq_len * heads * d_head
-    head_flops = 2 * h * int(config["vocab_size"])
-    return head_flops / (head_flops + layers * block_flops)
+    from composer_algos.compute_plan import flops_per_token_parts
+
+    parts = flops_per_token_parts(config, seq_len)
+    return parts["head"] / parts["total"]
 
 
 def scoring_flop_floor(share: float, num_blocks: int, pool: int, val: int, last_n_blocks: int = 1) -> float:

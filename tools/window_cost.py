@@ -46,20 +46,11 @@ WARMUP_STEPS = 2
 
 
 def flops_per_token(config: Mapping[str, Any], seq_len: int) -> dict[str, float]:
-    """Forward FLOPs per token of a Llama-style model at sequence length `seq_len`: `block` (one), `head`, `total`.
+    """Forward FLOPs per token at `seq_len` by part: `block` (one), `head`, `total` (composer_algos.compute_plan)."""
+    sys.path.insert(0, str(REPO))
+    from composer_algos.compute_plan import flops_per_token_parts
 
-    Same conventions as `bench_step.lm_head_flop_share` (weights 2 x params, attention 4 S h_attn over
-    the full square, embeddings/norms/softmax not counted).
-    """
-    h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    d_head = int(config.get("head_dim") or h // heads)
-    attn_params = h * (heads + 2 * kv_heads) * d_head + heads * d_head * h
-    mlp_params = 3 * h * int(config["intermediate_size"])
-    block = 2.0 * (attn_params + mlp_params) + 4.0 * seq_len * heads * d_head
-    head = 2.0 * h * int(config["vocab_size"])
-    return {"block": block, "head": head, "total": layers * block + head, "layers": float(layers)}
+    return flops_per_token_parts(config, seq_len)
 
 
 def window_step_floor(
