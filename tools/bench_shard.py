@@ -13,6 +13,23 @@ Prints tokens/s for each and the two ratios the project targets:
   2 workers / 1 worker throughput >= 1.6, and 1-worker total time / tokenizer-alone time <= 1.5.
 Best-of-repeats times are used for the ratios (the least disturbed measurement of each).
 Also prints, for information, the tokenizer with Rust multithreading on (all cores).
+
+With --start-methods (for example `--start-methods fork,forkserver --workers 2,8`) it instead compares how
+the worker processes start: each run is a fresh process (as a tools/shard.py run is, so that forkserver's
+server start is paid every time), with Streaming and transformers imported before the timed run (they cost
+the same under any method), the methods interleaved within each repeat. It prints the best and median wall
+time of `shard_corpus` (pool start included) per method and worker count, and each method's difference to
+the first. On the 2-core development machine, loaded by other jobs (load 7-10), 5 repeats:
+
+    scale  tokens   workers  fork best / median   forkserver best / median   forkserver - fork
+    0.05   33,534   2        0.28s / 0.33s        0.52s / 0.57s              +0.24s / +0.24s
+    0.05   33,534   8        0.69s / 1.33s        0.64s / 0.72s              -0.05s / -0.61s
+    1      681,552  2        2.30s / 3.65s        2.47s / 3.26s              +0.17s / -0.39s
+    1      681,552  8        2.59s / 4.43s        2.09s / 4.77s              -0.49s / +0.34s
+
+forkserver (sharding's default since issue 20) costs about 0.2 s at 2 workers, the start of its server
+process (a Python that imports pipeline.sharding); at 8 workers nothing measurable, as forking 8 workers from
+that small server is no dearer than forking a parent that has torch loaded.
 """
 
 from __future__ import annotations
@@ -23,6 +40,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +90,57 @@ def _time_shard(docs: Path, out: Path, workers: int, tokenizer: str, max_seq_len
     return wall, result.tokens_written, main_cpu, child_cpu
 
 
+# One run in a fresh process: argv = docs, out, workers, start method, tokenizer, max_seq_len; prints JSON.
+# Streaming (torch) and transformers are imported first, outside the timed run: their import takes seconds
+# whatever the start method, and only adds noise to the comparison.
+_FRESH_RUN = """
+import json, sys
+sys.path.insert(0, {root!r})
+import streaming, transformers
+from pipeline.corpora import make_corpus_spec
+from pipeline.sharding import ShardOptions, shard_corpus
+docs, out, workers, method, tokenizer, max_seq_len = sys.argv[1:]
+options = ShardOptions(out=out, tokenizer=tokenizer, max_seq_len=int(max_seq_len), workers=int(workers),
+                       start_method=method, progress=False, overwrite=True)
+result = shard_corpus(make_corpus_spec("dolma"), [docs], options)
+print(json.dumps({{"seconds": result.seconds, "tokens": result.tokens_written}}))
+"""
+
+
+def _time_fresh_process(docs: Path, out: Path, workers: int, method: str, tokenizer: str, max_seq_len: int) -> tuple[float, int]:
+    """`shard_corpus`'s wall seconds and tokens written, run in a new Python process with the given start method."""
+    code = _FRESH_RUN.format(root=str(Path(__file__).resolve().parents[1]))
+    args = [str(docs), str(out), str(workers), method, tokenizer, str(max_seq_len)]
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"shard run (workers {workers}, start method {method}) failed with exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return float(result["seconds"]), int(result["tokens"])
+
+
+def compare_start_methods(docs: Path, root: Path, methods: list[str], workers_list: list[int], repeats: int, tokenizer: str, max_seq_len: int) -> None:
+    """Print wall times per start method and worker count, each run a fresh process, the methods interleaved."""
+    wall: dict[tuple[int, str], list[float]] = {(w, m): [] for w in workers_list for m in methods}
+    tokens: dict[tuple[int, str], int] = {}
+    for r in range(repeats):
+        for workers in workers_list:
+            # Alternate the order between repeats, so that neither method always runs first.
+            for method in methods if r % 2 == 0 else methods[::-1]:
+                t, tokens[workers, method] = _time_fresh_process(docs, root / "out", workers, method, tokenizer, max_seq_len)
+                wall[workers, method].append(t)
+    print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} at the end; repeats: {repeats}; each run a fresh process")
+    print(f"{'workers':>7s}  {'method':11s} {'tokens':>9s} {'wall best':>9s} {'median':>7s} {'tokens/s':>10s}  vs {methods[0]} (best, median)")
+    for workers in workers_list:
+        base = wall[workers, methods[0]]
+        for method in methods:
+            times = wall[workers, method]
+            versus = "" if method == methods[0] else f"{min(times) - min(base):+.2f}s, {statistics.median(times) - statistics.median(base):+.2f}s"
+            print(
+                f"{workers:7d}  {method:11s} {tokens[workers, method]:9d} {min(times):8.2f}s {statistics.median(times):6.2f}s "
+                f"{tokens[workers, method] / min(times):10,.0f}  {versus}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Scale 4 (~2.7M tokens): each worker pays a fixed ~0.4 s to import and load the tokenizer, which
@@ -80,7 +149,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each measurement (default 3)")
     parser.add_argument("--tokenizer", default=DEMO_TOKENIZER, help="tokenizer (default: the demo tokenizer)")
     parser.add_argument("--max-seq-len", type=int, default=128)
+    parser.add_argument(
+        "--start-methods",
+        help="compare worker start methods instead, comma-separated (e.g. fork,forkserver; the first is the reference)",
+    )
+    parser.add_argument("--workers", default="2,8", help="with --start-methods: worker counts, comma-separated (default: 2,8)")
     args = parser.parse_args(argv)
+    if args.start_methods:
+        import multiprocessing
+
+        methods = args.start_methods.split(",")
+        unknown = [m for m in methods if m not in multiprocessing.get_all_start_methods()]
+        if unknown or len(methods) < 2:
+            parser.error(f"--start-methods needs two or more of {multiprocessing.get_all_start_methods()}, got {args.start_methods!r}")
+        try:
+            workers_list = [int(w) for w in args.workers.split(",")]
+        except ValueError:
+            workers_list = []
+        if not workers_list or min(workers_list) < 2:
+            parser.error(f"--workers must be integers >= 2 (a pool starts only then), got {args.workers!r}")
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            write_sample_corpus(root / "corpus", seed=0, scale=args.scale)
+            docs = root / "corpus" / "dolma" / "documents"
+            compare_start_methods(docs, root, methods, workers_list, args.repeats, args.tokenizer, args.max_seq_len)
+        return 0
 
     tok_key, w1, w2 = "tokenizer alone (1 thread)", "shard.py --workers 1", "shard.py --workers 2"
     wall: dict[str, list[float]] = {tok_key: [], w1: [], w2: []}
