@@ -38,6 +38,15 @@ on a t-token window run as its own sequence, composer_algos/features/windows.py)
     window<t>_random       a t-token window at a random position per row and step
     random, random_caps    as above
 
+Reference selections in both sets, from the full-cost features of the step (no features of their own):
+    eta0             PartitionSel solved with eta = 0 (pure gradient matching: mu = G gbar, no
+                     diagonal bonus)
+    gradnorm_caps    the largest ||g_i|| within the step's capacities (what the diagonal bonus
+                     (eta/2) ||g_i||^2 of mu alone would pick)
+and, per step, what drives mu = G gbar + (eta/2) diag(K) for the full-cost features: the median over
+the pool of (eta/2) ||g_i||^2 / |<g_i, gbar>| and of its share (eta/2) ||g_i||^2 / (|<g_i, gbar>| +
+(eta/2) ||g_i||^2).
+
 For the stale variants the Jaccard is over the between steps only (a selecting step is the full
 selection), and the cost is given per between step and amortised over an interval.
 
@@ -95,7 +104,10 @@ DESCRIPTIONS = {
     "stale_topk_i4": "`interval: 4, between: stale_topk` (between steps)",
     "random": "`between: random`: a uniform subset (floor)",
     "random_caps": "random within the step's capacities (chance level)",
+    "eta0": "full features, PartitionSel with eta = 0 (no diagonal bonus in mu)",
+    "gradnorm_caps": "full features, top ||g_i|| within the capacities",
 }
+REFERENCE_SELECTIONS = ("eta0", "gradnorm_caps")
 
 
 def window_variants(sizes: tuple[int, ...] = WINDOW_SIZES) -> dict[str, dict[str, Any]]:
@@ -124,6 +136,19 @@ def describe(name: str) -> str:
         t, pos = name.removeprefix("window").split("_")
         return f"`features.score_window: {t}`, `score_window_position: {pos}`"
     return name
+
+
+def mu_terms(features_ND, gbar_D, eta: float) -> dict[str, float]:
+    """What drives PartitionSel's `mu = G gbar + (eta/2) diag(K)`: the pool medians of
+    `(eta/2) ||g_i||^2 / |<g_i, gbar>|` and of the bonus's share `(eta/2) ||g_i||^2 / (|<g_i, gbar>| +
+    (eta/2) ||g_i||^2)` (above 1/2: the selection follows the gradient norms more than the guide)."""
+    align_N = (features_ND.double() @ gbar_D.double()).abs()
+    bonus_N = 0.5 * eta * (features_ND.double() ** 2).sum(dim=1)
+    return {
+        "eta": float(eta),
+        "bonus_over_alignment": float((bonus_N / align_N.clamp_min(1e-300)).median()),
+        "bonus_share": float((bonus_N / (bonus_N + align_N).clamp_min(1e-300)).median()),
+    }
 
 
 def jaccard(a: set[int], b: set[int]) -> float:
@@ -294,7 +319,7 @@ def run(
             )
             return G, gbar, time.perf_counter() - t
 
-        def solve(strategy: str, G=None, gbar=None):
+        def solve(strategy: str, G=None, gbar=None, eta=eta):
             t = time.perf_counter()
             problem = assemble_problem(
                 domain_N, kappa_rank=algo.kappa, gather=False, needs_features=G is not None, features_ND=G,
@@ -307,12 +332,16 @@ def run(
             )
             return set(outcome.result.indices.tolist()), time.perf_counter() - t, outcome.fallback
 
-        def stale(G, gbar_stale):
+        def top_within(scores_N):
+            """The top kappa by `scores_N` within the step's capacities (drawn as a selecting step draws them)."""
             t = time.perf_counter()
-            counts_C = torch.bincount(domain_N.to(G.device), minlength=algo.num_domains)
+            counts_C = torch.bincount(domain_N.to(scores_N.device), minlength=algo.num_domains)
             caps_C = compute_capacities(counts_C, algo.kappa, algo._fractions, generator=torch.Generator().manual_seed(gen_seed))
-            sel = sa.top_k_within_capacities(G @ gbar_stale.to(G.dtype), domain_N.to(G.device), caps_C, algo.kappa)
+            sel = sa.top_k_within_capacities(scores_N, domain_N.to(scores_N.device), caps_C, algo.kappa)
             return set(sel.tolist()), time.perf_counter() - t
+
+        def stale(G, gbar_stale):
+            return top_within(G @ gbar_stale.to(G.dtype))
 
         # The jobs, in an order rotated every step; "pool_only" times the stale steps' features.
         jobs = [*variants, *(["pool_only"] if stale_intervals else [])]
@@ -356,6 +385,9 @@ def run(
             elif k in stale_gbar:
                 rec["sel"][name], rec["solve_s"][name] = stale(results["pool_only"], stale_gbar[k])
                 rec.setdefault("stale_between", {})[name] = True
+        rec["terms"] = mu_terms(G_full, gbar_full, eta)
+        rec["sel"]["eta0"], rec["solve_s"]["eta0"], _ = solve("partitionsel", G_full, gbar_full, eta=0.0)
+        rec["sel"]["gradnorm_caps"], rec["solve_s"]["gradnorm_caps"] = top_within((G_full.double() ** 2).sum(dim=1))
         rec["sel"]["random"], rec["solve_s"]["random"], _ = solve("random")
         rec["sel"]["random_caps"], rec["solve_s"]["random_caps"], _ = solve("random_stratified")
         original_select(state, logger)
@@ -405,7 +437,8 @@ def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     feature_names = list(records[0]["spearman"]) if records else []  # the run's variants, in order
     stale_names = sorted({n for r in records for n in r.get("stale_between", {})})
-    names = feature_names + stale_names + ["random", "random_caps"]
+    names = feature_names + stale_names + [n for n in REFERENCE_SELECTIONS if records and n in records[0]["sel"]]
+    names += ["random", "random_caps"]
     half = (max(r["step"] for r in records) + 1) // 2 if records else 0
     for name in names:
         if name.startswith("stale_topk"):
@@ -445,6 +478,14 @@ def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
             entry["feat_ms"], entry["feat_ratio"] = 0.0, 0.0
             entry["select_ratio"] = statistics.median(r["solve_s"][name] / c for r, c in zip(rows, full_cost))
         out[name] = entry
+    terms = [r["terms"] for r in records if "terms" in r]
+    if terms:
+        out["terms"] = {
+            key: statistics.median(t[key] for t in terms) for key in ("eta", "bonus_over_alignment", "bonus_share")
+        }
+        late = [r["terms"] for r in records if "terms" in r and r["step"] >= half]
+        if late:
+            out["terms"]["bonus_share_late"] = statistics.median(t["bonus_share"] for t in late)
     return out
 
 
@@ -469,6 +510,8 @@ def format_table(summary: dict[str, dict[str, float]], meta: dict) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, e in summary.items():
+        if name == "terms":
+            continue
         sel = f"{e['select_ratio']:.2f}" if "select_ratio" in e else "-"
         if "select_ratio_amortised" in e:
             sel += f" ({e['select_ratio_amortised']:.2f} amortised)"
@@ -479,6 +522,14 @@ def format_table(summary: dict[str, dict[str, float]], meta: dict) -> str:
             f"{e.get('jaccard_mean_late', float('nan')):.3f} | {e.get('jaccard_min', float('nan')):.3f} | {rho} | "
             f"{rho_late} | {e.get('feat_ms', float('nan')):.1f} | {e.get('feat_ratio', float('nan')):.2f} | {sel} |"
         )
+    terms = summary.get("terms")
+    if terms:
+        lines += [
+            "",
+            f"mu = G gbar + (eta/2) diag(K) of the full-cost features (medians over steps of the pool medians; eta "
+            f"{terms['eta']:.3g}): (eta/2) ||g_i||^2 / |<g_i, gbar>| = {terms['bonus_over_alignment']:.3g}; the bonus's "
+            f"share of |mu_i| = {terms['bonus_share']:.3f} (second half {terms.get('bonus_share_late', float('nan')):.3f}).",
+        ]
     return "\n".join(lines)
 
 

@@ -74,7 +74,7 @@ def test_window_set_equals_full_at_the_row_length_and_differs_below_it(dolma_sha
     ]
     assert report["meta"]["stale_intervals"] == []
     for r in steps:
-        assert set(r["sel"]) == {*report["meta"]["variants"], "random", "random_caps"}
+        assert set(r["sel"]) == {*report["meta"]["variants"], "eta0", "gradnorm_caps", "random", "random_caps"}
         for name in ("window64_start", "window64_random"):
             assert r["sel"][name] == r["sel"]["full"] and r["spearman"][name] == 1.0
         assert r["spearman"]["full"] == 1.0
@@ -93,6 +93,13 @@ def test_window_set_equals_full_at_the_row_length_and_differs_below_it(dolma_sha
     table = (tmp_path / "knob_fidelity.md").read_text()
     assert "| window16_random | `features.score_window: 16`, `score_window_position: random` |" in table
     assert "stale_topk" not in table
+    # The reference selections from full's features, and what drives its mu.
+    for r in steps:
+        assert len(r["sel"]["eta0"]) == len(r["sel"]["gradnorm_caps"]) == 4
+        assert 0.0 <= r["terms"]["bonus_share"] <= 1.0 and r["terms"]["eta"] >= 0
+    assert steps[0]["terms"]["eta"] == 0.0 and steps[0]["terms"]["bonus_share"] == 0.0  # warm-up starts at lr 0
+    assert steps[-1]["terms"]["eta"] > 0 and steps[-1]["terms"]["bonus_share"] > 0
+    assert "| eta0 |" in table and "| gradnorm_caps |" in table and "the bonus's share" in table
 
 
 def test_feature_variant_sets():
@@ -102,3 +109,15 @@ def test_feature_variant_sets():
     assert windows["window128_random"] == {"score_window": 128, "score_window_position": "random"}
     with pytest.raises(ValueError, match="knobs"):
         knob_fidelity.feature_variants("nope")
+
+
+def test_mu_terms_by_hand():
+    import torch
+
+    G = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 0.0]])
+    gbar = torch.tensor([1.0, 1.0])
+    terms = knob_fidelity.mu_terms(G, gbar, 0.5)
+    # alignment |<g_i, gbar>| = 1, 2, 3; bonus (0.5 / 2) ||g_i||^2 = 0.25, 1, 2.25
+    assert terms["bonus_over_alignment"] == pytest.approx(0.5)  # median of 0.25, 0.5, 0.75
+    assert terms["bonus_share"] == pytest.approx(1 / 3)  # median of 0.2, 1/3, 3/7
+    assert knob_fidelity.mu_terms(G, gbar, 0.0)["bonus_share"] == 0.0
