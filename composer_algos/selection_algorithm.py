@@ -77,6 +77,20 @@ VALIDATION_TARGETS = ("mean", "domain_balanced")
 ADAPTIVE_STRATEGIES = ("partitionsel", "iwd")
 
 
+
+def _ignored_capacities(strategy: str, given: str, pronoun: str, key: str) -> str | None:
+    """The message when `strategy` would ignore the capacities given as `given` (None when it honours them)."""
+    from composer_algos.selection import STRATEGIES, get_strategy
+
+    if strategy != "none" and get_strategy(strategy).uses_capacities:
+        return None
+    honour = [name for name, spec in STRATEGIES.items() if spec.uses_capacities]
+    what = "trains on the whole pool" if strategy == "none" else "does not use per-domain capacities"
+    return (
+        f"{given} would be ignored: strategy {strategy!r} {what} (only {', '.join(honour)} honour {pronoun}): "
+        f"remove {key} or choose one of those strategies"
+    )
+
 class DataSelection(Algorithm):
     """Select a subset of every oversampled batch with a data-selection strategy, then train on it.
 
@@ -263,33 +277,20 @@ class DataSelection(Algorithm):
             except (ValueError, FileNotFoundError) as e:
                 problems.append(str(e))
         if policy is not None and capacities is not None and policy.name != "proportional" and strategy in known:
-            from composer_algos.selection import STRATEGIES
-
-            uses = strategy != "none" and get_strategy(strategy).uses_capacities
-            if not uses:
-                honour = [name for name, spec in STRATEGIES.items() if spec.uses_capacities]
-                what = "trains on the whole pool" if strategy == "none" else "does not use per-domain capacities"
-                problems.append(
-                    f"capacities {policy.describe()!r} would be ignored: strategy {strategy!r} {what} (only "
-                    f"{', '.join(honour)} honour them): remove capacities or choose one of those strategies"
-                )
+            ignored = _ignored_capacities(strategy, f"capacities {policy.describe()!r}", "them", "capacities")
+            if ignored:
+                problems.append(ignored)
             elif policy.name == "adaptive" and strategy not in ADAPTIVE_STRATEGIES:
                 problems.append(
                     f"capacities adaptive updates each domain's budget from the refit weights of the selection, which "
                     f"strategy {strategy!r} does not have; use one of {list(ADAPTIVE_STRATEGIES)}"
                 )
         if capacity_fractions and strategy in known:
-            from composer_algos.selection import STRATEGIES
-
-            uses = strategy != "none" and get_strategy(strategy).uses_capacities
-            if not uses:
-                honour = [name for name, spec in STRATEGIES.items() if spec.uses_capacities]
-                what = "trains on the whole pool" if strategy == "none" else "does not use per-domain capacities"
-                problems.append(
-                    f"capacity_fractions {capacity_fractions!r} would be ignored: strategy {strategy!r} {what} (only "
-                    f"{', '.join(honour)} honour it): remove capacity_fractions or "
-                    "choose one of those strategies"
-                )
+            ignored = _ignored_capacities(
+                strategy, f"capacity_fractions {capacity_fractions!r}", "it", "capacity_fractions"
+            )
+            if ignored:
+                problems.append(ignored)
         if check_consistency and scope == "local":
             problems.append(
                 "check_consistency: true needs scope global or auto (with local scope every rank selects "
