@@ -13,6 +13,7 @@ import heapq
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import shutil
@@ -20,6 +21,8 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -441,7 +444,7 @@ _WORKER: dict[str, Any] = {}
 
 def _init_pool_worker(config: _WorkerConfig) -> None:
     """`_init_worker` in a pool process, which leaves Ctrl-C to the main process (it stops the pool) and ends at
-    once on SIGTERM, whatever the parent ignored or handled (an error stops the pool with SIGTERM)."""
+    once on SIGTERM, whatever the parent ignored or handled (ProcessPoolExecutor stops a broken pool with it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _init_worker(config)
@@ -562,19 +565,33 @@ def _run_chunks(files: list[InputFile], config: _WorkerConfig, options: ShardOpt
         for file_idx, chunk in chunks:
             yield file_idx, len(chunk[2]), _process_chunk(chunk)
         return
-    pool = _pool_context(options.start_method).Pool(options.workers, initializer=_init_pool_worker, initargs=(config,))
+    executor = ProcessPoolExecutor(
+        options.workers, mp_context=_pool_context(options.start_method), initializer=_init_pool_worker, initargs=(config,)
+    )
     try:
-        yield from _ordered_window(pool.apply_async, chunks, window=4 * options.workers)
-        # Every result is in: each worker takes a stop sentinel from the task queue and exits by itself. Not
-        # terminate() (what `with Pool()` does): it takes the task queue's read lock for good and then waits for
-        # every worker, and a worker that was not yet waiting for work and misses the SIGTERM (a Python handler
-        # tripped just before the worker blocks never runs) then waits for that lock forever (issue 20).
-        pool.close()
-        pool.join()
+        yield from _ordered_window(executor.submit, chunks, window=4 * options.workers)
     except BaseException:
-        pool.terminate()  # an error, Ctrl-C, or the consumer stopped early (GeneratorExit): stop the workers now
-        pool.join()
+        _stop_workers(executor)  # an error, Ctrl-C, or the consumer stopped early (GeneratorExit)
         raise
+    # Every result is in: each worker takes a stop sentinel and exits by itself. Nothing is killed: a worker
+    # killed while it holds a lock of the queues (multiprocessing.Pool.terminate() does that) leaves the pool's
+    # own threads waiting for it forever, and one that misses its SIGTERM waits forever itself (issue 20).
+    executor.shutdown(wait=True)
+
+
+def _stop_workers(executor: ProcessPoolExecutor, grace_s: float = 10.0) -> None:
+    """Drop the chunks not yet started and let each worker finish the one it is on and exit; kill the ones still
+    running after `grace_s` (stuck on some input). ProcessPoolExecutor, unlike multiprocessing.Pool, survives a
+    worker killed at any point: it notices the death and stops without taking the locks the worker held."""
+    processes = list((executor._processes or {}).values())  # no public API lists them (there since Python 3.2)
+    executor.shutdown(wait=False, cancel_futures=True)
+    running = {p.sentinel: p for p in processes}
+    deadline = time.monotonic() + grace_s
+    while running and (left := deadline - time.monotonic()) > 0:
+        for sentinel in multiprocessing.connection.wait(list(running), timeout=left):
+            del running[sentinel]
+    for p in running.values():
+        p.kill()
 
 
 def _pool_context(method: str | None) -> multiprocessing.context.BaseContext:
@@ -598,13 +615,22 @@ def _ordered_window(submit: Callable, chunks: Iterable[tuple[int, tuple]], windo
     """Like Pool.imap, but with at most `window` chunks in flight (imap reads its input eagerly)."""
     pending: collections.deque = collections.deque()
     for file_idx, chunk in chunks:
-        pending.append((file_idx, len(chunk[2]), submit(_process_chunk, (chunk,))))
+        pending.append((file_idx, chunk, submit(_process_chunk, chunk)))
         if len(pending) >= window:
-            file_idx0, n0, fut = pending.popleft()
-            yield file_idx0, n0, fut.get()
+            yield _chunk_result(*pending.popleft())
     while pending:
-        file_idx0, n0, fut = pending.popleft()
-        yield file_idx0, n0, fut.get()
+        yield _chunk_result(*pending.popleft())
+
+
+def _chunk_result(file_idx: int, chunk: tuple, future: Future) -> tuple[int, int, list[tuple]]:
+    try:
+        return file_idx, len(chunk[2]), future.result()
+    except BrokenProcessPool as exc:
+        display, _, raws, _ = chunk
+        raise ShardError(
+            f"a worker process ended abruptly (killed, perhaps for lack of memory) while records up to {display}:"
+            f"{raws[-1].line} were being tokenized; nothing was kept; rerun, with fewer workers if memory is short"
+        ) from exc
 
 
 @dataclass

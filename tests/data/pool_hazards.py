@@ -16,6 +16,10 @@ Scenarios:
   lock_at_fork: another thread of the parent holds a lock while the pool starts, and the workers need that lock
       for each chunk (as they could need a lock inside a library: an I/O buffer, an allocator, the tokenizer's).
       A forked worker gets the lock in its held state, with no thread left to release it, and waits forever.
+  worker_dies: the worker that gets the chunk holding DIE_MARKER takes the lock of the queue that carries results
+      back and is killed (SIGKILL) while holding it, as a worker killed mid-send is (by the out-of-memory killer,
+      or by `Pool.terminate()` on an error or Ctrl-C: a shard.py run hung that way after Ctrl-C). The run must
+      end with an error, not wait for the chunk's result or for that lock forever.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from pipeline.corpora import make_corpus_spec
 from pipeline.sharding import ShardOptions, shard_corpus
 from pipeline.tokenizer import DEMO_TOKENIZER
 
-SCENARIOS = ("late_worker", "lock_at_fork")
+SCENARIOS = ("late_worker", "lock_at_fork", "worker_dies")
 LATE_S = 3.0  # the late worker's start-up when nothing signals it
 N_DOCS = 64
 CHUNK_RECORDS = 8
 DIR_ENV = "POOL_HAZARD_DIR"
+DIE_MARKER = "die-holding-the-result-lock"
+DIE_AT = 20  # the record that carries it: in the third chunk
 
 # The real functions, taken before main() replaces them in `sharding` (in this process; a forked worker copies the
 # replaced ones, and these names then still point to the real ones).
@@ -70,8 +76,24 @@ def process_under_lock(chunk):
     return _PROCESS(chunk)
 
 
-def write_corpus(path: Path) -> Path:
+def die_holding_result_lock(chunk):
+    """`_process_chunk`, except that for the chunk with DIE_MARKER the worker takes the result queue's lock and dies."""
+    if any(DIE_MARKER.encode() in raw.payload for raw in chunk[2]):
+        frame = sys._getframe(1)
+        while frame is not None:  # the pool's worker loop holds the queue: Pool's `outqueue`, ProcessPoolExecutor's `result_queue`
+            queue = frame.f_locals.get("outqueue") or frame.f_locals.get("result_queue")
+            if queue is not None:
+                queue._wlock.acquire()
+                os.kill(os.getpid(), signal.SIGKILL)
+            frame = frame.f_back
+        raise RuntimeError("no result queue found in the worker's frames")
+    return _PROCESS(chunk)
+
+
+def write_corpus(path: Path, die_at: int | None = None) -> Path:
     lines = [json.dumps({"text": f"document {i} " + "alpha beta gamma " * (i % 7 + 1), "source": "ab"[i % 2]}) for i in range(N_DOCS)]
+    if die_at is not None:
+        lines[die_at] = json.dumps({"text": DIE_MARKER, "source": "a"})
     path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode(), mtime=0))
     return path
 
@@ -81,13 +103,15 @@ def main(argv: list[str]) -> int:
     if scenario not in SCENARIOS:
         raise SystemExit(f"unknown scenario {scenario!r}; one of {SCENARIOS}")
     os.environ[DIR_ENV] = str(workdir)
-    corpus = write_corpus(workdir / "docs.jsonl.gz")
+    corpus = write_corpus(workdir / "docs.jsonl.gz", die_at=DIE_AT if scenario == "worker_dies" else None)
     options = ShardOptions(out=workdir / "out", tokenizer=DEMO_TOKENIZER, max_seq_len=32, workers=2, chunk_records=CHUNK_RECORDS, progress=False)
     release = threading.Event()
     if scenario == "late_worker":
         # Ignored until late_start installs its handler, so that an early SIGTERM cannot end a worker either.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sharding._init_pool_worker = late_start
+    elif scenario == "worker_dies":
+        sharding._process_chunk = die_holding_result_lock
     else:
         held = threading.Event()
 

@@ -24,7 +24,7 @@ from tests.data.mds_helpers import write_jsonl
 RUN_TIMEOUT_S = 60
 
 
-def _run(scenario: str, workdir: Path) -> str:
+def _run(scenario: str, workdir: Path, expect_rc: int = 0) -> tuple[str, str]:
     code = f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from tests.data.pool_hazards import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, scenario, str(workdir)],
@@ -40,13 +40,13 @@ def _run(scenario: str, workdir: Path) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
         pytest.fail(f"the sharding run ({scenario}) hung: not ended after {RUN_TIMEOUT_S} s, killed; stderr tail:\n{stderr[-2000:]}")
-    assert proc.returncode == 0, stderr[-3000:]
-    return stdout
+    assert proc.returncode == expect_rc, stderr[-3000:]
+    return stdout, stderr
 
 
 @pytest.mark.timeout(4 * RUN_TIMEOUT_S)
 def test_run_ends_although_a_worker_joins_late_and_outlives_sigterm(tmp_path):
-    stdout = _run("late_worker", tmp_path)
+    stdout, _ = _run("late_worker", tmp_path)
     assert f"finished: {pool_hazards.N_DOCS} records" in stdout
     assert load_manifest(tmp_path / "out").domains  # the output was written and moved into place
     # The normal end closes the pool and lets each worker take its stop sentinel: no worker is sent SIGTERM.
@@ -55,9 +55,18 @@ def test_run_ends_although_a_worker_joins_late_and_outlives_sigterm(tmp_path):
 
 @pytest.mark.timeout(4 * RUN_TIMEOUT_S)
 def test_run_ends_although_another_thread_holds_a_lock_the_workers_need(tmp_path):
-    stdout = _run("lock_at_fork", tmp_path)
+    stdout, _ = _run("lock_at_fork", tmp_path)
     assert f"finished: {pool_hazards.N_DOCS} records" in stdout
     assert load_manifest(tmp_path / "out").domains
+
+
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+def test_a_worker_killed_holding_the_result_queues_lock_ends_the_run_with_an_error(tmp_path):
+    _, stderr = _run("worker_dies", tmp_path, expect_rc=1)
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("pipeline.sharding.ShardError: a worker process ended abruptly"), stderr[-3000:]
+    assert "docs.jsonl.gz" in last and "fewer workers" in last, last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl.gz"]  # no output, no staging directory
 
 
 def test_an_error_stops_the_pool_and_leaves_no_worker_or_staging(tmp_path):
