@@ -363,6 +363,8 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
         write_manifest(manifest, tmp)
         _move_into_place(tmp, out)
     except BaseException as exc:
+        if writer is not None:
+            writer.abandon()
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
             raise ShardError(_disk_full_message(exc, out, tmp, writer, existed)) from exc
@@ -813,6 +815,17 @@ class _CorpusWriter:
     def close_rejects(self) -> None:
         if self.rejects_file is not None:
             self.rejects_file.close()
+
+    def abandon(self) -> None:
+        """After an error: stop the thread of every unfinished MDS writer (it uploads to remote storage; idle here).
+
+        Otherwise a Ctrl-C that lands while a writer starts that thread, after the start and before
+        concurrent.futures registers the thread with its exit handler, leaves it waiting for work, and the
+        interpreter waits for it at exit, forever (issue 20).
+        """
+        for state in self.domains.values():
+            for mds_writer in state.writers.values():
+                mds_writer.cancel_future_jobs()  # shutdown(wait=False): wakes the thread, which then ends
 
     # -- end ----------------------------------------------------------------------------------
 

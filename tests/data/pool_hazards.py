@@ -20,6 +20,11 @@ Scenarios:
       back and is killed (SIGKILL) while holding it, as a worker killed mid-send is (by the out-of-memory killer,
       or by `Pool.terminate()` on an error or Ctrl-C: a shard.py run hung that way after Ctrl-C). The run must
       end with an error, not wait for the chunk's result or for that lock forever.
+  interrupt_writer_start: Ctrl-C lands while an MDS writer starts its (upload) thread, after the thread started
+      and before concurrent.futures registered it for its exit handler (ThreadPoolExecutor._adjust_thread_count):
+      nothing then tells the thread to stop and the interpreter waits for it at exit, after "interrupted" is
+      printed. Ctrl-C when the first shard file appears, as tests/data/test_faults_shard.py sends it, hits that
+      window about once in 15 runs; here the KeyboardInterrupt is raised right there. One worker, no pool.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from pipeline.corpora import make_corpus_spec
 from pipeline.sharding import ShardOptions, shard_corpus
 from pipeline.tokenizer import DEMO_TOKENIZER
 
-SCENARIOS = ("late_worker", "lock_at_fork", "worker_dies")
+SCENARIOS = ("late_worker", "lock_at_fork", "worker_dies", "interrupt_writer_start")
 LATE_S = 3.0  # the late worker's start-up when nothing signals it
 N_DOCS = 64
 CHUNK_RECORDS = 8
@@ -90,6 +95,21 @@ def die_holding_result_lock(chunk):
     return _PROCESS(chunk)
 
 
+def interrupt_after_the_first_writer_thread_starts() -> None:
+    """Make the first start of a concurrent.futures worker thread raise KeyboardInterrupt once it has started."""
+    import concurrent.futures.thread
+
+    real_start = threading.Thread.start
+
+    def start(self) -> None:
+        real_start(self)
+        if self._target is concurrent.futures.thread._worker and not getattr(start, "done", False):
+            start.done = True
+            raise KeyboardInterrupt
+
+    threading.Thread.start = start
+
+
 def write_corpus(path: Path, die_at: int | None = None) -> Path:
     lines = [json.dumps({"text": f"document {i} " + "alpha beta gamma " * (i % 7 + 1), "source": "ab"[i % 2]}) for i in range(N_DOCS)]
     if die_at is not None:
@@ -104,7 +124,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"unknown scenario {scenario!r}; one of {SCENARIOS}")
     os.environ[DIR_ENV] = str(workdir)
     corpus = write_corpus(workdir / "docs.jsonl.gz", die_at=DIE_AT if scenario == "worker_dies" else None)
-    options = ShardOptions(out=workdir / "out", tokenizer=DEMO_TOKENIZER, max_seq_len=32, workers=2, chunk_records=CHUNK_RECORDS, progress=False)
+    workers = 1 if scenario == "interrupt_writer_start" else 2
+    options = ShardOptions(out=workdir / "out", tokenizer=DEMO_TOKENIZER, max_seq_len=32, workers=workers, chunk_records=CHUNK_RECORDS, progress=False)
     release = threading.Event()
     if scenario == "late_worker":
         # Ignored until late_start installs its handler, so that an early SIGTERM cannot end a worker either.
@@ -112,6 +133,8 @@ def main(argv: list[str]) -> int:
         sharding._init_pool_worker = late_start
     elif scenario == "worker_dies":
         sharding._process_chunk = die_holding_result_lock
+    elif scenario == "interrupt_writer_start":
+        interrupt_after_the_first_writer_thread_starts()
     else:
         held = threading.Event()
 
@@ -125,6 +148,9 @@ def main(argv: list[str]) -> int:
         sharding._process_chunk = process_under_lock
     try:
         result = shard_corpus(make_corpus_spec("dolma"), [corpus], options)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)  # as tools/shard.py does; then the interpreter exits
+        return 130
     finally:
         release.set()
     print(f"finished: {result.records_read} records, {result.tokens_written} tokens", flush=True)

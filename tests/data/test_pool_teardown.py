@@ -69,6 +69,13 @@ def test_a_worker_killed_holding_the_result_queues_lock_ends_the_run_with_an_err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl.gz"]  # no output, no staging directory
 
 
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+def test_ctrl_c_while_a_writer_starts_its_thread_still_lets_the_process_exit(tmp_path):
+    stdout, _ = _run("interrupt_writer_start", tmp_path, expect_rc=130)
+    assert stdout.strip().splitlines()[-1] == "interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl.gz"]
+
+
 def test_an_error_stops_the_pool_and_leaves_no_worker_or_staging(tmp_path):
     rows = [{"text": f"document {i}", "source": "ab"[i % 2]} for i in range(200)] + [b'{"text": "cut short']
     path = write_jsonl(tmp_path / "in" / "docs.jsonl", rows)
