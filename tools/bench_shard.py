@@ -19,17 +19,19 @@ the worker processes start: each run is a fresh process (as a tools/shard.py run
 server start is paid every time), with Streaming and transformers imported before the timed run (they cost
 the same under any method), the methods interleaved within each repeat. It prints the best and median wall
 time of `shard_corpus` (pool start included) per method and worker count, and each method's difference to
-the first. On the 2-core development machine, loaded by other jobs (load 7-10), 5 repeats:
+the first. On the 2-core development machine (other jobs running: load 2-4), 5 repeats, with the pool of
+issue 20 (ProcessPoolExecutor):
 
     scale  tokens   workers  fork best / median   forkserver best / median   forkserver - fork
-    0.05   33,534   2        0.28s / 0.33s        0.52s / 0.57s              +0.24s / +0.24s
-    0.05   33,534   8        0.69s / 1.33s        0.64s / 0.72s              -0.05s / -0.61s
-    1      681,552  2        2.30s / 3.65s        2.47s / 3.26s              +0.17s / -0.39s
-    1      681,552  8        2.59s / 4.43s        2.09s / 4.77s              -0.49s / +0.34s
+    0.05   33,534   2        0.16s / 0.20s        0.24s / 0.27s              +0.08s / +0.07s
+    0.05   33,534   8        0.37s / 0.39s        0.30s / 0.31s              -0.07s / -0.08s
+    1      681,552  2        1.24s / 1.30s        1.38s / 1.45s              +0.14s / +0.15s
+    1      681,552  8        1.54s / 1.56s        1.42s / 1.49s              -0.13s / -0.07s
 
-forkserver (sharding's default since issue 20) costs about 0.2 s at 2 workers, the start of its server
-process (a Python that imports pipeline.sharding); at 8 workers nothing measurable, as forking 8 workers from
-that small server is no dearer than forking a parent that has torch loaded.
+forkserver (sharding's default since issue 20) costs about 0.1 s per run at 2 workers, the start of its
+server process (a Python that imports pipeline.sharding), and saves about 0.1 s at 8 workers, where forking 8
+workers from that small server is cheaper than forking a parent that has torch loaded. (Measured earlier at
+load 7-10 with multiprocessing.Pool: +0.24 / +0.17 s at 2 workers, nothing measurable at 8.)
 """
 
 from __future__ import annotations
@@ -76,17 +78,36 @@ def _time_tokenizer(backend, texts: list[str], batch: int, parallel: bool) -> tu
     return time.perf_counter() - start, n, time.process_time() - cpu
 
 
+def _children_cpu() -> float:
+    """CPU seconds of the reaped child processes: this process's own, plus its forkserver's.
+
+    Sharding starts its workers with forkserver, which makes them children of the forkserver process, not of
+    this one: their CPU time is added to the forkserver's (/proc/PID/stat, Linux) when it reaps them.
+    """
+    t = os.times()
+    total = t.children_user + t.children_system
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != os.getpid() or b"forkserver" not in (stat.parent / "cmdline").read_bytes():
+                continue
+        except (OSError, IndexError, ValueError):  # gone, or not readable
+            continue
+        total += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime, cstime
+    return total
+
+
 def _time_shard(docs: Path, out: Path, workers: int, tokenizer: str, max_seq_len: int) -> tuple[float, int, float, float]:
     """Wall seconds, tokens written, CPU seconds of this (main) process and of the worker processes."""
     shutil.rmtree(out, ignore_errors=True)
     options = ShardOptions(out=out, tokenizer=tokenizer, max_seq_len=max_seq_len, workers=workers, progress=False, overwrite=True)
-    before = os.times()
+    before, children_before = os.times(), _children_cpu()
     start = time.perf_counter()
     result = shard_corpus(make_corpus_spec("dolma"), [docs], options)
     wall = time.perf_counter() - start
     after = os.times()
     main_cpu = after.user + after.system - before.user - before.system
-    child_cpu = max(0.0, after.children_user + after.children_system - before.children_user - before.children_system)
+    child_cpu = max(0.0, _children_cpu() - children_before)
     return wall, result.tokens_written, main_cpu, child_cpu
 
 
