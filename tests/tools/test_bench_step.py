@@ -108,7 +108,7 @@ def test_table_prints_the_floors():
     assert "  proportioned r=2: 1.60" in text
 
 
-@pytest.mark.timeout(240)  # measured 20-45 s at load 3-11 on 2 cores (a subprocess: torch, shards, trainers)
+@pytest.mark.timeout(480)  # measured 20-68 s at load 3-11 on 2 cores (a subprocess: torch, shards, trainers)
 def test_quick_run_prints_a_complete_finite_table():
     """`bench_step.py --quick` end to end (shards, four trainers, standalone timings, memory): its table."""
     from tests.tools.tool_runs import finite, numbers, run_tool
@@ -134,7 +134,7 @@ def test_quick_run_prints_a_complete_finite_table():
     assert finite([score, train]) and score > 0 and train > 0, mem
 
 
-@pytest.mark.timeout(240)  # measured 20-45 s at load 3-11 on 2 cores (a subprocess: torch, shards, trainers)
+@pytest.mark.timeout(480)  # measured 20-68 s at load 3-11 on 2 cores (a subprocess: torch, shards, trainers)
 def test_profile_step_quick_run_prints_the_stage_table():
     """`profile_step.py --quick` end to end (shards, trainer, instrumentation, profiler): its stage table."""
     from tests.tools.tool_runs import finite, run_tool
