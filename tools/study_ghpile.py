@@ -267,8 +267,31 @@ def study(
         dest, shards=shards, seq_len=seq_len, profile=profile, seeds=seeds, budget_steps=budget_steps, jobs=jobs,
         quick=quick,
     ):
+        if "--steps" in cmd:
+            link_baseline_runs(dest / "equal_compute", dest / "equal_steps", seeds=seeds, steps=budget_steps)
         _run(cmd, env)
     print(f"study ({profile}) took {time.perf_counter() - t0:.0f} s of wall time in this invocation", flush=True)
+
+
+def link_baseline_runs(compute: Path, steps_dir: Path, *, seeds: str, steps: int, label: str = "random") -> list[Path]:
+    """Reuse the baseline's equal-compute runs as its equal-steps runs (links); returns the links made.
+
+    The budget is `steps` steps of the baseline, so its equal-compute runs are the equal-steps
+    command but for the output folder: a link saves training them twice. Only finished runs of
+    exactly `steps` steps are linked; run_experiment trains whatever is not linked.
+    """
+    made = []
+    for seed in [s for s in seeds.split(",") if s]:
+        src, dst = compute / f"{label}-seed{seed}", steps_dir / f"{label}-seed{seed}"
+        result = src / "eval_results.json"
+        if dst.exists() or dst.is_symlink() or not result.exists():
+            continue
+        if json.loads(result.read_text()).get("steps") != steps:
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(os.path.relpath(src, dst.parent), target_is_directory=True)
+        made.append(dst)
+    return made
 
 
 def study_report(dest: Path) -> str:

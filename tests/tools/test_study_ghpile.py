@@ -111,3 +111,15 @@ def test_report_tables_and_frontier_from_run_experiment_files(tmp_path):
     assert (tmp_path / "frontier.png").stat().st_size > 0
     assert (tmp_path / "study.md").read_text().strip() == text.strip()
     assert "Equal steps" not in text  # an experiment that has not run is left out, not invented
+
+
+def test_the_baselines_equal_compute_runs_are_linked_as_its_equal_steps_runs_only_when_finished_at_that_length(tmp_path):
+    compute, steps = tmp_path / "equal_compute", tmp_path / "equal_steps"
+    _write(compute / "random-seed1" / "eval_results.json", {"steps": 80})
+    _write(compute / "random-seed2" / "eval_results.json", {"steps": 79})  # another budget: not the same run
+    (compute / "random-seed3").mkdir()  # unfinished
+    made = study_ghpile.link_baseline_runs(compute, steps, seeds="1,2,3", steps=80)
+    assert made == [steps / "random-seed1"]
+    assert json.loads((steps / "random-seed1" / "eval_results.json").read_text()) == {"steps": 80}
+    assert not (steps / "random-seed2").exists() and not (steps / "random-seed3").exists()
+    assert study_ghpile.link_baseline_runs(compute, steps, seeds="1,2,3", steps=80) == []  # idempotent
