@@ -113,6 +113,7 @@ QUICK_ARMS = ("random", "partitionsel", "ps_w64", "ps_w128", "ps_w128_r4")
 # shortens still warms up and decays over its own steps. The guide is 16 rows a step, not the yaml's
 # 4: a 4-row guide's gradient had a cosine of 0.17 with the held-out gradient against 0.41 for 16
 # (the diagnosis in docs/results/study_ghpile.md); windows score the guide rows on windows too.
+STUDY_EVAL_INTERVAL = 1_000_000
 STUDY_OVERRIDES = ["scheduler.t_warmup=0.1dur", f"{SEL}.validation.batch_size=16"]
 
 
@@ -241,6 +242,9 @@ def study_commands(
     base = [
         sys.executable, "tools/run_experiment.py", "--yaml", str(YAML), "--shard-dir", str(shards),
         "--strategies", ",".join(plain), "--seeds", seeds, "--paired-baseline", "random", "--jobs", str(jobs),
+        # The last step only (train_budget always evaluates there): an evaluation of the held-out
+        # documents costs about 16 random steps, and run_experiment's default is 5 of them a run.
+        "--eval-interval", str(STUDY_EVAL_INTERVAL),
     ]
     for v in variants:
         base += ["--variant", v]

@@ -39,6 +39,7 @@ def test_full_profile_runs_every_arm_at_equal_compute_and_at_equal_steps(tmp_pat
     for cmd in cmds:
         assert _arms_of(cmd) == study_ghpile.STUDY_ARMS
         assert cmd[cmd.index("--paired-baseline") + 1] == "random"
+        assert int(cmd[cmd.index("--eval-interval") + 1]) > 80  # evaluated at the last step only
         # The overrides after `--` reach every run: the schedule's warm-up in `dur` and the sequence length.
         tail = cmd[cmd.index("--") + 1 :]
         assert "scheduler.t_warmup=0.1dur" in tail and "variables.max_seq_len=512" in tail
