@@ -178,6 +178,15 @@ class DataSelection(Algorithm):
             identical by construction, rank 0's being broadcast. Global scope only (rejected with
             `scope: local`, where ranks select from their own pools by design).
         seed: Seed of the per-step generators (selection and validation draws).
+        log_conflicts: Also compute the pool's gradient features on the steps of a strategy that
+            computes none (random, random_stratified), only to log `selection/conflict_fraction` of
+            the examples it selected, so that random's conflicts can be set beside the guided
+            strategies' (issue 21.5). The selection never reads them: the same examples are picked.
+            It costs one feature pass of the pool a step (no validation batch), counted in
+            `selection/time_features_s` and in the training time. A no-op for strategies that
+            compute features (they log the fraction already) and on the random steps outside
+            `[start, end)` or between selections; skipped, with one warning, under global scope on
+            several ranks (the indices then refer to the gathered pool).
 
     Raises:
         ValueError: every invalid argument at once (unknown strategy, oversampling below 1, or 1 with
@@ -206,6 +215,7 @@ class DataSelection(Algorithm):
         between: str = "random",
         check_consistency: bool = False,
         seed: int = 0,
+        log_conflicts: bool = False,
     ) -> None:
         problems = []
         from composer_algos.selection import get_strategy, strategy_names
@@ -302,6 +312,8 @@ class DataSelection(Algorithm):
                 f"strategy_options is keyed by strategy name; {bad_opts} are not strategies "
                 f"(allowed: {known}), e.g. strategy_options: {{partitionsel: {{refit: exact}}}}"
             )
+        if not isinstance(log_conflicts, bool):
+            problems.append(f"log_conflicts must be true or false, got {log_conflicts!r}")
         if problems:
             raise ValueError("algorithms.data_selection: " + "; ".join(problems))
         self.strategy = strategy
@@ -332,6 +344,8 @@ class DataSelection(Algorithm):
         self.between = between
         self.check_consistency = check_consistency
         self.seed = seed
+        self.log_conflicts = log_conflicts
+        self._warned_log_conflicts = False
         self.domain_names = list(domain_names) if domain_names is not None else None
         self._names_given = domain_names is not None
 
@@ -583,6 +597,19 @@ class DataSelection(Algorithm):
             feats_ND, gbar_D, fallback = self._features(
                 state, batch, step, defer_commits=multi, validation=not stale
             )
+        # log_conflicts: features of the pool for the log only (the problem below never sees them).
+        probe_ND = None
+        if self.log_conflicts and not needs_features and strategy == self.strategy:
+            if multi:
+                if not self._warned_log_conflicts:
+                    log.warning(
+                        "data_selection: log_conflicts is skipped under global scope on %d ranks (the selection's "
+                        "indices refer to the gathered pool); use scope local or one rank",
+                        world,
+                    )
+                    self._warned_log_conflicts = True
+            else:
+                probe_ND, _, _ = self._features(state, batch, step, validation=False)
         # The validation rows one by one (and their domains), for the targets and strategies that read them.
         rows_needed = not stale and strategy == self.strategy and self._needs_validation_rows()
         t_feat = _sync_time(t0)
@@ -650,9 +677,10 @@ class DataSelection(Algorithm):
         # Stage 4: record, through Composer's logger only.
         if outcome.fallback is not None:
             self._note_fallback(step, outcome.fallback)
+        logged_PD = problem.features_PD if probe_ND is None else probe_ND
         metrics = selection_metrics(
             outcome.result,
-            features_PD=problem.features_PD if outcome.fallback is None else None,
+            features_PD=logged_PD if outcome.fallback is None else None,
             new_batch=new_batch,
             domain_key=self.domain_key,
             fallback=outcome.fallback is not None,

@@ -93,7 +93,12 @@ def plot_grouped_bars(
 
 
 def plot_trajectories(
-    trajectories: Sequence[Trajectory], path: str | os.PathLike, *, title: str | None = None
+    trajectories: Sequence[Trajectory],
+    path: str | os.PathLike,
+    *,
+    title: str | None = None,
+    reference: dict[str, float] | None = None,
+    reference_label: str = "DoReMi",
 ) -> Path:
     """One panel per method: per-step weights (thin) and their running mean (thick), per domain.
 
@@ -101,6 +106,8 @@ def plot_trajectories(
     the initial weights, which the average includes). A selection run's capacities
     (`capacity_steps.csv`: each domain's capacity as a share of the trained examples; with
     `capacities: slack` its upper bound) are drawn beside them, dashed, as their running mean.
+    `reference` (domain -> weight, e.g. DoReMi's learned weights) is drawn in every panel as
+    dotted horizontal lines in the domains' colours.
 
     Returns:
         The written path.
@@ -132,7 +139,14 @@ def plot_trajectories(
             caps_SC = np.cumsum(t.capacities_SC, axis=0) / np.arange(1, len(t.capacity_steps) + 1)[:, None]
             for c, n in enumerate(t.domain_names):
                 ax.plot(t.capacity_steps, caps_SC[:, c], color=color[n], linewidth=1.0, linestyle="--")
-        ax.set_title(t.label + (" (dashed: capacity)" if t.capacities_SC is not None else ""))
+        if reference:
+            for n in t.domain_names:
+                if n in reference:
+                    ax.axhline(reference[n], color=color[n], linestyle=":", linewidth=1.0)
+        notes = [" (dashed: capacity)"] if t.capacities_SC is not None else []
+        if reference:
+            notes.append(f" (dotted: {reference_label})")
+        ax.set_title(t.label + "".join(notes), fontsize=9)
         ax.set_xlabel("step")
         ax.grid(color="0.9")
     for ax in list(axes.flat)[len(trajectories) :]:
