@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("yaml", type=Path, help="a run yaml, e.g. yamls/llama1b_dolma.yaml")
     parser.add_argument("--gpus", type=int, default=64, help="ranks (each scores validation.batch_size rows; default 64)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the yaml")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow --gpus
     sys.path.insert(0, str(REPO))
     f = recipe_flops(args.yaml, args.gpus, args.overrides)
     print(

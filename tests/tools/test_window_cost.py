@@ -95,3 +95,18 @@ def test_bench_step_long_only_prints_the_long_table(capsys):
     row = next(line.split() for line in out.splitlines() if line.split()[:3] == ["64", "2", "16"])
     assert float(row[5]) > 0 and float(row[6]) > 1  # ps/random measured, floor above 1
     assert "not measured in this run" in out  # the target's S = 2048 row was not asked for
+
+
+def test_recipe_cli_takes_overrides_after_gpus(capsys):
+    # `window_cost.py yaml --gpus N key=value` was rejected ("unrecognized arguments") before the
+    # overrides could follow --gpus; a 64-token window must cost half the 128-token one's scoring.
+    yaml = str(REPO_ROOT / "yamls" / "llama1b_dolma.yaml")
+    assert wc.main([yaml, "--gpus", "64", "algorithms.data_selection.features.score_window=64"]) in (0, None)
+    w64 = capsys.readouterr().out
+    assert wc.main([yaml, "--gpus", "64", "algorithms.data_selection.features.score_window=128"]) in (0, None)
+    w128 = capsys.readouterr().out
+    assert "window 64" in w64 and "window 128" in w128
+    import re
+
+    scoring = [float(re.search(r"\) ([0-9.]+) PFLOP", out).group(1)) for out in (w64, w128)]
+    assert 0.45 < scoring[0] / scoring[1] < 0.55
