@@ -336,6 +336,21 @@ def study_report(dest: Path) -> str:
             if flops and avg.get("mean") is not None and math.isfinite(avg["mean"]):
                 points.append((name, label, float(flops), float(avg["mean"])))
         lines.append("")
+        # PartitionSel's capacities stratify its picks by domain; random_stratified is random with
+        # the same stratification, so the difference from it is what the guided choice adds.
+        if "random_stratified" in comparison.get("per_seed", {}):
+            sys.path.insert(0, str(REPO))
+            from composer_algos.experiment_stats import paired_comparison
+
+            per_seed = {k: {int(s): v for s, v in runs.items()} for k, runs in comparison["per_seed"].items()}
+            strat = paired_comparison(per_seed, baseline="random_stratified")["strategies"]
+            cells = [
+                f"{label} {e['average']['mean']:+.4f} [{e['average']['ci_low']:+.4f}, {e['average']['ci_high']:+.4f}]"
+                for label, e in strat.items()
+                if STUDY_ARMS.get(label, ("",))[0] == "partitionsel" and e["average"]["n"] >= 2
+            ]
+            if cells:
+                lines += ["Against random_stratified (random within the same capacities), average: " + "; ".join(cells) + ".", ""]
         domains = sorted({d for v in paired.get("strategies", {}).values() for d in v.get("domains", {})})
         if domains:
             lines += [

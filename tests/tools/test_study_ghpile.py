@@ -124,3 +124,21 @@ def test_the_baselines_equal_compute_runs_are_linked_as_its_equal_steps_runs_onl
     assert json.loads((steps / "random-seed1" / "eval_results.json").read_text()) == {"steps": 80}
     assert not (steps / "random-seed2").exists() and not (steps / "random-seed3").exists()
     assert study_ghpile.link_baseline_runs(compute, steps, seeds="1,2,3", steps=80) == []  # idempotent
+
+
+def test_report_pairs_partitionsel_arms_with_random_stratified_too(tmp_path):
+    exp = tmp_path / "equal_steps"
+    seeds = {
+        "random": {"1": 6.0, "2": 6.2},
+        "random_stratified": {"1": 5.9, "2": 6.0},
+        "ps_w64": {"1": 6.0, "2": 6.3},  # +0.1 and +0.3 over random_stratified: mean +0.2
+        "id": {"1": 6.5, "2": 6.5},  # not a PartitionSel arm: left out of that line
+    }
+    per_seed = {k: {s: {"average": v, "domains": {"code": v}} for s, v in runs.items()} for k, runs in seeds.items()}
+    strategies = {k: {"average": {"mean": sum(v.values()) / 2, "std": 0.0}} for k, v in seeds.items()}
+    _write(exp / "comparison.json", {"strategies": strategies, "per_seed": per_seed})
+    text = study_ghpile.study_report(tmp_path)
+    line = next(x for x in text.splitlines() if x.startswith("Against random_stratified"))
+    # Two differences 0.1, 0.3: std 0.1414, t(1) 12.706, half-width 12.706 x 0.1414 / sqrt(2) = 1.2706.
+    assert "ps_w64 +0.2000 [-1.0706, +1.4706]" in line
+    assert "id" not in line
