@@ -34,7 +34,9 @@ def test_paper_recipes_are_encoded():
     assert pre.optimizer.lr == pytest.approx(4e-4) and pre.scheduler.t_warmup == "2000ba"
     assert pre.scheduler.name == "cosine_with_warmup" and pre.max_duration == "24000ba"
     assert pre.model.config is not None and pre.model.config["hidden_size"] == 2048
-    assert pre.algorithms["data_selection"]["features"]["score_window"] == 128
+    # The window the ghpile study supports (docs/results/study_ghpile.md): the first 64 tokens.
+    features = pre.algorithms["data_selection"]["features"]
+    assert (features["score_window"], features["score_window_position"]) == (64, "start")
     math = load_config(REPO_ROOT / "yamls" / "qwen2.5-3b_metamathqa.yaml")
     assert math.model.lora is not None and (math.model.lora.r, math.model.lora.alpha) == (16, 96)
     assert math.model.lora.dropout == pytest.approx(0.05)
