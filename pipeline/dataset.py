@@ -3,19 +3,41 @@
 from __future__ import annotations
 
 import logging
+import contextlib
 import math
 import os
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from filelock import FileLock
 from streaming import Stream, StreamingDataset
+from streaming.base.world import World
 
 from pipeline.manifest import DomainInfo, Manifest, load_manifest
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DomainStreamingDataset", "build_domain_streams", "resolve_domain_weights", "split_samples"]
+
+# Streaming 0.13 registers a dataset's shared memory prefix in two moves: it scans /dev/shm for the
+# first free prefix, then creates `<prefix>_locals` (streaming/base/shared/prefix.py::get_shm_prefix).
+# Two jobs whose datasets start at the same moment both find the same free prefix and the second
+# dies with `FileExistsError: '/000000_locals'` (seen with tools/run_experiment.py --jobs 2). Local
+# leaders (the process of each job and node that creates the prefix) take this machine-wide lock
+# around the registration, so they register one after the other; other ranks only look the
+# prefix up and take no lock (a leader holds it across Streaming's barriers).
+PREFIX_LOCK = os.path.join(tempfile.gettempdir(), "partitionsel_streaming_prefix.lock")
+
+
+@contextlib.contextmanager
+def _prefix_registration_lock() -> Iterator[None]:
+    if World.detect().is_local_leader:
+        with FileLock(PREFIX_LOCK):
+            yield
+    else:
+        yield
 
 
 class DomainStreamingDataset(StreamingDataset):
@@ -67,7 +89,8 @@ class DomainStreamingDataset(StreamingDataset):
         self.stream_domain_ids: list[int] = list(stream_domain_ids)  # manifest domain id of each stream
         self.split = split
         self.shard_dir, self.remote = shard_dir, remote  # DataSelection's default validation shards
-        super().__init__(streams=streams, **kwargs)
+        with _prefix_registration_lock():
+            super().__init__(streams=streams, **kwargs)
         # stream index -> domain id in the manifest's order.
         self._domain_per_shard = np.asarray(stream_domain_ids, dtype=np.int64)[self.stream_per_shard]
 

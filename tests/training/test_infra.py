@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -247,3 +248,45 @@ def test_train_main_cleans_stale_entries_before_building(monkeypatch, tmp_path, 
         train.main([str(TINY), *tiny_overrides(dolma_shards, tmp_path / "run")])
     for p in stale:
         assert not p.exists(), p
+
+
+def test_datasets_of_two_jobs_starting_together_register_distinct_prefixes(monkeypatch, tmp_path, dolma_shards):
+    """Streaming finds a free shm prefix, then creates it; two jobs in that window chose the same one.
+
+    The window is widened (a pause after the scan) so that both constructions find the same free
+    prefix; without the registration lock the second died with FileExistsError '/<prefix>_locals'
+    (tools/run_experiment.py --jobs 2).
+    """
+    import threading
+    import time
+
+    from streaming.base.shared import prefix as prefix_mod
+
+    from pipeline.dataset import DomainStreamingDataset
+
+    real = prefix_mod._check_and_find_retrying
+
+    def slow_scan(*args, **kwargs):
+        found = real(*args, **kwargs)
+        time.sleep(0.5)
+        return found
+
+    monkeypatch.setattr(prefix_mod, "_check_and_find_retrying", slow_scan)
+    dirs = [tmp_path / "a", tmp_path / "b"]  # two streams cannot share a local dir: a copy each
+    for d in dirs:
+        shutil.copytree(dolma_shards, d)
+    made, errors = {}, {}
+
+    def build(i: int) -> None:
+        try:
+            made[i] = DomainStreamingDataset(shard_dir=str(dirs[i]), split="val", shuffle=False, batch_size=2)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors[i] = e
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert made[0]._shm_prefix_int != made[1]._shm_prefix_int
