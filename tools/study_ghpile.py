@@ -19,6 +19,9 @@ Parts (each reuses what an earlier, interrupted invocation finished):
   study      the study proper (tools/run_experiment.py): every arm at equal compute (the cost of
              --budget-steps random steps; step costs calibrated first) and, with --profile full, at
              equal steps (--budget-steps each), 3 seeds, paired against random by seed
+  more       MORE_ARMS (random, random_stratified, the 64-token window) at equal compute for --more-seeds
+             seeds (default 1-7) with the study's calibrated step costs (OUT/study_s512/equal_compute_more;
+             the study's finished seeds are linked, not retrained)
   report     the study's tables, verdicts and the cost-vs-loss frontier (OUT/study_s512/study.md,
              OUT/study_s512/frontier.png; docs/results/study_ghpile.md quotes them)
 
@@ -52,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "ghpile"
 YAML = REPO / "yamls" / "study" / "ghpile.yaml"
 TOKENIZER = REPO / "assets" / "ghpile_tokenizer"
-PARTS = ("setup", "timing", "base", "lookahead", "diagnose", "fidelity", "study", "report")
+PARTS = ("setup", "timing", "base", "lookahead", "diagnose", "fidelity", "study", "more", "report")
 SEL = "algorithms.data_selection"
 # Documents held out per domain: a guide part (selection's validation batches) and an evaluation part.
 GUIDE_FRACTION, EVAL_FRACTION = 0.06, 0.06
@@ -109,6 +112,10 @@ STUDY_ARMS: dict[str, tuple[str, list[str]]] = {
     "gradnorm": ("gradnorm", []),
 }
 QUICK_ARMS = ("random", "partitionsel", "ps_w64", "ps_w128", "ps_w128_r4")
+# `more`: the equal-compute arms whose 3-seed intervals left the headline question open (the best
+# window against random, and against random within the same capacities), run at more seeds with the
+# step costs of the study's calibration, so every seed trains the same steps as the first three.
+MORE_ARMS = ("random", "random_stratified", "ps_w64")
 # Every run's warm-up is a tenth of its own steps (the yaml's 20 of 200), so a run the compute budget
 # shortens still warms up and decays over its own steps. The guide is 16 rows a step, not the yaml's
 # 4: a 4-row guide's gradient had a cosine of 0.17 with the held-out gradient against 0.41 for 16
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-steps", type=int, default=80,
         help="study: the equal-compute budget, the cost of this many random steps, and the equal-steps length (default 80)",
     )
+    p.add_argument("--more-seeds", default="1,2,3,4,5,6,7", help="more: the seeds of MORE_ARMS (default 1-7)")
     p.add_argument("--quick", action="store_true", help="tiny sizes everywhere (a smoke test of the pipeline)")
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
@@ -227,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
             study_dir, env, shards=shards, seq_len=args.seq_len, profile=args.profile, seeds=args.seeds,
             budget_steps=args.budget_steps, jobs=args.jobs, quick=args.quick,
         )
+    if "more" in parts:
+        cmd = more_seeds_command(study_dir, shards=shards, seq_len=args.seq_len, seeds=args.more_seeds, jobs=args.jobs)
+        for label in MORE_ARMS:
+            link_runs(study_dir / "equal_compute", study_dir / "equal_compute_more", label=label, seeds=args.more_seeds)
+        _run(cmd, env)
     if "report" in parts:
         print(study_report(study_dir))
     return 0
@@ -277,6 +290,48 @@ def study(
     print(f"study ({profile}) took {time.perf_counter() - t0:.0f} s of wall time in this invocation", flush=True)
 
 
+def more_seeds_command(dest: Path, *, shards: Path, seq_len: int, seeds: str, jobs: int) -> list[str]:
+    """run_experiment at equal compute for MORE_ARMS, step costs from the study's own calibration.
+
+    Raises:
+        SystemExit: the study's equal-compute plan (DEST/equal_compute/plan.json) is missing.
+    """
+    plan_path = dest / "equal_compute" / "plan.json"
+    if not plan_path.exists():
+        raise SystemExit(f"more: {plan_path} is missing; run --parts study first (its calibration sets the step costs)")
+    plan = json.loads(plan_path.read_text())
+    costs = plan["step_costs_s"]
+    budget = plan["budget"]  # "the cost of N steps of random"
+    steps = int(budget.split("the cost of ")[1].split(" ")[0])
+    variants = [",".join([f"{label}={STUDY_ARMS[label][0]}", *STUDY_ARMS[label][1]]) for label in MORE_ARMS if STUDY_ARMS[label][1]]
+    plain = [label for label in MORE_ARMS if not STUDY_ARMS[label][1]]
+    cmd = [
+        sys.executable, "tools/run_experiment.py", "--yaml", str(YAML), "--shard-dir", str(shards),
+        "--strategies", ",".join(plain), "--seeds", seeds, "--paired-baseline", "random", "--jobs", str(jobs),
+        "--eval-interval", str(STUDY_EVAL_INTERVAL),
+    ]
+    for v in variants:
+        cmd += ["--variant", v]
+    return cmd + [
+        "--compute-budget", f"random={steps}", "--cost-clock", plan.get("clock", "cpu"),
+        "--step-costs", ",".join(f"{label}={costs[label]!r}" for label in MORE_ARMS),
+        "--out", str(dest / "equal_compute_more"), "--", f"variables.max_seq_len={seq_len}", *STUDY_OVERRIDES,
+    ]
+
+
+def link_runs(src_dir: Path, dst_dir: Path, *, label: str, seeds: str) -> list[Path]:
+    """Link `label`'s finished runs of `seeds` from src_dir into dst_dir (the same command's runs); returns the links made."""
+    made = []
+    for seed in [s for s in seeds.split(",") if s]:
+        src, dst = src_dir / f"{label}-seed{seed}", dst_dir / f"{label}-seed{seed}"
+        if dst.exists() or dst.is_symlink() or not (src / "eval_results.json").exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(os.path.relpath(src, dst.parent), target_is_directory=True)
+        made.append(dst)
+    return made
+
+
 def link_baseline_runs(compute: Path, steps_dir: Path, *, seeds: str, steps: int, label: str = "random") -> list[Path]:
     """Reuse the baseline's equal-compute runs as its equal-steps runs (links); returns the links made.
 
@@ -304,7 +359,10 @@ def study_report(dest: Path) -> str:
 
     lines = [f"# ghpile study tables ({dest})", ""]
     points = []
-    for name, title in (("equal_compute", "Equal compute"), ("equal_steps", "Equal steps")):
+    for name, title in (
+        ("equal_compute", "Equal compute"), ("equal_compute_more", "Equal compute, more seeds (MORE_ARMS)"),
+        ("equal_steps", "Equal steps"),
+    ):
         cmp_path, paired_path = dest / name / "comparison.json", dest / name / "paired.json"
         if not cmp_path.exists():
             continue
