@@ -291,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         "--head-windows", default="128",
         help="window lengths also scored with lm_head features alone (default: 128; empty for none)",
     )
+    parser.add_argument(
+        "--long-batch", type=int, default=None,
+        help="rows trained a step in the long rows (default: the yaml's 2, where the one validation row is half "
+        "the trained batch and lifts the floor; 8 is closer to a rank's share of a real recipe's batch)",
+    )
     parser.add_argument("--long-steps", type=int, default=6, help="steps per arm of the long rows, 2 warm-up (default: 6)")
     parser.add_argument(
         "--long-model", choices=("proportioned", "llama1b"), default="proportioned",
@@ -313,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--long-seqs/--long-ratios/--windows/--head-windows: {e}")
     if any(s < 2 for s in long_seqs) or any(r <= 1 for r in long_ratios) or any(w is not None and w < 2 for w in windows):
         parser.error("--long-seqs and --windows must be >= 2 tokens and --long-ratios > 1")
+    if args.long_batch is not None and args.long_batch < 1:
+        parser.error(f"--long-batch must be at least 1 (got {args.long_batch})")
     if args.long_steps < 3:
         parser.error("--long-steps must be at least 3 (2 warm-up steps are dropped)")
     args.warmup = QUICK_WARMUP_STEPS if args.quick else WARMUP_STEPS
@@ -394,6 +401,8 @@ def long_table(root: Path, args: argparse.Namespace, seqs, ratios, windows, head
     from pipeline.config import load_config
 
     overrides = wc.llama_1b_overrides(LLAMA_1B) if args.long_model == "llama1b" else []
+    if args.long_batch is not None:
+        overrides = [*overrides, f"global_train_batch_size={args.long_batch}"]
     cfg = load_config(wc.LONG_YAML, overrides)
     kappa = int(cfg.global_train_batch_size)
     val = int(cfg.algorithms["data_selection"]["validation"]["batch_size"])

@@ -152,3 +152,36 @@ def test_profile_step_quick_run_prints_the_stage_table():
         assert finite([ms, share]) and ms > 0 and 0 < share <= 100, (name, table[name])
     assert table["step"][1] == "100.0"
     assert float(table["selection"][0]) + float(table["train"][0]) <= float(table["step"][0])
+
+
+def test_long_batch_sets_the_rows_the_long_table_trains_and_its_floors(monkeypatch, tmp_path, capsys):
+    """--long-batch reaches both the measured runs and the floors printed beside them."""
+    import argparse
+
+    import window_cost as wc
+
+    seen = {}
+
+    def fake_bench_long(shards, runs, S, ratios, windows, *, model_overrides, **kwargs):
+        seen["overrides"] = list(model_overrides)
+        return [{"S": S, "r": 2, "random": 1.0, "ps": {64: 1.05}}]
+
+    def fake_table(rows, *, config, kappa, val_rows, reference):
+        seen["kappa"], seen["val_rows"] = kappa, val_rows
+        return "table"
+
+    monkeypatch.setattr(wc, "write_long_shards", lambda corpus, shards, S: 0)
+    monkeypatch.setattr(wc, "bench_long", fake_bench_long)
+    monkeypatch.setattr(wc, "format_long_table", fake_table)
+    args = argparse.Namespace(long_model="proportioned", long_batch=8, long_steps=3, device="cpu")
+    bench_step.long_table(tmp_path, args, [2048], [2], [64], [])
+    assert "global_train_batch_size=8" in seen["overrides"]
+    assert seen["kappa"] == 8 and seen["val_rows"] == 1
+    args.long_batch = None
+    bench_step.long_table(tmp_path, args, [2048], [2], [64], [])
+    assert seen["kappa"] == 2  # yamls/testing/long_proportioned.yaml's global_train_batch_size
+
+
+def test_long_batch_below_one_is_refused():
+    with pytest.raises(SystemExit):
+        bench_step.main(["--long", "only", "--long-batch", "0"])
