@@ -245,22 +245,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def study_commands(
-    dest: Path, *, shards: Path, seq_len: int, profile: str, seeds: str, budget_steps: int, jobs: int, quick: bool = False
-) -> list[list[str]]:
-    """The tools/run_experiment.py commands of the study: equal compute, then (full) equal steps."""
-    arms = STUDY_ARMS if profile == "full" else {k: STUDY_ARMS[k] for k in QUICK_ARMS}
+def _experiment_command(arms: dict[str, tuple[str, list[str]]], *, shards: Path, seeds: str, jobs: int) -> list[str]:
+    """run_experiment's command line for `arms` (label -> (strategy, overrides)), paired against random."""
     plain = [label for label, (strategy, extra) in arms.items() if not extra and label == strategy]
-    variants = [",".join([f"{label}={strategy}", *extra]) for label, (strategy, extra) in arms.items() if label not in plain]
-    base = [
+    cmd = [
         sys.executable, "tools/run_experiment.py", "--yaml", str(YAML), "--shard-dir", str(shards),
         "--strategies", ",".join(plain), "--seeds", seeds, "--paired-baseline", "random", "--jobs", str(jobs),
         # The last step only (train_budget always evaluates there): an evaluation of the held-out
         # documents costs about 16 random steps, and run_experiment's default is 5 of them a run.
         "--eval-interval", str(STUDY_EVAL_INTERVAL),
     ]
-    for v in variants:
-        base += ["--variant", v]
+    for label, (strategy, extra) in arms.items():
+        if label not in plain:
+            cmd += ["--variant", ",".join([f"{label}={strategy}", *extra])]
+    return cmd
+
+
+def study_commands(
+    dest: Path, *, shards: Path, seq_len: int, profile: str, seeds: str, budget_steps: int, jobs: int, quick: bool = False
+) -> list[list[str]]:
+    """The tools/run_experiment.py commands of the study: equal compute, then (full) equal steps."""
+    arms = STUDY_ARMS if profile == "full" else {k: STUDY_ARMS[k] for k in QUICK_ARMS}
+    base = _experiment_command(arms, shards=shards, seeds=seeds, jobs=jobs)
     tail = ["--", f"variables.max_seq_len={seq_len}", *STUDY_OVERRIDES]
     calibration = ["--calibration-steps", "2", "--calibration-warmup", "1"] if quick else ["--calibration-steps", "6", "--calibration-warmup", "2"]
     cmds = [
@@ -303,15 +309,7 @@ def more_seeds_command(dest: Path, *, shards: Path, seq_len: int, seeds: str, jo
     costs = plan["step_costs_s"]
     budget = plan["budget"]  # "the cost of N steps of random"
     steps = int(budget.split("the cost of ")[1].split(" ")[0])
-    variants = [",".join([f"{label}={STUDY_ARMS[label][0]}", *STUDY_ARMS[label][1]]) for label in MORE_ARMS if STUDY_ARMS[label][1]]
-    plain = [label for label in MORE_ARMS if not STUDY_ARMS[label][1]]
-    cmd = [
-        sys.executable, "tools/run_experiment.py", "--yaml", str(YAML), "--shard-dir", str(shards),
-        "--strategies", ",".join(plain), "--seeds", seeds, "--paired-baseline", "random", "--jobs", str(jobs),
-        "--eval-interval", str(STUDY_EVAL_INTERVAL),
-    ]
-    for v in variants:
-        cmd += ["--variant", v]
+    cmd = _experiment_command({label: STUDY_ARMS[label] for label in MORE_ARMS}, shards=shards, seeds=seeds, jobs=jobs)
     return cmd + [
         "--compute-budget", f"random={steps}", "--cost-clock", plan.get("clock", "cpu"),
         "--step-costs", ",".join(f"{label}={costs[label]!r}" for label in MORE_ARMS),
