@@ -377,6 +377,8 @@ def study_report(dest: Path) -> str:
             avg = entry.get("average", {})
             diff = paired.get("strategies", {}).get(label, {}).get("average", {}) if label != "random" else {}
             steps = plan["steps"].get(label) if plan else entry.get("steps", {}).get("mean")
+            if isinstance(steps, float) and steps.is_integer():
+                steps = int(steps)  # a mean over seeds of equal step counts
             cost = plan["step_costs_s"].get(label) if plan else None
             flops = (entry.get("flops") or {}).get("mean")
             d = (
