@@ -256,6 +256,35 @@ def induced_mixture(study: Path, label: str, seeds: list[int]) -> dict[str, floa
     return {n: sum(m.get(n, 0.0) for m in per_seed) / len(per_seed) for n in names}
 
 
+def pool_departure(study: Path, label: str, seeds: list[int]) -> float | None:
+    """How far the arm's selection moves from its own pool, step by step: the total-variation distance between
+    the selected rows' domain shares and the pool's (`mixture/*` against `pool/*` in selection_log.csv), mean
+    over steps, then over the seeds that logged it. Proportional capacities give the rounding alone."""
+    import csv
+
+    per_seed = []
+    for seed in seeds:
+        path = study / f"{label}-seed{seed}" / "selection_log.csv"
+        if not path.is_file():
+            continue
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        if not rows:
+            continue
+        domains = [k[len("mixture/"):] for k in rows[0] if k.startswith("mixture/") and f"pool/{k[8:]}" in rows[0]]
+        tvs = []
+        for row in rows:
+            try:
+                sel = [float(row[f"mixture/{d}"]) for d in domains]
+                pool = [float(row[f"pool/{d}"]) for d in domains]
+            except (TypeError, ValueError):
+                continue  # a step logged without shares
+            tvs.append(0.5 * sum(abs(a - b) for a, b in zip(sel, pool)))
+        if tvs:
+            per_seed.append(sum(tvs) / len(tvs))
+    return sum(per_seed) / len(per_seed) if per_seed else None
+
+
 def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], png: Path | None) -> tuple[str, dict]:
     """The markdown section of one corpus and its numbers (`{arm: {tv_natural, tv_doremi, conflict, induced}}`)."""
     from composer_algos.capacity_policy import read_domain_weights_file
@@ -284,6 +313,7 @@ def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], p
             "induced": induced,
             "tv_natural": total_variation(induced, natural, names) if induced and natural else None,
             "tv_doremi": total_variation(induced, doremi, names) if induced and doremi else None,
+            "tv_pool_step": pool_departure(study, label, seeds),
             "conflict_fraction": conflict,
             "average_loss": avg.get("mean"),
         }
@@ -291,16 +321,18 @@ def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], p
     lines += [
         "Induced mixture: each arm's share of the trained examples, mean over steps and seeds (mixture_steps.csv); "
         "TV = total-variation distance (half the L1 distance) of that mixture from the natural one (the training "
-        "split's example shares) and from DoReMi's learned weights; conflict fraction: share of selected pairs with "
+        "split's example shares) and from DoReMi's learned weights; TV vs pool / step: the distance of each step's "
+        "selected shares from that step's pool shares, mean over steps and seeds (selection_log.csv), the "
+        "selection's own departure from what it was offered (proportional capacities: the rounding); conflict fraction: share of selected pairs with "
         "<g_i, g_j> < 0, mean over steps and seeds (random: `log_conflicts`).",
         "",
-        "| arm | avg loss | TV vs natural | TV vs DoReMi | conflict fraction |",
-        "|---|---:|---:|---:|---:|",
+        "| arm | avg loss | TV vs natural | TV vs DoReMi | TV vs pool / step | conflict fraction |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for label, v in numbers.items():
         lines.append(
             f"| {label} | {_num(v['average_loss'])} | {_num(v['tv_natural'])} | {_num(v['tv_doremi'])} | "
-            f"{_num(v['conflict_fraction'])} |"
+            f"{_num(v['tv_pool_step'])} | {_num(v['conflict_fraction'])} |"
         )
     if domains:
         lines += [

@@ -179,8 +179,8 @@ def test_report_distances_and_conflicts_from_hand_written_files(tmp_path):
         assert got["tv_doremi"] == pytest.approx(tv_dor, abs=1e-12), label
         assert got["conflict_fraction"] == conflict
     assert numbers["ps_slack2"]["induced"] == pytest.approx({"a": 0.55, "b": 0.25, "c": 0.2})
-    assert "| ps_slack2 | 1.2000 | 0.0500 | 0.3000 | 0.3000 |" in text
-    assert "| random | 1.5000 | 0.1000 | 0.2000 | 0.4500 |" in text
+    assert "| ps_slack2 | 1.2000 | 0.0500 | 0.3000 | - | 0.3000 |" in text  # no selection_log.csv: no pool distance
+    assert "| random | 1.5000 | 0.1000 | 0.2000 | - | 0.4500 |" in text
     assert "| ps_slack2 - natural | +0.0500 | -0.0500 | +0.0000 |" in text  # the signed departure per domain
     assert "| DoReMi | 0.2500 | 0.5000 | 0.2500 |" in text
     assert "ps_slack2 - partitionsel" in text and "-0.0500 [-0.0900, -0.0100]" in text  # the paired table
@@ -201,3 +201,17 @@ def test_report_without_runs_says_so_and_writes_the_file(tmp_path):
     assert "## ghpile" in text and "## dm_math" not in text  # a corpus without a study dir is left out
     assert "the study has not run" in text
     assert (tmp_path / "mixtures.md").read_text().strip() == text.strip()
+
+
+def test_pool_departure_is_the_per_step_distance_of_the_selection_from_its_pool(tmp_path):
+    def log(path, rows):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        head = "step,strategy,mixture/a,mixture/b,pool/a,pool/b,capacity/a,capacity/b\n"
+        path.write_text(head + "".join(f"{i},x,{ma},{mb},{pa},{pb},1,1\n" for i, (ma, mb, pa, pb) in enumerate(rows)))
+
+    # seed 1: steps at TV 1/2(0.25 + 0.25) = 0.25 and 0; seed 2: one step at 1/2(0.1 + 0.1) = 0.1.
+    log(tmp_path / "arm-seed1" / "selection_log.csv", [(0.75, 0.25, 0.5, 0.5), (0.5, 0.5, 0.5, 0.5)])
+    log(tmp_path / "arm-seed2" / "selection_log.csv", [(0.4, 0.6, 0.5, 0.5)])
+    # mean over steps per seed (0.125, 0.1), then over seeds
+    assert study_mixtures.pool_departure(tmp_path, "arm", [1, 2, 3]) == pytest.approx(0.1125)
+    assert study_mixtures.pool_departure(tmp_path, "other", [1]) is None
