@@ -285,6 +285,19 @@ def pool_departure(study: Path, label: str, seeds: list[int]) -> float | None:
     return sum(per_seed) / len(per_seed) if per_seed else None
 
 
+def departure_cosine(
+    induced: dict[str, float], natural: dict[str, float], reference: dict[str, float], names: list[str]
+) -> float | None:
+    """Cosine of (induced - natural) with (reference - natural) over `names`: whether a mixture moved from the
+    natural one the way the reference (DoReMi's weights) does. None when either did not move (a zero vector)."""
+    a = [induced.get(n, 0.0) - natural.get(n, 0.0) for n in names]
+    b = [reference.get(n, 0.0) - natural.get(n, 0.0) for n in names]
+    na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(x * x for x in b))
+    if na < 1e-12 or nb < 1e-12:
+        return None
+    return sum(x * y for x, y in zip(a, b)) / (na * nb)
+
+
 def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], png: Path | None) -> tuple[str, dict]:
     """The markdown section of one corpus and its numbers (`{arm: {tv_natural, tv_doremi, conflict, induced}}`)."""
     from composer_algos.capacity_policy import read_domain_weights_file
@@ -314,6 +327,7 @@ def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], p
             "tv_natural": total_variation(induced, natural, names) if induced and natural else None,
             "tv_doremi": total_variation(induced, doremi, names) if induced and doremi else None,
             "tv_pool_step": pool_departure(study, label, seeds),
+            "toward_doremi": departure_cosine(induced, natural, doremi, names) if induced and natural and doremi else None,
             "conflict_fraction": conflict,
             "average_loss": avg.get("mean"),
         }
@@ -323,16 +337,18 @@ def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], p
         "TV = total-variation distance (half the L1 distance) of that mixture from the natural one (the training "
         "split's example shares) and from DoReMi's learned weights; TV vs pool / step: the distance of each step's "
         "selected shares from that step's pool shares, mean over steps and seeds (selection_log.csv), the "
-        "selection's own departure from what it was offered (proportional capacities: the rounding); conflict fraction: share of selected pairs with "
+        "selection's own departure from what it was offered (proportional capacities: the rounding); toward DoReMi: "
+        "the cosine of the arm's departure from the natural mixture (induced - natural) with DoReMi's (weights - "
+        "natural), +1 = moved budget the way DoReMi does, blank where the arm did not move; conflict fraction: share of selected pairs with "
         "<g_i, g_j> < 0, mean over steps and seeds (random: `log_conflicts`).",
         "",
-        "| arm | avg loss | TV vs natural | TV vs DoReMi | TV vs pool / step | conflict fraction |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| arm | avg loss | TV vs natural | TV vs DoReMi | toward DoReMi | TV vs pool / step | conflict fraction |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label, v in numbers.items():
         lines.append(
             f"| {label} | {_num(v['average_loss'])} | {_num(v['tv_natural'])} | {_num(v['tv_doremi'])} | "
-            f"{_num(v['tv_pool_step'])} | {_num(v['conflict_fraction'])} |"
+            f"{_num(v['toward_doremi'])} | {_num(v['tv_pool_step'])} | {_num(v['conflict_fraction'])} |"
         )
     if domains:
         lines += [

@@ -179,8 +179,13 @@ def test_report_distances_and_conflicts_from_hand_written_files(tmp_path):
         assert got["tv_doremi"] == pytest.approx(tv_dor, abs=1e-12), label
         assert got["conflict_fraction"] == conflict
     assert numbers["ps_slack2"]["induced"] == pytest.approx({"a": 0.55, "b": 0.25, "c": 0.2})
-    assert "| ps_slack2 | 1.2000 | 0.0500 | 0.3000 | - | 0.3000 |" in text  # no selection_log.csv: no pool distance
-    assert "| random | 1.5000 | 0.1000 | 0.2000 | - | 0.4500 |" in text
+    # toward DoReMi, by hand: ps_slack2 moved (0.05, -0.05, 0), DoReMi (-0.25, 0.2, 0.05) from natural:
+    # -0.0225 / (sqrt(0.005) sqrt(0.105)) = -0.9820; partitionsel did not move: blank.
+    assert numbers["ps_slack2"]["toward_doremi"] == pytest.approx(-0.0225 / math.sqrt(0.005 * 0.105))
+    assert numbers["partitionsel"]["toward_doremi"] is None
+    assert "| ps_slack2 | 1.2000 | 0.0500 | 0.3000 | -0.9820 | - | 0.3000 |" in text  # no selection_log.csv: no pool distance
+    # random moved (-0.1, 0, 0.1): 0.03 / (sqrt(0.02) sqrt(0.105)) = 0.6547
+    assert "| random | 1.5000 | 0.1000 | 0.2000 | 0.6547 | - | 0.4500 |" in text
     assert "| ps_slack2 - natural | +0.0500 | -0.0500 | +0.0000 |" in text  # the signed departure per domain
     assert "| DoReMi | 0.2500 | 0.5000 | 0.2500 |" in text
     assert "ps_slack2 - partitionsel" in text and "-0.0500 [-0.0900, -0.0100]" in text  # the paired table
