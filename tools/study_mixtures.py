@@ -239,21 +239,47 @@ def seed_mean_trajectory(study: Path, label: str, seeds: list[int], *, file: str
     return common, names, np.mean(stacked, axis=0)
 
 
-def induced_mixture(study: Path, label: str, seeds: list[int]) -> dict[str, float] | None:
-    """The arm's induced mixture: each seed's mean share over its logged steps, averaged over seeds."""
+def induced_per_seed(study: Path, label: str, seeds: list[int]) -> dict[int, dict[str, float]]:
+    """seed -> the arm's mean share per domain over that seed's logged steps (mixture_steps.csv)."""
     from composer_algos.mixture_io import read_mixture_csv
 
-    per_seed = []
+    result = {}
     for seed in seeds:
         path = study / f"{label}-seed{seed}" / "mixture_steps.csv"
         if path.is_file():
             steps, names, values = read_mixture_csv(path)
             if steps:
-                per_seed.append(dict(zip(names, values.mean(axis=0).tolist())))
+                result[seed] = dict(zip(names, values.mean(axis=0).tolist()))
+    return result
+
+
+def induced_mixture(study: Path, label: str, seeds: list[int]) -> dict[str, float] | None:
+    """The arm's induced mixture: each seed's mean share over its logged steps, averaged over seeds."""
+    per_seed = list(induced_per_seed(study, label, seeds).values())
     if not per_seed:
         return None
     names = sorted(set().union(*per_seed))
     return {n: sum(m.get(n, 0.0) for m in per_seed) / len(per_seed) for n in names}
+
+
+def departure_from_baseline(
+    study: Path, label: str, seeds: list[int], *, reference: dict[str, float] | None, natural: dict[str, float] | None,
+) -> tuple[float | None, float | None]:
+    """(TV, toward): how far the arm's induced mixture moved from proportional PartitionSel's on the same seed
+    (the same pools, so what the pools' own drift gives cancels), the total-variation distance per seed averaged
+    over the seeds both finished; and the cosine of the seed-mean move (arm - baseline) with the reference's
+    (DoReMi's weights - natural), None where either did not move."""
+    arm, base = induced_per_seed(study, label, seeds), induced_per_seed(study, BASELINE, seeds)
+    common = [s for s in seeds if s in arm and s in base]
+    if not common:
+        return None, None
+    names = sorted(set().union(*(arm[s] for s in common), *(base[s] for s in common)))
+    moves = [[arm[s].get(n, 0.0) - base[s].get(n, 0.0) for n in names] for s in common]
+    tv = sum(0.5 * sum(abs(x) for x in m) for m in moves) / len(moves)
+    if reference is None or natural is None:
+        return tv, None
+    mean_move = {n: sum(m[i] for m in moves) / len(moves) for i, n in enumerate(names)}
+    return tv, departure_cosine(mean_move, {n: 0.0 for n in names}, {n: reference.get(n, 0.0) - natural.get(n, 0.0) for n in names}, names)
 
 
 def pool_departure(study: Path, label: str, seeds: list[int]) -> float | None:
@@ -288,8 +314,8 @@ def pool_departure(study: Path, label: str, seeds: list[int]) -> float | None:
 def departure_cosine(
     induced: dict[str, float], natural: dict[str, float], reference: dict[str, float], names: list[str]
 ) -> float | None:
-    """Cosine of (induced - natural) with (reference - natural) over `names`: whether a mixture moved from the
-    natural one the way the reference (DoReMi's weights) does. None when either did not move (a zero vector)."""
+    """Cosine of (induced - natural) with (reference - natural) over `names`: whether a mixture moved from
+    `natural` the way the reference does. None when either did not move (a zero vector)."""
     a = [induced.get(n, 0.0) - natural.get(n, 0.0) for n in names]
     b = [reference.get(n, 0.0) - natural.get(n, 0.0) for n in names]
     na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(x * x for x in b))
@@ -327,7 +353,8 @@ def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], p
             "tv_natural": total_variation(induced, natural, names) if induced and natural else None,
             "tv_doremi": total_variation(induced, doremi, names) if induced and doremi else None,
             "tv_pool_step": pool_departure(study, label, seeds),
-            "toward_doremi": departure_cosine(induced, natural, doremi, names) if induced and natural and doremi else None,
+            **dict(zip(("tv_proportional", "toward_doremi"), departure_from_baseline(
+                study, label, seeds, reference=doremi, natural=natural))),
             "conflict_fraction": conflict,
             "average_loss": avg.get("mean"),
         }
@@ -337,18 +364,20 @@ def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], p
         "TV = total-variation distance (half the L1 distance) of that mixture from the natural one (the training "
         "split's example shares) and from DoReMi's learned weights; TV vs pool / step: the distance of each step's "
         "selected shares from that step's pool shares, mean over steps and seeds (selection_log.csv), the "
-        "selection's own departure from what it was offered (proportional capacities: the rounding); toward DoReMi: "
-        "the cosine of the arm's departure from the natural mixture (induced - natural) with DoReMi's (weights - "
-        "natural), +1 = moved budget the way DoReMi does, blank where the arm did not move; conflict fraction: share of selected pairs with "
+        "selection's own departure from what it was offered (proportional capacities: the rounding); TV vs "
+        f"proportional: the distance of the arm's induced mixture from {BASELINE}'s on the same seed (the same "
+        "pools, so the pools' own drift cancels), mean over seeds; toward DoReMi: the cosine of that move (arm - "
+        f"{BASELINE}, seed mean) with DoReMi's (weights - natural), +1 = budget moved the way DoReMi moves it, "
+        "blank where nothing moved; conflict fraction: share of selected pairs with "
         "<g_i, g_j> < 0, mean over steps and seeds (random: `log_conflicts`).",
         "",
-        "| arm | avg loss | TV vs natural | TV vs DoReMi | toward DoReMi | TV vs pool / step | conflict fraction |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| arm | avg loss | TV vs natural | TV vs DoReMi | TV vs proportional | toward DoReMi | TV vs pool / step | conflict fraction |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, v in numbers.items():
         lines.append(
             f"| {label} | {_num(v['average_loss'])} | {_num(v['tv_natural'])} | {_num(v['tv_doremi'])} | "
-            f"{_num(v['toward_doremi'])} | {_num(v['tv_pool_step'])} | {_num(v['conflict_fraction'])} |"
+            f"{_num(v['tv_proportional'])} | {_num(v['toward_doremi'])} | {_num(v['tv_pool_step'])} | {_num(v['conflict_fraction'])} |"
         )
     if domains:
         lines += [

@@ -179,13 +179,16 @@ def test_report_distances_and_conflicts_from_hand_written_files(tmp_path):
         assert got["tv_doremi"] == pytest.approx(tv_dor, abs=1e-12), label
         assert got["conflict_fraction"] == conflict
     assert numbers["ps_slack2"]["induced"] == pytest.approx({"a": 0.55, "b": 0.25, "c": 0.2})
-    # toward DoReMi, by hand: ps_slack2 moved (0.05, -0.05, 0), DoReMi (-0.25, 0.2, 0.05) from natural:
-    # -0.0225 / (sqrt(0.005) sqrt(0.105)) = -0.9820; partitionsel did not move: blank.
+    # Against partitionsel on the same seed (seed 1 (0.5, 0.3, 0.2), seed 2 the same): ps_slack2 moved
+    # (0.1, -0.1, 0) and (0, 0, 0), TV 0.1 and 0, mean 0.05; its mean move (0.05, -0.05, 0) against DoReMi's
+    # (-0.25, 0.2, 0.05): -0.0225 / (sqrt(0.005) sqrt(0.105)) = -0.9820; partitionsel did not move: blank.
+    assert numbers["ps_slack2"]["tv_proportional"] == pytest.approx(0.05)
+    assert numbers["partitionsel"]["tv_proportional"] == 0.0
     assert numbers["ps_slack2"]["toward_doremi"] == pytest.approx(-0.0225 / math.sqrt(0.005 * 0.105))
     assert numbers["partitionsel"]["toward_doremi"] is None
-    assert "| ps_slack2 | 1.2000 | 0.0500 | 0.3000 | -0.9820 | - | 0.3000 |" in text  # no selection_log.csv: no pool distance
-    # random moved (-0.1, 0, 0.1): 0.03 / (sqrt(0.02) sqrt(0.105)) = 0.6547
-    assert "| random | 1.5000 | 0.1000 | 0.2000 | 0.6547 | - | 0.4500 |" in text
+    assert "| ps_slack2 | 1.2000 | 0.0500 | 0.3000 | 0.0500 | -0.9820 | - | 0.3000 |" in text  # no selection_log.csv
+    # random (seed 1 only) moved (-0.1, 0, 0.1): TV 0.1; 0.03 / (sqrt(0.02) sqrt(0.105)) = 0.6547
+    assert "| random | 1.5000 | 0.1000 | 0.2000 | 0.1000 | 0.6547 | - | 0.4500 |" in text
     assert "| ps_slack2 - natural | +0.0500 | -0.0500 | +0.0000 |" in text  # the signed departure per domain
     assert "| DoReMi | 0.2500 | 0.5000 | 0.2500 |" in text
     assert "ps_slack2 - partitionsel" in text and "-0.0500 [-0.0900, -0.0100]" in text  # the paired table
@@ -220,3 +223,16 @@ def test_pool_departure_is_the_per_step_distance_of_the_selection_from_its_pool(
     # mean over steps per seed (0.125, 0.1), then over seeds
     assert study_mixtures.pool_departure(tmp_path, "arm", [1, 2, 3]) == pytest.approx(0.1125)
     assert study_mixtures.pool_departure(tmp_path, "other", [1]) is None
+
+
+def test_departure_is_measured_against_proportional_on_the_same_seed_not_the_natural_mixture(tmp_path):
+    # The arm lands on the natural mixture, but its baseline (same seed, same pools) sat elsewhere: it moved.
+    _csv(tmp_path / "partitionsel-seed1" / "mixture_steps.csv", [(0, 0.4, 0.4, 0.2)])
+    _csv(tmp_path / "arm-seed1" / "mixture_steps.csv", [(0, 0.5, 0.3, 0.2)])
+    _csv(tmp_path / "arm-seed2" / "mixture_steps.csv", [(0, 0.9, 0.05, 0.05)])  # no baseline seed 2: left out
+    natural = {"a": 0.5, "b": 0.3, "c": 0.2}
+    tv, toward = study_mixtures.departure_from_baseline(
+        tmp_path, "arm", [1, 2], reference={"a": 0.6, "b": 0.2, "c": 0.2}, natural=natural
+    )
+    assert tv == pytest.approx(0.1)  # 1/2 (0.1 + 0.1 + 0)
+    assert toward == pytest.approx(1.0)  # moved (0.1, -0.1, 0), DoReMi's direction (0.1, -0.1, 0)
