@@ -27,7 +27,7 @@ Parts (each reuses what an earlier, interrupted invocation finished):
 
 Profiles of `study` (--profile):
   quick  equal compute only; random, PartitionSel on whole rows, on 64- and 128-token windows, and on
-         128-token windows at r = 4: the main table (about 30 minutes on 2 idle cores)
+         128-token windows at r = 4: the main table (32 minutes measured on 2 idle cores)
   full   equal compute and equal steps; all STUDY_ARMS (see docs/results/study_ghpile.md for its
          measured time)
 
