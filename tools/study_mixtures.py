@@ -253,33 +253,35 @@ def induced_per_seed(study: Path, label: str, seeds: list[int]) -> dict[int, dic
     return result
 
 
-def induced_mixture(study: Path, label: str, seeds: list[int]) -> dict[str, float] | None:
-    """The arm's induced mixture: each seed's mean share over its logged steps, averaged over seeds."""
-    per_seed = list(induced_per_seed(study, label, seeds).values())
+def seed_mean(per_seed: dict[int, dict[str, float]]) -> dict[str, float] | None:
+    """The mean over seeds of per-seed mixtures (missing domains count as 0); None without any seed."""
     if not per_seed:
         return None
-    names = sorted(set().union(*per_seed))
-    return {n: sum(m.get(n, 0.0) for m in per_seed) / len(per_seed) for n in names}
+    names = sorted(set().union(*per_seed.values()))
+    return {n: sum(m.get(n, 0.0) for m in per_seed.values()) / len(per_seed) for n in names}
 
 
 def departure_from_baseline(
-    study: Path, label: str, seeds: list[int], *, reference: dict[str, float] | None, natural: dict[str, float] | None,
+    arm: dict[int, dict[str, float]], base: dict[int, dict[str, float]], *,
+    reference: dict[str, float] | None, natural: dict[str, float] | None,
 ) -> tuple[float | None, float | None]:
-    """(TV, toward): how far the arm's induced mixture moved from proportional PartitionSel's on the same seed
-    (the same pools, so what the pools' own drift gives cancels), the total-variation distance per seed averaged
-    over the seeds both finished; and the cosine of the seed-mean move (arm - baseline) with the reference's
-    (DoReMi's weights - natural), None where either did not move."""
-    arm, base = induced_per_seed(study, label, seeds), induced_per_seed(study, BASELINE, seeds)
-    common = [s for s in seeds if s in arm and s in base]
+    """(TV, toward) from per-seed induced mixtures (`induced_per_seed`) of an arm and of proportional
+    PartitionSel: how far the arm moved from the baseline on the same seed (the same pools, so what the pools'
+    own drift gives cancels), the total-variation distance per seed averaged over the seeds both finished; and
+    the cosine of the seed-mean move (arm - baseline) with the reference's (DoReMi's weights - natural), None
+    where either did not move."""
+    from composer_algos.doremi.compare import total_variation
+
+    common = [s for s in arm if s in base]
     if not common:
         return None, None
-    names = sorted(set().union(*(arm[s] for s in common), *(base[s] for s in common)))
-    moves = [[arm[s].get(n, 0.0) - base[s].get(n, 0.0) for n in names] for s in common]
-    tv = sum(0.5 * sum(abs(x) for x in m) for m in moves) / len(moves)
+    arm_mean, base_mean = seed_mean({s: arm[s] for s in common}), seed_mean({s: base[s] for s in common})
+    names = sorted(set(arm_mean) | set(base_mean))
+    tv = sum(total_variation(arm[s], base[s], names) for s in common) / len(common)
     if reference is None or natural is None:
         return tv, None
-    mean_move = {n: sum(m[i] for m in moves) / len(moves) for i, n in enumerate(names)}
-    return tv, departure_cosine(mean_move, {n: 0.0 for n in names}, {n: reference.get(n, 0.0) - natural.get(n, 0.0) for n in names}, names)
+    move = [arm_mean.get(n, 0.0) - base_mean.get(n, 0.0) for n in names]
+    return tv, _cosine(move, [reference.get(n, 0.0) - natural.get(n, 0.0) for n in names])
 
 
 def pool_departure(study: Path, label: str, seeds: list[int]) -> float | None:
@@ -311,13 +313,8 @@ def pool_departure(study: Path, label: str, seeds: list[int]) -> float | None:
     return sum(per_seed) / len(per_seed) if per_seed else None
 
 
-def departure_cosine(
-    induced: dict[str, float], natural: dict[str, float], reference: dict[str, float], names: list[str]
-) -> float | None:
-    """Cosine of (induced - natural) with (reference - natural) over `names`: whether a mixture moved from
-    `natural` the way the reference does. None when either did not move (a zero vector)."""
-    a = [induced.get(n, 0.0) - natural.get(n, 0.0) for n in names]
-    b = [reference.get(n, 0.0) - natural.get(n, 0.0) for n in names]
+def _cosine(a: list[float], b: list[float]) -> float | None:
+    """Cosine of two vectors; None when either is zero (nothing moved)."""
     na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(x * x for x in b))
     if na < 1e-12 or nb < 1e-12:
         return None
@@ -343,8 +340,11 @@ def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], p
     else:
         lines += ["(no paired.json: the study has not run)", ""]
     numbers: dict[str, dict] = {}
+    baseline = induced_per_seed(study, BASELINE, seeds)
     for label in labels:
-        induced = induced_mixture(study, label, seeds)
+        per_seed = induced_per_seed(study, label, seeds)
+        induced = seed_mean(per_seed)
+        tv_proportional, toward_doremi = departure_from_baseline(per_seed, baseline, reference=doremi, natural=natural)
         conflict = ((selection.get("strategies") or {}).get(label) or {}).get("conflict_fraction")
         avg = ((comparison.get("strategies") or {}).get(label) or {}).get("average") or {}
         names = sorted(set(induced or {}) | set(natural or {}) | set(doremi or {}))
@@ -353,8 +353,8 @@ def corpus_report(study: Path, *, weights_file: Path | None, seeds: list[int], p
             "tv_natural": total_variation(induced, natural, names) if induced and natural else None,
             "tv_doremi": total_variation(induced, doremi, names) if induced and doremi else None,
             "tv_pool_step": pool_departure(study, label, seeds),
-            **dict(zip(("tv_proportional", "toward_doremi"), departure_from_baseline(
-                study, label, seeds, reference=doremi, natural=natural))),
+            "tv_proportional": tv_proportional,
+            "toward_doremi": toward_doremi,
             "conflict_fraction": conflict,
             "average_loss": avg.get("mean"),
         }

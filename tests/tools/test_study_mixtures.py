@@ -232,7 +232,9 @@ def test_departure_is_measured_against_proportional_on_the_same_seed_not_the_nat
     _csv(tmp_path / "arm-seed2" / "mixture_steps.csv", [(0, 0.9, 0.05, 0.05)])  # no baseline seed 2: left out
     natural = {"a": 0.5, "b": 0.3, "c": 0.2}
     tv, toward = study_mixtures.departure_from_baseline(
-        tmp_path, "arm", [1, 2], reference={"a": 0.6, "b": 0.2, "c": 0.2}, natural=natural
+        study_mixtures.induced_per_seed(tmp_path, "arm", [1, 2]),
+        study_mixtures.induced_per_seed(tmp_path, "partitionsel", [1, 2]),
+        reference={"a": 0.6, "b": 0.2, "c": 0.2}, natural=natural,
     )
     assert tv == pytest.approx(0.1)  # 1/2 (0.1 + 0.1 + 0)
     assert toward == pytest.approx(1.0)  # moved (0.1, -0.1, 0), DoReMi's direction (0.1, -0.1, 0)
