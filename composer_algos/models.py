@@ -1,4 +1,4 @@
-"""Build the Composer-wrapped causal LM (hub name, local path or inline config; optional LoRA).
+"""Build the Composer-wrapped causal LM (hub name, local path, GGUF file or inline config; optional LoRA).
 
 Legend: B = batch, T = sequence, V = vocabulary.
 """
@@ -14,6 +14,7 @@ from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from composer_algos.losses import IGNORE_INDEX, per_example_losses
+from pipeline.gguf import resolve_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,14 @@ def build_causal_lm(
 ) -> DomainCausalLM:
     """Build the model described by a `ModelConfig` (fields passed as plain keyword arguments).
 
-    A hub name and a local directory take the same path (`from_pretrained`); an inline `config`
-    builds a randomly initialised model offline.
+    A hub name and a local directory take the same path (`from_pretrained`); a `.gguf` file is
+    converted once to a cached local directory (`pipeline.gguf.gguf_model_dir`, float32 weights)
+    and then takes it too, with `pretrained: false` as well (the architecture comes from the file);
+    an inline `config` builds a randomly initialised model offline.
 
     Args:
         tokenizer: The run's tokenizer; the model's vocabulary must cover it.
-        pretrained_model_name_or_path: Hub name or local directory.
+        pretrained_model_name_or_path: Hub name, local directory or `.gguf` file.
         pretrained: Load the weights (else only the architecture, randomly initialised).
         config: Inline transformers config with `model_type`.
         config_overrides: Fields patched into the config.
@@ -74,9 +77,14 @@ def build_causal_lm(
         The Composer model, with per-token cross-entropy and perplexity as eval metrics.
 
     Raises:
-        ValueError: the vocabulary is smaller than the tokenizer's.
+        ValueError: the vocabulary is smaller than the tokenizer's; a `.gguf` file that is not GGUF
+            or whose architecture transformers cannot load (`pipeline.gguf.gguf_model_dir`).
     """
     overrides = dict(config_overrides or {})
+    if pretrained_model_name_or_path is not None:
+        pretrained_model_name_or_path = resolve_pretrained(
+            pretrained_model_name_or_path, field="model.pretrained_model_name_or_path"
+        )
     if config is not None:
         cfg_dict = dict(config)
         model_type = cfg_dict.pop("model_type")

@@ -21,6 +21,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.gguf import gguf_problem, is_gguf
+
 __all__ = [
     "ConfigError",
     "ConfigSection",
@@ -95,11 +97,12 @@ class LoraConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The causal LM: a hub name or local path, or an inline transformers config (random init).
+    """The causal LM: a hub name, local path or `.gguf` file, or an inline transformers config (random init).
 
     `pretrained_model_name_or_path` with `pretrained: true` loads weights; with `pretrained:
-    false` it loads only the architecture's config. `config` (a dict with `model_type`) builds
-    the architecture offline; `config_overrides` patch either.
+    false` it loads only the architecture's config. A `.gguf` file is converted once to a cached
+    local model directory (`pipeline.gguf`); `tokenizer_name` may name the same file. `config`
+    (a dict with `model_type`) builds the architecture offline; `config_overrides` patch either.
     """
 
     pretrained_model_name_or_path: str | None = None
@@ -119,6 +122,9 @@ class ModelConfig:
             errs.append("model.config needs a `model_type` (e.g. llama, qwen2, gpt2)")
         if self.pretrained and self.pretrained_model_name_or_path is None:
             errs.append("model.pretrained: true needs `pretrained_model_name_or_path`")
+        name = self.pretrained_model_name_or_path
+        if is_gguf(name) and (problem := gguf_problem(name, "model.pretrained_model_name_or_path")):
+            errs.append(problem)  # missing or not GGUF: said now, not after the tokenizer and data are built
         if self.attn_implementation not in ("eager", "sdpa", "flash_attention_2"):
             errs.append(
                 f"model.attn_implementation must be eager, sdpa or flash_attention_2, got {self.attn_implementation!r}"
@@ -284,6 +290,8 @@ class TrainConfig:
             errs.append(f"global_train_batch_size must be > 0, got {self.global_train_batch_size}")
         if self.max_seq_len <= 0:
             errs.append(f"max_seq_len must be > 0, got {self.max_seq_len}")
+        if is_gguf(self.tokenizer_name) and (problem := gguf_problem(self.tokenizer_name, "tokenizer_name")):
+            errs.append(problem)
         mb = self.device_train_microbatch_size
         if isinstance(mb, str) and mb != "auto":
             errs.append(f"device_train_microbatch_size must be an int or 'auto', got {mb!r}")

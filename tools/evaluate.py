@@ -49,10 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     model_args = argparse.ArgumentParser(add_help=False)
     g = model_args.add_argument_group("model")
-    g.add_argument("--model", help="HF model folder, PEFT adapter folder, or Composer checkpoint (.pt)")
+    g.add_argument("--model", help="HF model folder, .gguf file (converted once, cached), PEFT adapter folder, or Composer checkpoint (.pt)")
     g.add_argument("--adapter", help="PEFT adapter folder merged into --model (merge_and_unload)")
-    g.add_argument("--base-model", help="base model folder for adapter-only inputs")
-    g.add_argument("--tokenizer", help="tokenizer folder (default: from the checkpoint or model folder)")
+    g.add_argument("--base-model", help="base model folder or .gguf file for adapter-only inputs")
+    g.add_argument("--tokenizer", help="tokenizer folder or .gguf file (default: from the checkpoint or model folder)")
     g.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda when available)")
     g.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="default: bf16 on GPU, fp32 on CPU")
     g.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per generate call (default 8)")

@@ -83,7 +83,7 @@ def _add_shard_args(p: argparse.ArgumentParser, fmt: str) -> None:
     g.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing output (one holding a manifest.json, or empty)")
     g.add_argument("--mode", choices=("pretrain", "finetune"), help="pretrain: packed input_ids; finetune: prompt_ids/response_ids (default: per format)")
-    g.add_argument("--tokenizer", default=DEMO_TOKENIZER, help="tokenizer directory or hub name (default: the committed demo tokenizer)")
+    g.add_argument("--tokenizer", default=DEMO_TOKENIZER, help="tokenizer directory, hub name or .gguf model file (converted once, cached) (default: the committed demo tokenizer)")
     g.add_argument("--max-seq-len", type=int, required=True, help="pretrain: sequence length; finetune: cap on prompt + response tokens")
     g.add_argument("--size-limit", default="64mb", help="MDS shard size limit (default: 64mb)")
 

@@ -1,4 +1,4 @@
-"""Load a causal LM for evaluation from a Hugging Face folder, a PEFT adapter or a Composer checkpoint."""
+"""Load a causal LM for evaluation from a Hugging Face folder, a GGUF file, a PEFT adapter or a Composer checkpoint."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pipeline.evaluation.generate import default_dtype, resolve_device
+from pipeline.gguf import gguf_model_dir, is_gguf, resolve_pretrained
 
 __all__ = ["load_composer_checkpoint", "load_model_and_tokenizer", "load_tokenizer"]
 
@@ -32,6 +33,7 @@ def load_model_and_tokenizer(
     ``model_path`` may be:
 
     - a Hugging Face model folder (``config.json`` + weights);
+    - a ``.gguf`` file, converted once to a cached model folder (`pipeline.gguf.gguf_model_dir`);
     - a PEFT adapter folder (``adapter_config.json``): the base is ``base_model`` or the adapter's
       ``base_model_name_or_path``, which must be a local folder;
     - a Composer checkpoint file (``.pt``) of a ``composer.models.HuggingFaceModel``; see
@@ -40,8 +42,10 @@ def load_model_and_tokenizer(
     A separate ``adapter`` folder is applied on top and merged (``merge_and_unload``), so the
     result is a plain ``transformers`` model either way.
 
+    Every folder argument also accepts a ``.gguf`` file (its converted folder is used).
+
     Args:
-        model_path: Model folder, adapter folder or Composer checkpoint file.
+        model_path: Model folder, ``.gguf`` file, adapter folder or Composer checkpoint file.
         adapter: Optional PEFT adapter folder to merge into the model.
         tokenizer: Tokenizer folder (default: the one stored in the Composer checkpoint, else the
             model, base-model or adapter folder, whichever has tokenizer files).
@@ -86,7 +90,7 @@ def load_model_and_tokenizer(
         model = _merge_adapter(model, adapter_dir)
         tokenizer_dirs.append(adapter_dir)
     if base_model is not None:
-        tokenizer_dirs.append(Path(base_model))
+        tokenizer_dirs.append(Path(resolve_pretrained(base_model, "base_model")))
 
     if tokenizer is not None:
         tok = load_tokenizer(_existing(tokenizer, "tokenizer"))
@@ -104,7 +108,7 @@ def load_model_and_tokenizer(
 
 
 def load_tokenizer(path: str | Path):
-    """``AutoTokenizer`` from a local folder (no downloads)."""
+    """``AutoTokenizer`` from a local folder or ``.gguf`` file (no downloads)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(_existing(path, "tokenizer"), local_files_only=True)
@@ -282,6 +286,9 @@ def _has_tokenizer(folder: Path) -> bool:
 
 
 def _existing(path: str | Path, field: str) -> Path:
+    """The local file or folder; a ``.gguf`` file as its converted model folder (converted once, then cached)."""
+    if is_gguf(path):
+        return gguf_model_dir(path, field=field)
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"`{field}` {p} does not exist (only local files are read; nothing is downloaded)")
