@@ -212,11 +212,15 @@ def main(argv: list[str]) -> Trainer:
 
     if os.environ.get("LOCAL_RANK", "0") == "0":
         clean_stale_streaming_resources()  # left by killed runs; only what no live process holds
-    trainer = build_trainer(cfg)
-    if cfg.save_folder and dist.get_global_rank() == 0:
-        os.makedirs(cfg.save_folder, exist_ok=True)
-        OmegaConf.save(OmegaConf.create(config_to_dict(cfg)), os.path.join(cfg.save_folder, "config.yaml"))
-    trainer.fit()
+    try:
+        trainer = build_trainer(cfg)
+        if cfg.save_folder and dist.get_global_rank() == 0:
+            os.makedirs(cfg.save_folder, exist_ok=True)
+            OmegaConf.save(OmegaConf.create(config_to_dict(cfg)), os.path.join(cfg.save_folder, "config.yaml"))
+        trainer.fit()
+    except ConfigError as e:  # a setting only the data could refute (shards not readable up front): one line
+        print(f"train.py: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if dist.get_global_rank() == 0:
         print("\nPer-domain validation loss (log-perplexity) at the end of training:")
         print(format_domain_losses(domain_val_losses(trainer)))

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from composer_algos.selection.capacities import compute_capacities
+from pipeline.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,9 @@ class CapacityPolicy:
             trained: the domains the training dataset streams (None when unknown).
 
         Raises:
-            ValueError: a named domain the run does not have, or a trained domain a weights file lacks.
+            ConfigError: (a ValueError) a named domain the run does not have, or a trained domain a
+                weights file lacks; `composer_algos.registry.shard_problems` makes the same call
+                before anything is built, so this is the backstop for shards it could not read.
         """
 
     def fractions(self) -> list[float] | None:
@@ -152,12 +155,15 @@ class FractionsPolicy(CapacityPolicy):
             needed = list(trained) if trained is not None else names
             missing = [n for n in needed if n not in shares]
             if missing:
-                raise ValueError(
+                raise ConfigError(
                     f"{self.source}: the weights file {self.file} has no weight for domains {missing} that the run "
                     f"trains (it covers {sorted(shares)}); use the weights file of a DoReMi run on the same domains"
                 )
         # Missing domains get 0 (with a warning); the rest is normalised to sum to 1.
-        weights = resolve_domain_weights(shares, names, source=self.source)
+        try:
+            weights = resolve_domain_weights(shares, names, source=self.source)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self._by_id = [weights[n] for n in names]
 
     def fractions(self) -> list[float] | None:
@@ -313,7 +319,7 @@ class MinorityFullPolicy(CapacityPolicy):
         if self.domains is not None:
             unknown = [d for d in self.domains if d not in names]
             if unknown:
-                raise ValueError(f"{WHERE}.domains: unknown domains {unknown}; the run's domains are {names}")
+                raise ConfigError(f"{WHERE}.domains: unknown domains {unknown}; the run's domains are {names}")
             self._kept_C = [n in self.domains for n in names]
 
     def capacities(self, pool_counts_C: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:

@@ -50,6 +50,7 @@ __all__ = [
     "component_section",
     "load_run_config",
     "parse_component",
+    "shard_problems",
     "type_components",
 ]
 
@@ -67,7 +68,54 @@ def load_run_config(yaml_path: str | Path, overrides: Sequence[str] = ()) -> Tra
         FileNotFoundError: `yaml_path` does not exist.
         ConfigError: every unknown, missing or invalid key (components included), with its yaml path.
     """
-    return load_config(yaml_path, overrides, parse_component=parse_component)
+    cfg = load_config(yaml_path, overrides, parse_component=parse_component)
+    problems = shard_problems(cfg)
+    if problems:
+        raise ConfigError("invalid configuration for the shards' domains:\n  - " + "\n  - ".join(problems))
+    return cfg
+
+
+def shard_problems(cfg: TrainConfig) -> list[str]:
+    """Settings that name the run's domains, checked against the training shards' manifest.
+
+    Only the manifest (and a stream weights file) is read: nothing is built, so a capacity policy
+    that names a domain the shards lack, or a weights file that misses a domain the run trains,
+    is reported with the other configuration errors instead of after the datasets are built.
+    Shards that are not on local disk yet (a remote not downloaded) are checked when the run
+    builds its dataset instead (`DataSelection` binds the policy at the first batch).
+
+    Returns:
+        One message per problem, each naming its yaml path (empty when all is well).
+    """
+    from pipeline.dataset import streamed_domains
+    from pipeline.manifest import load_manifest
+
+    data = cfg.train_loader.dataset
+    selection = cfg.algorithms.get("data_selection")
+    capacities = getattr(selection, "capacities", None) if selection is not None else None
+    if capacities is None or not (Path(data.shard_dir) / "manifest.json").is_file():
+        return []
+    where = "algorithms.data_selection.capacities"
+    try:
+        from composer_algos.capacity_policy import parse_capacity_policy
+        from composer_algos.mixture_io import read_mixture_json
+
+        manifest = load_manifest(data.shard_dir)
+        names = [d.name for d in manifest.domains]
+        weights = data.domain_weights
+        if data.domain_weights_file is not None and Path(data.domain_weights_file).is_file():
+            weights = dict(read_mixture_json(data.domain_weights_file).weights)
+        streamed = streamed_domains(
+            manifest, shard_dir=data.shard_dir, split=data.split, domains=data.domains, domain_weights=weights
+        )
+        policy = parse_capacity_policy(capacities, where=where)
+    except (ValueError, FileNotFoundError):
+        return []  # reported where it is the subject (the loader, the algorithm's own option check)
+    try:
+        policy.bind(names, [names[i] for i, _ in streamed])
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def type_components(cfg: TrainConfig) -> TrainConfig:

@@ -19,7 +19,13 @@ from pipeline.manifest import DomainInfo, Manifest, load_manifest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DomainStreamingDataset", "build_domain_streams", "resolve_domain_weights", "split_samples"]
+__all__ = [
+    "DomainStreamingDataset",
+    "build_domain_streams",
+    "resolve_domain_weights",
+    "split_samples",
+    "streamed_domains",
+]
 
 # Streaming 0.13 registers a dataset's shared memory prefix in two moves: it scans /dev/shm for the
 # first free prefix, then creates `<prefix>_locals` (streaming/base/shared/prefix.py::get_shm_prefix).
@@ -132,6 +138,41 @@ def build_domain_streams(
     Raises:
         ValueError: see `DomainStreamingDataset`.
     """
+    streams: list[Stream] = []
+    ids: list[int] = []
+    for domain_id, proportion in streamed_domains(
+        manifest, shard_dir=shard_dir, split=split, domains=domains, domain_weights=domain_weights
+    ):
+        info = manifest.domains[domain_id]
+        local = os.path.join(shard_dir, split, info.dir)
+        streams.append(
+            Stream(
+                remote=None if remote is None else f"{remote.rstrip('/')}/{split}/{info.dir}",
+                local=local,
+                proportion=proportion,
+            )
+        )
+        ids.append(domain_id)
+    return streams, ids
+
+
+def streamed_domains(
+    manifest: Manifest,
+    *,
+    shard_dir: str,
+    split: str,
+    domains: Sequence[str] | None = None,
+    domain_weights: Mapping[str, float] | None = None,
+) -> list[tuple[int, float | None]]:
+    """The domains a `split` streams, as (manifest domain id, normalised proportion or None), in manifest order.
+
+    A domain is streamed when it is asked for (`domains`, default all), has samples in `split` and
+    a weight above 0 (when `domain_weights` are given). No file is opened beyond the manifest, so
+    configuration checks can call it before any dataset is built.
+
+    Raises:
+        ValueError: see `DomainStreamingDataset`.
+    """
     by_name = {d.name: i for i, d in enumerate(manifest.domains)}
     wanted = list(domains) if domains is not None else [d.name for d in manifest.domains]
     unknown = [n for n in wanted if n not in by_name]
@@ -141,11 +182,9 @@ def build_domain_streams(
             f"known domains: {sorted(by_name)}"
         )
     weights = resolve_domain_weights(domain_weights, wanted, source=shard_dir) if domain_weights else None
-    streams: list[Stream] = []
-    ids: list[int] = []
+    chosen: list[tuple[int, float | None]] = []
     for name in wanted:
-        info = manifest.domains[by_name[name]]
-        if split_samples(info, split) == 0:
+        if split_samples(manifest.domains[by_name[name]], split) == 0:
             continue
         proportion = None
         if weights is not None:
@@ -153,18 +192,10 @@ def build_domain_streams(
             if proportion == 0.0:
                 log.info("domain %s has weight 0 and is left out of the %s stream mix", name, split)
                 continue
-        local = os.path.join(shard_dir, split, info.dir)
-        streams.append(
-            Stream(
-                remote=None if remote is None else f"{remote.rstrip('/')}/{split}/{info.dir}",
-                local=local,
-                proportion=proportion,
-            )
-        )
-        ids.append(by_name[name])
-    if not streams:
+        chosen.append((by_name[name], proportion))
+    if not chosen:
         raise ValueError(f"no domain of {shard_dir} has samples in split {split!r} (domains asked: {wanted})")
-    return streams, ids
+    return chosen
 
 
 def resolve_domain_weights(

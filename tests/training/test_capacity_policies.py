@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 import torch
@@ -123,12 +124,51 @@ def test_doremi_weights_file_as_capacities_in_both_formats(dolma_shards, tmp_pat
     assert fractions[0] == pytest.approx([weights[n] / total for n in names]) and fractions[1] == pytest.approx(fractions[0])
 
 
-def test_doremi_weights_file_missing_a_trained_domain_is_named(dolma_shards, tmp_path):
-    names = [d["name"] for d in json.loads((dolma_shards / "manifest.json").read_text())["domains"]]
-    path = tmp_path / "w.json"
-    path.write_text(json.dumps({"train_domain_weights": {n: 1.0 for n in names[1:]}}))
-    with pytest.raises(ValueError, match=rf"no weight for domains \['{names[0]}'\]"):
-        _train(dolma_shards, tmp_path / "run", f"{SEL}capacities.policy=fractions", f"{SEL}capacities.file={path}")
+def _domain_names(shards) -> list[str]:
+    return [d["name"] for d in json.loads((shards / "manifest.json").read_text())["domains"]]
+
+
+def _bad_domain_overrides(shards, tmp_path, case: str) -> tuple[list[str], str]:
+    """Overrides naming domains the shards do not train, and the message expected (issue 30.1 and 30.2)."""
+    if case == "fractions_file":
+        names = _domain_names(shards)
+        path = tmp_path / "w.json"
+        path.write_text(json.dumps({"train_domain_weights": {n: 1.0 for n in names[1:]}}))
+        overrides = [f"{SEL}capacities.policy=fractions", f"{SEL}capacities.file={path}"]
+        return overrides, rf"capacities.file: the weights file .* has no weight for domains \['{names[0]}'\]"
+    overrides = [f"{SEL}capacities.policy=minority_full", f"{SEL}capacities.domains=[nosuch]"]
+    return overrides, r"capacities.domains: unknown domains \['nosuch'\]"
+
+
+@pytest.mark.parametrize("case", ["fractions_file", "minority_full"])
+def test_capacity_domains_the_shards_lack_are_reported_before_anything_is_built(
+    dolma_shards, tmp_path, monkeypatch, capsys, case
+):
+    overrides, match = _bad_domain_overrides(dolma_shards, tmp_path, case)
+    with pytest.raises(ConfigError, match=match):
+        load_run_config(TINY, tiny_overrides(dolma_shards, tmp_path / "run", *overrides))
+    # From the command line: exit 2 and one error block, and build_trainer is never reached.
+    monkeypatch.setattr(train, "build_trainer", lambda cfg: pytest.fail("build_trainer ran before the error"))
+    with pytest.raises(SystemExit) as stop:
+        train.main([str(TINY), *tiny_overrides(dolma_shards, tmp_path / "run", *overrides)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and re.search(match, err) and "Traceback" not in err, err
+
+
+def test_a_capacity_error_the_config_check_could_not_see_ends_with_one_line(dolma_shards, tmp_path, monkeypatch, capsys):
+    """The backstop at the first batch (shards not readable when the yaml is loaded): one line, exit 2."""
+    import composer_algos.registry as registry
+
+    monkeypatch.setattr(registry, "shard_problems", lambda cfg: [], raising=False)  # as for shards only on a remote
+    overrides, match = _bad_domain_overrides(dolma_shards, tmp_path, "minority_full")
+    argv = tiny_overrides(dolma_shards, tmp_path / "run", *overrides, "max_duration=1ba", "eval_loader=null")
+    with pytest.raises(SystemExit) as stop:
+        train.main([str(TINY), *argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("train.py:")] == [
+        next(line for line in err.splitlines() if re.search(match, line))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- config checks
