@@ -191,6 +191,37 @@ def print_mixture(run_dir: Path) -> None:
         pool, selected = mix["pool_mean"][n], mix["selected_mean"][n]
         ratio = selected / pool if pool > 0 else math.nan
         print(f"{n:<{width}}{mix['natural'][n]:>10.3f}{pool:>10.3f}{selected:>10.3f}{ratio:>10.2f}")
+    print(mixture_note(*_selection_settings(run_dir)))
+
+
+def _selection_settings(run_dir: Path) -> tuple[str, object]:
+    """(strategy, capacities) of the run's `algorithms.data_selection`, from its saved config.yaml."""
+    from omegaconf import OmegaConf
+
+    path = run_dir / "config.yaml"
+    cfg = OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {}
+    selection = ((cfg or {}).get("algorithms") or {}).get("data_selection") or {}  # type: ignore[union-attr]
+    return str(selection.get("strategy", "none")), selection.get("capacities")
+
+
+def mixture_note(strategy: str, capacities: object) -> str:
+    """One line under the mixture table: whether the selected shares are a finding or set by construction."""
+    from composer_algos.selection import get_strategy
+
+    if strategy == "none":
+        return "The run trained on the whole pool, so its mixture is the pool's."
+    policy = capacities.get("policy") if isinstance(capacities, dict) else capacities
+    if not get_strategy(strategy).uses_capacities:
+        return f"{strategy} draws without per-domain capacities, so its mixture follows the pool's up to chance."
+    if policy in (None, "proportional"):
+        return (
+            "Proportional capacities (the default) fix each domain's share of the selection to its share of the "
+            "pool: sel/pool = 1 by construction, not a finding. To let the selection choose the mixture, set "
+            "algorithms.data_selection.capacities={policy: slack, factor: 2} (docs/results/mixtures.md)."
+        )
+    if policy == "slack":
+        return "Slack capacities bound each domain's share; within them the selection chose the shares above."
+    return f"The {policy} capacities set each domain's share, so the selected shares follow the policy."
 
 
 def _train_with_progress(cmd: list[str], log_path: Path, steps: int) -> float:

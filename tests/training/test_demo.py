@@ -33,6 +33,8 @@ def test_demo_runs_offline_end_to_end(tmp_path):
     for header in ("natural", "pool", "selected"):
         assert header in stdout
     assert "wall time" in stdout
+    # The table is not read as a finding: proportional capacities make it the pool's mixture (issue 30.3).
+    assert "sel/pool = 1 by construction" in stdout and "policy: slack" in stdout
     for name in ("mixture.png", "val_curves.png"):
         png = run_dir / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
@@ -48,6 +50,25 @@ def test_demo_runs_offline_end_to_end(tmp_path):
     log = (run_dir / "console.log").read_text()
     assert "[batch=4/4]" in log and "loss/train/total" in log
     assert "data/mixture/wiki" in (run_dir / "log-rank0.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "capacities", "says"),
+    [
+        ("partitionsel", None, "by construction"),
+        ("id", "proportional", "by construction"),
+        ("partitionsel", {"policy": "slack", "factor": 2}, "the selection chose"),
+        ("partitionsel", {"policy": "fractions", "file": "w.json"}, "follow the policy"),
+        ("random", None, "up to chance"),
+        ("greats", None, "up to chance"),
+        ("none", None, "whole pool"),
+    ],
+)
+def test_mixture_note_says_whether_the_shares_were_chosen(strategy, capacities, says):
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from demo import mixture_note
+
+    assert says in mixture_note(strategy, capacities)
 
 
 def test_demo_help_imports_nothing_heavy():
