@@ -31,7 +31,10 @@ from composer_algos.features.targets import (
     choose_cut_module,
     forward_module,
     fsdp_param_shards,
+    fsdp_state_params,
+    fsdp_whole_units,
     resolve_targets,
+    settle_fsdp_units,
     unwrap_model,
 )
 from composer_algos.features.windows import (
@@ -231,6 +234,9 @@ class GradFeatureExtractor:
         # Adam state of the targets is read from every rank's shard (docs/features.md, "FSDP").
         self._forward_model = forward_module(model)
         self._shards = fsdp_param_shards(self._forward_model)
+        # Units that hold whole parameters (NO_SHARD: FSDP on one rank) score as without FSDP; they are
+        # put back after each scoring backward, which runs none of FSDP's post-backward hooks.
+        self._whole_units = fsdp_whole_units(self._forward_model)
         self.targets: list[TargetLayer] = resolve_targets(
             self.model,
             target_modules=target_modules,
@@ -239,6 +245,11 @@ class GradFeatureExtractor:
             exact_max_numel=exact_max_numel,
         )
         self._cut = choose_cut_module(self.model, self.targets)
+        # What the optimizer keys each target's state by under such units (FSDP's flat parameters
+        # with use_orig_params false); None: the targets' own parameters.
+        self._state_params = (
+            [fsdp_state_params(self._whole_units, t) for t in self.targets] if self._whole_units else None
+        )
         self.k_out, self.k_in = k_out, k_in
         self.normalization = normalization
         self.adam_eps = adam_eps
@@ -481,6 +492,8 @@ class GradFeatureExtractor:
             longest = max(longest, int(part["input_ids"].shape[1]))
             self._attempt_rows = int(part["input_ids"].shape[0])
             signals, _ = capture_layer_signals(self._forward_model, part, self.targets, self._cut, precision_context)
+            if self._whole_units:
+                settle_fsdp_units(self._whole_units)
             out_nd = None
             raw_parts = []
             for t, (a_nTI, delta_nTO) in zip(self.targets, signals):
@@ -578,7 +591,8 @@ class GradFeatureExtractor:
         else:
             pre = []
             for t in self.targets:
-                v = optimizer_second_moments(optimizer, t.params)
+                params = self._state_params[t.index] if self._state_params else t.params
+                v = optimizer_second_moments(optimizer, params)
                 if v is None:
                     pre.append(None)
                 else:

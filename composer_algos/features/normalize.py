@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from composer_algos.features.targets import ParamShard
+from composer_algos.features.targets import FlatSlice, ParamShard
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ NORMALIZATIONS = ("none", "unit", "adam_optimizer", "adam_simulated")
 
 
 def optimizer_second_moments(
-    optimizer: torch.optim.Optimizer | None, params: Sequence[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer | None, params: Sequence[torch.nn.Parameter | FlatSlice]
 ) -> list[torch.Tensor] | None:
     """The optimizer's bias-corrected second moments `v_hat = exp_avg_sq / (1 - beta2**step)` for `params`.
 
@@ -38,7 +38,8 @@ def optimizer_second_moments(
 
     Args:
         optimizer: the training optimizer, or None.
-        params: parameters in feature order.
+        params: parameters in feature order; a `FlatSlice` for one whose state is part of FSDP's flat
+            parameter's (`use_orig_params=False`, units holding whole parameters).
 
     Returns:
         One tensor per parameter (same shape), or None when the optimizer is missing or holds no
@@ -50,12 +51,16 @@ def optimizer_second_moments(
     beta2_of = {id(p): group.get("betas", (0.9, 0.999))[1] for group in optimizer.param_groups for p in group["params"]}
     out = []
     for p in params:
-        state = optimizer.state.get(p)
-        if not state or "exp_avg_sq" not in state or id(p) not in beta2_of:
+        key = p.flat_param if isinstance(p, FlatSlice) else p
+        state = optimizer.state.get(key)
+        if not state or "exp_avg_sq" not in state or id(key) not in beta2_of:
             return None
+        v = state["exp_avg_sq"]
+        if isinstance(p, FlatSlice):
+            v = v.reshape(-1)[p.offset : p.offset + p.shape.numel()].view(p.shape)
         step = state.get("step", 1)
-        correction = 1.0 - beta2_of[id(p)] ** step
-        out.append(state["exp_avg_sq"] / correction)
+        correction = 1.0 - beta2_of[id(key)] ** step
+        out.append(v / correction)
     return out
 
 
@@ -156,7 +161,7 @@ def sharded_adam_scales(
             if id(p) not in shards:
                 raise ValueError(
                     f"target parameter of shape {tuple(p.shape)} is not managed by FSDP while other parameters "
-                    f"are; wrap the whole model (Composer's parallelism_config.fsdp does)"
+                    f"are; wrap the whole model (Composer does for a yaml with fsdp_config)"
                 )
             shard = shards[id(p)]
             if shard.end <= shard.start:

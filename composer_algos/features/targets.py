@@ -6,6 +6,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -16,6 +17,10 @@ __all__ = [
     "unwrap_model",
     "forward_module",
     "fsdp_param_shards",
+    "FlatSlice",
+    "fsdp_whole_units",
+    "fsdp_state_params",
+    "settle_fsdp_units",
     "find_blocks",
     "resolve_targets",
     "choose_cut_module",
@@ -90,7 +95,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     Args:
         model: a `PreTrainedModel`, a peft `PeftModel`, or a wrapper exposing one as `.model`
             (Composer's `HuggingFaceModel`), possibly inside `DistributedDataParallel`, and possibly
-            wrapped by FSDP (`FullyShardedDataParallel`, as Composer's `parallelism_config.fsdp` does).
+            wrapped by FSDP (`FullyShardedDataParallel`, as Composer does for a yaml with `fsdp_config`).
 
     Returns:
         The model whose `forward(input_ids=..., attention_mask=...)` returns `.logits`, FSDP's wrapper
@@ -127,40 +132,39 @@ def fsdp_param_shards(model: nn.Module) -> dict[int, ParamShard] | None:
     original parameter, the range of its flattened elements this rank's shard holds. The optimizer's
     state of such a parameter (e.g. Adam's `exp_avg_sq`) is that 1-D slice.
 
+    Units that hold whole parameters (NO_SHARD, which FSDP makes of every strategy on one rank or on
+    a shard group of one) shard nothing: with only such units this returns None and the optimizer
+    state is read as without FSDP (`fsdp_whole_units`, `fsdp_state_params`).
+
     Args:
         model: anything holding the FSDP modules (e.g. `forward_module(model)`).
 
     Raises:
-        ValueError: for FSDP with `use_orig_params=False` (the target layers' parameters are then not
-            the optimizer's; Composer's default is True), and for units that do not shard (NO_SHARD, or
-            a shard group of one rank, e.g. HYBRID_SHARD with one GPU per node).
+        ValueError: for units that shard with `use_orig_params=False` (the target layers' parameters
+            are then not the optimizer's; Composer's default is True), and for a model mixing units
+            that shard with units that hold whole parameters.
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    wrappers = FullyShardedDataParallel.fsdp_modules(model)
-    if not wrappers:
+    units = [w for w in FullyShardedDataParallel.fsdp_modules(model) if w._handle is not None]
+    sharded = [(w, w._handle) for w in units if _shards(w._handle)]
+    if not sharded:
         return None
+    whole = fsdp_whole_units(model)
+    if whole:
+        raise ValueError(
+            f"gradient features need every FSDP unit to shard or none: {len(sharded)} unit(s) shard their "
+            f"parameters and {len(whole)} hold them whole (NO_SHARD or a shard group of one rank, e.g. "
+            f"{type(whole[0].module).__name__}); give all units one fsdp_config.sharding_strategy"
+        )
     shards: dict[int, ParamShard] = {}
-    for wrapper in wrappers:
-        handle = getattr(wrapper, "_handle", None)
-        if handle is None:  # a unit without parameters of its own
-            continue
-        if not handle.uses_sharded_strategy or handle.world_size == 1:
-            # Measured (torch 2.7, CPU/gloo): after the truncated backward (gradients of layer outputs
-            # only, so FSDP's per-parameter post-backward hooks never run) such a unit is left with
-            # full-shape parameters and the next forward fails ("Cannot writeback when the parameter
-            # shape changes"); its target parameters are also not the optimizer's.
-            raise ValueError(
-                f"gradient features do not support FSDP units that do not shard (sharding strategy "
-                f"{handle._sharding_strategy.name} over a shard group of {handle.world_size} rank(s), in "
-                f"{type(wrapper.module).__name__}); use FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD with more than "
-                f"one rank per shard group, or DDP (no parallelism_config.fsdp), which is equivalent"
-            )
+    for wrapper, handle in sharded:
         flat = handle.flat_param
         if not getattr(handle, "_use_orig_params", False) or flat._params is None:
             raise ValueError(
-                "gradient features under FSDP need `use_orig_params: true` (Composer's default) in "
-                f"parallelism_config.fsdp, got use_orig_params=False for the unit {type(wrapper.module).__name__}"
+                "gradient features under a sharding FSDP strategy need `fsdp_config.use_orig_params: true` "
+                f"(Composer's default), got false for the unit {type(wrapper.module).__name__}; on one rank, "
+                f"or with NO_SHARD, false works too"
             )
         for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes):
             numel = shape.numel()
@@ -169,6 +173,101 @@ def fsdp_param_shards(model: nn.Module) -> dict[int, ParamShard] | None:
             else:
                 shards[id(param)] = ParamShard(numel, 0, 0)
     return shards
+
+
+@dataclass(frozen=True, eq=False)
+class FlatSlice:
+    """Where an original parameter lies in FSDP's flat parameter, when the optimizer holds the latter.
+
+    With `use_orig_params=False` FSDP hands the optimizer its `FlatParameter`s; a unit holding whole
+    parameters keeps every original parameter in full inside it, so its optimizer state (e.g. Adam's
+    `exp_avg_sq`, shaped like the flat parameter) holds the parameter's at `offset`.
+
+    Attributes:
+        flat_param: the `FlatParameter` (the optimizer's key).
+        offset: first element of the parameter in it.
+        shape: the parameter's shape.
+    """
+
+    flat_param: nn.Parameter
+    offset: int
+    shape: torch.Size
+
+
+def fsdp_whole_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units of `model` that hold whole parameters (NO_SHARD, a shard group of one rank); [] without FSDP.
+
+    FSDP makes every strategy NO_SHARD when the shard group has one rank (torch 2.7: a Composer run
+    with `fsdp_config` on one GPU, or HYBRID_SHARD with one GPU per node). Such a unit's parameters
+    are whole between forwards, as without FSDP; `settle_fsdp_units` puts them back after scoring.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    return [w for w in units if w._handle is not None and not _shards(w._handle)]
+
+
+def fsdp_state_params(units: list[nn.Module], target: TargetLayer) -> list[nn.Parameter | FlatSlice]:
+    """What the optimizer keys `target`'s parameters by (weight, then bias) when `units` hold them whole.
+
+    The parameters themselves with `use_orig_params=True` (and outside FSDP); with `False`, the
+    `FlatSlice` of each in its unit's flat parameter (a tied parameter: its primary's).
+
+    Args:
+        units: from `fsdp_whole_units`.
+        target: a target layer of the model inside them.
+    """
+    wanted = ["weight"] + (["bias"] if target.has_bias else [])
+    found: dict[str, FlatSlice] = {}
+    for unit in units:
+        handle = unit._handle
+        if handle._use_orig_params:
+            continue
+        flat = handle.flat_param
+        where = {
+            (id(info.module), info.param_name): FlatSlice(flat, shard.offset_in_shard, shape)
+            for info, shard, shape in zip(flat._param_infos, flat._shard_param_infos, flat._shapes)
+        }
+        for shared in flat._shared_param_infos:
+            primary = where[(id(shared.prim_module), shared.prim_param_name)]
+            where[(id(shared.module), shared.param_name)] = primary
+        for name in wanted:
+            if (id(target.module), name) in where:
+                found[name] = where[(id(target.module), name)]
+    return [found.get(name, param) for name, param in zip(wanted, target.params)]
+
+
+def settle_fsdp_units(units: list[nn.Module]) -> None:
+    """Put units that hold whole parameters back as FSDP's post-backward reshard leaves them.
+
+    The scoring backward runs to layer outputs only, so no parameter gets a gradient and FSDP's
+    per-parameter post-backward hooks, which reshard, never run; for a NO_SHARD unit FSDP's end-of-
+    backward catch-all also skips it (its flat parameter already is its "shard"). Measured (torch 2.7,
+    CPU/gloo): with `use_orig_params=True` the unit is left with the forward's plain tensor views in
+    place of its parameters, and its next forward fails ("Cannot writeback when the parameter shape
+    changes"). This does FSDP's own reshard (`_reshard`: full-precision flat parameter, the original
+    parameters as views of it, the low-precision copy freed) for each unit not at rest; no copies.
+
+    Args:
+        units: from `fsdp_whole_units`; call between forwards, not inside one.
+    """
+    from torch.distributed.fsdp._runtime_utils import _reshard
+
+    for unit in units:
+        handle = unit._handle
+        flat = handle.flat_param
+        at_rest = flat.data_ptr() == flat._local_shard.data_ptr() and not handle._skipped_use_sharded_views
+        if at_rest and handle._use_orig_params:
+            at_rest = all(
+                getattr(info.module, info.param_name) is p for p, info in zip(flat._params, flat._param_infos)
+            )
+        if not at_rest:
+            _reshard(unit, handle, False)
+
+
+def _shards(handle) -> bool:
+    """Whether an FSDP1 flat-parameter handle splits its parameters over more than one rank."""
+    return bool(handle.uses_sharded_strategy) and handle.world_size > 1
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:

@@ -5,7 +5,8 @@ Composer's FSDP path cannot run on a CPU-only machine (composer/distributed/dist
 torch's FSDP1 directly, the way Composer does (`use_orig_params=True`, the blocks as their own units),
 and the Composer run is in tests/gpu/test_fsdp_trainer.py. HYBRID_SHARD's replicas are covered by
 tests/features/test_sharded_adam.py (4 emulated ranks); two processes cannot form shard groups of
-more than one rank and several replicas at once.
+more than one rank and several replicas at once. NO_SHARD here is two replicas of whole parameters;
+one rank (where FSDP makes every strategy NO_SHARD) is tests/features/test_fsdp_whole.py.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     opts = dict(
         last_n_blocks=1, include_lm_head=True, exact_max_numel=4096, sketch_dim=8, proj_dim=0, chunk_size=3
     )
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         reference = tiny_llama(seed=0)
         sharded = copy.deepcopy(reference)
         fsdp = FSDP(
@@ -90,22 +91,22 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             G_ref=G_ref,
             gbar=gbar,
             gbar_ref=gbar_ref,
-            empty_shards=sum(1 for s in shards.values() if s.end == s.start),
+            empty_shards=sum(1 for s in shards.values() if s.end == s.start) if shards is not None else None,
             no_grads=no_grads,
             param_err=param_err,
         )
-    # A unit that does not shard is refused with a message, not left broken by the truncated backward.
-    unsharded = FSDP(
+    # Units that shard with use_orig_params=False hand the optimizer flat shards: refused, naming the yaml key.
+    flat = FSDP(
         tiny_llama(seed=0),
-        sharding_strategy=ShardingStrategy.NO_SHARD,
-        use_orig_params=True,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        use_orig_params=False,
         device_id=torch.device("cpu"),
     )
     try:
-        GradFeatureExtractor(unsharded, **opts)
-        results["no_shard_error"] = None
+        GradFeatureExtractor(flat, **opts)
+        results["flat_shard_error"] = None
     except ValueError as err:
-        results["no_shard_error"] = str(err)
+        results["flat_shard_error"] = str(err)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     tdist.barrier()
     tdist.destroy_process_group()
@@ -122,7 +123,7 @@ def fsdp_results(tmp_path_factory) -> list[dict]:
 
 # The first pays for the module fixture (two FSDP processes): measured 51 s on the loaded 2-core machine (issue 20.3).
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_fsdp_features_match_unsharded(fsdp_results: list[dict], strategy: str) -> None:
     for rank, res in enumerate(fsdp_results):
         r = res[strategy]
@@ -146,9 +147,13 @@ def test_fsdp_features_match_unsharded(fsdp_results: list[dict], strategy: str) 
     if strategy == "FULL_SHARD":
         # Some target parameter lies wholly on the other rank: the all-reduce must fill it in.
         assert sum(res[strategy]["empty_shards"] for res in fsdp_results) > 0
+    if strategy == "NO_SHARD":
+        # Whole parameters on every rank: nothing is sharded, the state is read as without FSDP.
+        assert all(res[strategy]["empty_shards"] is None for res in fsdp_results)
 
 
-def test_fsdp_no_shard_is_refused_with_the_reason(fsdp_results: list[dict]) -> None:
+def test_fsdp_sharded_flat_parameters_are_refused_naming_the_yaml_key(fsdp_results: list[dict]) -> None:
     for res in fsdp_results:
-        msg = res["no_shard_error"]
-        assert msg is not None and "NO_SHARD" in msg and "FULL_SHARD" in msg, msg
+        msg = res["flat_shard_error"]
+        assert msg is not None and "fsdp_config.use_orig_params: true" in msg, msg
+        assert "parallelism_config" not in msg, msg
