@@ -25,6 +25,7 @@ pool's width). The sketch, the solver, the optimizer step and evaluation are not
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,13 @@ from typing import Any
 
 __all__ = [
     "ComputeBudget",
+    "CostModel",
+    "StepSamples",
+    "StepWork",
+    "cost_spread",
+    "fit_cost_model",
+    "sensitivity_offset",
+    "step_work",
     "estimate_run_flops",
     "forward_flops_per_token",
     "parse_compute_budget",
@@ -41,6 +49,9 @@ __all__ = [
     "plan_steps",
     "scoring_forwards",
 ]
+
+# DataSelection's validation batch size when `validation.batch_size` is not given.
+VALIDATION_BATCH = 4
 
 # The model dimensions a FLOP estimate needs (a transformers config's names).
 SHAPE_KEYS = (
@@ -171,6 +182,324 @@ def plan_steps(costs: Mapping[str, float], budget: ComputeBudget, labels: Sequen
     return plan
 
 
+@dataclass(frozen=True)
+class StepWork:
+    """What one training step of a configuration computes, from its settings alone (no measurement).
+
+    Two configurations with equal `StepWork` do the same work by construction (random and
+    random_stratified: their selections draw a few indices and run no model pass), so the cost
+    model gives them the same cost and an equal-compute plan the same steps, whatever the
+    calibration measured.
+
+    Attributes:
+        train_flops: the training step, 3 forwards of the trained rows at the trained width.
+        score_flops: the selection's model pass (the feature pass on the pool and, when the strategy
+            is validation-guided, the validation batch, at the scored width); 0 without one.
+        solver: the strategy whose solve follows the model pass (None: no model pass); each solver's
+            time per step is measured (it is not FLOPs).
+    """
+
+    train_flops: float
+    score_flops: float = 0.0
+    solver: str | None = None
+
+
+def step_work(
+    shape: Mapping[str, Any],
+    *,
+    train_rows: int,
+    train_width: int,
+    solver: str | None = None,
+    pool_rows: int = 0,
+    val_rows: int = 0,
+    scored_width: int = 0,
+    last_n_blocks: int = 1,
+) -> StepWork:
+    """The `StepWork` of a step that trains `train_rows` rows and, with a `solver`, scores `pool_rows + val_rows`.
+
+    The conventions are the module docstring's (`forward_flops_per_token`, `scoring_forwards`).
+    """
+    train = 3.0 * train_rows * train_width * forward_flops_per_token(shape, train_width)
+    if solver is None:
+        return StepWork(train_flops=train)
+    per_row = scored_width * forward_flops_per_token(shape, scored_width)
+    score = (pool_rows + val_rows) * per_row * scoring_forwards(shape, scored_width, last_n_blocks)
+    return StepWork(train_flops=train, score_flops=score, solver=solver)
+
+
+@dataclass(frozen=True)
+class StepSamples:
+    """A calibration's measurements of one configuration: per timed step, on the cost's clock.
+
+    Attributes:
+        step_s: the step's training time (selection included, evaluation excluded).
+        features_s: the part of it the selection's model pass took (0 without one).
+        selection_s: the part the whole selection took (the model pass, the solve, the exchange).
+    """
+
+    step_s: tuple[float, ...]
+    features_s: tuple[float, ...]
+    selection_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.step_s or not len(self.step_s) == len(self.features_s) == len(self.selection_s):
+            raise ValueError(
+                f"StepSamples needs as many feature and selection times as step times (at least one), got "
+                f"{len(self.step_s)}, {len(self.features_s)}, {len(self.selection_s)}"
+            )
+
+    def take(self, index: Sequence[int]) -> StepSamples:
+        """The samples at positions `index` (a bootstrap resample)."""
+        return StepSamples(
+            step_s=tuple(self.step_s[i] for i in index),
+            features_s=tuple(self.features_s[i] for i in index),
+            selection_s=tuple(self.selection_s[i] for i in index),
+        )
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per step from `StepWork`: one measured factor per kind of work.
+
+    ``cost = train_s_per_flop * train_flops + [model pass] (score_s_per_flop * score_flops + solve_s[solver])``
+
+    Attributes:
+        train_s_per_flop: seconds per FLOP of the training step (data loading and the optimizer
+            ride on it: they scale with the trained batch).
+        score_s_per_flop: seconds per FLOP of the selection's model pass.
+        solve_s: per solver strategy, the rest of its selection's time per step (the solve and the
+            bookkeeping), which is not FLOPs.
+    """
+
+    train_s_per_flop: float
+    score_s_per_flop: float
+    solve_s: Mapping[str, float]
+
+    def step_cost(self, work: StepWork) -> float:
+        cost = self.train_s_per_flop * work.train_flops
+        if work.solver is not None:
+            cost += self.score_s_per_flop * work.score_flops + self.solve_s[work.solver]
+        return cost
+
+
+def fit_cost_model(classes: Sequence[tuple[StepWork, StepSamples]]) -> CostModel:
+    """The factors of `CostModel` from calibrated configurations (one per distinct `StepWork`).
+
+    - `train_s_per_flop`: the pooled ratio of step time to training FLOPs over the configurations
+      without a model pass; with none calibrated, the step time less the selection's over the
+      others.
+    - `score_s_per_flop`: the pooled ratio of the model pass's time to its FLOPs.
+    - `solve_s[solver]`: the mean over that solver's steps of what the two factors leave of the step.
+
+    Raises:
+        ValueError: no configuration, or a FLOP count that is not positive.
+    """
+    if not classes:
+        raise ValueError("fit_cost_model: no calibrated configuration")
+    bad = [w for w, _ in classes if not w.train_flops > 0 or (w.solver is not None and not w.score_flops > 0)]
+    if bad:
+        raise ValueError(f"fit_cost_model: FLOP counts must be > 0, got {bad}")
+    plain = [(w, s) for w, s in classes if w.solver is None]
+    passes = [(w, s) for w, s in classes if w.solver is not None]
+    if plain:
+        train_s = sum(sum(s.step_s) for _, s in plain)
+        train_flops = sum(w.train_flops * len(s.step_s) for w, s in plain)
+    else:
+        train_s = sum(sum(y - x for y, x in zip(s.step_s, s.selection_s)) for _, s in passes)
+        train_flops = sum(w.train_flops * len(s.step_s) for w, s in passes)
+    a_train = train_s / train_flops
+    a_score = 0.0
+    if passes:
+        a_score = sum(sum(s.features_s) for _, s in passes) / sum(w.score_flops * len(s.step_s) for w, s in passes)
+    rest: dict[str, list[float]] = {}
+    for w, s in passes:
+        assert w.solver is not None
+        base = a_train * w.train_flops + a_score * w.score_flops
+        rest.setdefault(w.solver, []).extend(y - base for y in s.step_s)
+    return CostModel(
+        train_s_per_flop=a_train, score_s_per_flop=a_score, solve_s={k: sum(v) / len(v) for k, v in rest.items()}
+    )
+
+
+def cost_spread(
+    classes: Mapping[str, tuple[StepWork, StepSamples]],
+    arms: Mapping[str, str],
+    *,
+    reference: str | None = None,
+    draws: int = 400,
+    seed: int = 0,
+) -> dict[str, float]:
+    """How much each arm's planned steps could move with the calibration's noise.
+
+    Bootstrap: every configuration's timed steps are resampled with replacement `draws` times,
+    the model refitted, and each arm's step cost taken relative to the `reference` arm's (the
+    budget's `LABEL` of `LABEL=N`; None: the cost itself, for a budget in seconds).
+
+    Args:
+        classes: configuration key -> (its work, its calibration samples).
+        arms: arm label -> its configuration key.
+
+    Returns:
+        label -> the relative standard deviation of (cost / reference cost); exactly 0 for an arm
+        whose configuration is the reference's (equal work costs the same in every resample).
+    """
+    import numpy as np
+
+    keys = list(classes)
+    rng = np.random.default_rng(seed)
+    ratios: dict[str, list[float]] = {label: [] for label in arms}
+    for _ in range(draws):
+        resampled = {}
+        for key in keys:
+            work, samples = classes[key]
+            index = rng.integers(0, len(samples.step_s), size=len(samples.step_s)).tolist()
+            resampled[key] = (work, samples.take(index))
+        model = fit_cost_model(list(resampled.values()))
+        ref = model.step_cost(classes[arms[reference]][0]) if reference is not None else 1.0
+        for label, key in arms.items():
+            ratios[label].append(model.step_cost(classes[key][0]) / ref)
+    out = {}
+    for label, values in ratios.items():
+        if reference is not None and arms[label] == arms[reference]:
+            out[label] = 0.0
+            continue
+        arr = np.asarray(values)
+        out[label] = float(arr.std(ddof=1) / abs(arr.mean())) if len(arr) > 1 else math.inf
+    return out
+
+
+# Settings that change neither a step's work nor its measured time: left out of `work_key`.
+_WORK_NEUTRAL = (
+    "run_name", "seed", "save_folder", "save_interval", "save_num_checkpoints_to_keep", "save_overwrite",
+    "load_path", "load_weights_only", "autoresume", "max_duration", "eval_interval", "eval_loader",
+    "console_log_interval", "progress_bar", "python_log_level", "loggers", "dist_timeout",
+)
+
+
+@dataclass(frozen=True)
+class WorkShape:
+    """The sizes a configuration's `StepWork` is made of (`config_work`), besides the model's shape."""
+
+    train_rows: int
+    train_width: int
+    solver: str | None
+    pool_rows: int
+    val_rows: int
+    scored_width: int
+    last_n_blocks: int
+
+    def work(self, shape: Mapping[str, Any]) -> StepWork:
+        return step_work(shape, **dataclasses.asdict(self))
+
+
+def config_work(cfg: Any, world_size: int = 1) -> WorkShape:
+    """The sizes of one step of a run config (a typed `TrainConfig` from `registry.load_run_config`).
+
+    A strategy runs a model pass when it needs features (or the run logs conflicts, or scores
+    stale top-k between selections); `none` trains the whole pool. Widths are the configured
+    `max_seq_len` and scoring window: the cost is what the configuration asks for, not what the
+    rows it happened to draw held, so equal configurations get equal costs.
+    """
+    import inspect
+
+    from composer_algos.features import GradFeatureExtractor
+    from composer_algos.selection import get_strategy
+    batch, width = int(cfg.global_train_batch_size), int(cfg.max_seq_len)
+    sel = cfg.algorithms.get("data_selection")
+    if sel is None:
+        return WorkShape(batch, width, None, 0, 0, 0, 1)
+    pool = int(round(batch * float(sel.oversampling)))
+    strategy = str(sel.strategy)
+    if strategy == "none":
+        return WorkShape(pool, width, None, pool, 0, 0, 1)
+    spec = get_strategy(strategy)
+    if not (spec.needs_features or sel.log_conflicts or sel.between == "stale_topk"):
+        return WorkShape(batch, width, None, pool, 0, 0, 1)  # the pool is loaded all the same
+    defaults = {k: v.default for k, v in inspect.signature(GradFeatureExtractor).parameters.items()}
+    features = {**defaults, **dict(sel.features or {})}
+    window = features.get("score_window") or features.get("score_tokens")
+    validation = sel.validation if isinstance(sel.validation, Mapping) else {}
+    val_rows = int(validation.get("batch_size", VALIDATION_BATCH)) * world_size if spec.needs_validation else 0
+    return WorkShape(
+        train_rows=batch,
+        train_width=width,
+        solver=strategy,
+        pool_rows=pool,
+        val_rows=val_rows,
+        scored_width=min(int(window), width) if window else width,
+        last_n_blocks=int(features["last_n_blocks"]),
+    )
+
+
+def work_key(cfg: Any, work: WorkShape) -> str:
+    """A digest that two configurations share exactly when their steps do the same work.
+
+    The config without its work-neutral settings (names, seeds, checkpointing, evaluation, the
+    duration) and without `algorithms.data_selection`, plus the step's sizes (`config_work`); a
+    strategy with a model pass adds its whole `data_selection` section (its options change its
+    solve). So random and random_stratified share a key: their selections run no model pass.
+    """
+    import hashlib
+
+    from pipeline.config import config_to_dict
+
+    data = config_to_dict(cfg)
+    for key in _WORK_NEUTRAL:
+        data.pop(key, None)
+    algorithms = dict(data.get("algorithms") or {})
+    selection = algorithms.pop("data_selection", None)
+    data["algorithms"] = algorithms
+    callbacks = dict(data.get("callbacks") or {})
+    callbacks.pop("train_budget", None)
+    data["callbacks"] = callbacks
+    data["work"] = dataclasses.asdict(work)
+    if work.solver is not None:
+        data["data_selection"] = {k: v for k, v in dict(selection or {}).items() if k != "seed"}
+    text = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def read_step_samples(run_dir: Path, clock: str = "wall") -> tuple[StepSamples, dict[str, int] | None]:
+    """A calibration run's `StepSamples` on `clock` (`wall` or `cpu`) and the model's shape.
+
+    Step times come from `train_budget.json` (`step_times_s` / `step_cpu_times_s`, the steps after
+    its warm-up); the selection's parts from `selection_log.csv` (`time_features_s` and the whole
+    selection, features + solve + exchange, wall clock), scaled on the CPU clock by the step's
+    CPU-to-wall ratio. A step without a selection row (no selection algorithm) has parts 0.
+
+    Raises:
+        ValueError: the run recorded no timed steps.
+    """
+    budget = json.loads((run_dir / "train_budget.json").read_text())
+    walls = [float(x) for x in budget.get("step_times_s") or []]
+    cpus = [float(x) for x in budget.get("step_cpu_times_s") or []]
+    if not walls or len(walls) != len(cpus):
+        raise ValueError(f"{run_dir / 'train_budget.json'} has no per-step times (step_times_s)")
+    first = int(budget["steps"]) - len(walls) + 1  # the first timed step
+    parts: dict[int, tuple[float, float]] = {}
+    log_path = run_dir / "selection_log.csv"
+    if log_path.exists():
+        with open(log_path, newline="") as f:
+            for row in csv.DictReader(f):
+                t = [float(row.get(k) or 0.0) for k in ("time_features_s", "time_solve_s", "time_exchange_s")]
+                parts[int(float(row["step"]))] = (t[0], sum(t))
+    steps = range(first - 1, first - 1 + len(walls))  # the log counts steps from 0 (the batch's index)
+    ratio = [c / w if w > 0 else 1.0 for c, w in zip(cpus, walls)] if clock == "cpu" else [1.0] * len(walls)
+    samples = StepSamples(
+        step_s=tuple(cpus if clock == "cpu" else walls),
+        features_s=tuple(parts.get(k, (0.0, 0.0))[0] * r for k, r in zip(steps, ratio)),
+        selection_s=tuple(parts.get(k, (0.0, 0.0))[1] * r for k, r in zip(steps, ratio)),
+    )
+    return samples, budget.get("model")
+
+
+def sensitivity_offset(steps: int, spread: float) -> int:
+    """Steps on either side of a planned count that the calibration's spread could move it: 0 when exact, else >= 1."""
+    if not spread > 0:
+        return 0
+    return max(1, math.ceil(steps * spread - 1e-9))
+
+
 def flops_per_token_parts(shape: Mapping[str, Any], seq_len: float) -> dict[str, float]:
     """Forward FLOPs per token of a Llama-style model at sequence width `seq_len`, by part (the one definition).
 
@@ -280,7 +609,7 @@ def scored_rows(log_path: Path, selection_cfg: Mapping[str, Any], budget: Mappin
                 pool_steps += 1
                 val_steps += bool(get_strategy(name).needs_validation)
     pool_per_step = budget["pool_samples"] / budget["steps"]
-    val_batch = int((selection_cfg.get("validation") or {}).get("batch_size", 4))
+    val_batch = int((selection_cfg.get("validation") or {}).get("batch_size", VALIDATION_BATCH))
     return pool_steps * pool_per_step, val_steps * val_batch * int(budget.get("world_size", 1))
 
 

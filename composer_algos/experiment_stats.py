@@ -13,6 +13,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "format_paired_markdown",
+    "format_sensitivity_markdown",
+    "sensitivity",
+    "verdict_of",
     "jaccard",
     "paired_comparison",
     "paired_summary",
@@ -165,6 +168,68 @@ def format_paired_markdown(paired: Mapping[str, Any]) -> str:
         cells = [f"{name} - {baseline}", str(e["average"]["n"]), _fmt_ci(e["average"])]
         cells += [_fmt_ci(e["domains"][d]) if d in e["domains"] else "-" for d in domains]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict_of(summary: Mapping[str, Any]) -> str:
+    """`lower` / `higher` when the 95% interval of a paired difference lies below / above 0, else `level`."""
+    lo, hi = summary.get("ci_low"), summary.get("ci_high")
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return "n/a"
+    return "lower" if hi < 0 else "higher" if lo > 0 else "level"
+
+
+def sensitivity(
+    per_seed: Mapping[str, Mapping[int, Mapping[str, Any]]],
+    counts: Mapping[str, Sequence[int]],
+    planned: Mapping[str, int],
+    *,
+    baseline: str,
+    label_at: Any,
+) -> dict[str, Any]:
+    """Each arm's paired difference against `baseline` at its planned steps and at the calibration's edges.
+
+    Args:
+        per_seed: as `paired_comparison`'s, holding the arms and their runs at other step counts.
+        counts: arm -> the step counts beside its plan (from an equal-compute plan's `sensitivity`).
+        planned: arm -> its planned steps.
+        label_at: (arm, steps) -> the name its runs at `steps` have in `per_seed`.
+
+    Returns:
+        arm -> `{"steps": [...], "average": [summary per step count], "verdicts": [...], "flips": bool}`,
+        `flips` when the verdict (`verdict_of`) is not the same at every step count: the difference
+        then turns inside the calibration's noise.
+    """
+    out: dict[str, Any] = {}
+    for arm, edges in counts.items():
+        steps = sorted([*edges, planned[arm]])
+        names = {n: arm if n == planned[arm] else label_at(arm, n) for n in steps}
+        subset = {names[n]: per_seed[names[n]] for n in steps if names[n] in per_seed}
+        if baseline not in per_seed or len(subset) < len(steps):
+            continue
+        paired = paired_comparison({**subset, baseline: per_seed[baseline]}, baseline=baseline)["strategies"]
+        averages = [paired[names[n]]["average"] for n in steps]
+        verdicts = [verdict_of(a) for a in averages]
+        out[arm] = {"steps": steps, "average": averages, "verdicts": verdicts, "flips": len(set(verdicts)) > 1}
+    return out
+
+
+def format_sensitivity_markdown(result: Mapping[str, Any], *, baseline: str) -> str:
+    """The `sensitivity` result as a markdown table (one row per arm, the planned count in the middle)."""
+    if not result:
+        return f"(no arm's steps carry calibration noise against {baseline}: no sensitivity runs)"
+    lines = [
+        f"Sensitivity to the calibration: each arm minus {baseline} (average, mean [95% t interval]) at its "
+        "planned steps and one calibrated spread's worth of steps either side; 'flips' marks a verdict that "
+        "changes inside the calibration's noise",
+        "",
+        "| arm | steps | fewer | planned | more | verdict |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for arm, e in result.items():
+        cells = [_fmt_ci(a) for a in e["average"]]
+        verdict = "flips (" + " / ".join(e["verdicts"]) + ")" if e["flips"] else e["verdicts"][0]
+        lines.append(f"| {arm} | {' / '.join(str(n) for n in e['steps'])} | " + " | ".join(cells) + f" | {verdict} |")
     return "\n".join(lines)
 
 

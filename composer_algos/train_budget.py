@@ -50,7 +50,9 @@ class TrainTimeBudget(Callback):
     warmup_steps)`; null until a step after them has run); `train_cpu_s`, `warmup_cpu_s` and
     `step_cpu_s`, the same in this process's CPU time (`time.process_time`: every thread of rank
     0, evaluation left out; on a CPU shared with other jobs it varies less with their load than
-    the wall clock does); `pool_samples` and `pool_tokens`
+    the wall clock does); `step_times_s` and `step_cpu_times_s`, each step's training time after
+    the warm-up on both clocks (the samples an equal-compute calibration fits its cost model to,
+    `composer_algos.compute_plan.fit_cost_model`); `pool_samples` and `pool_tokens`
     (Composer's count of the loader's batches over all ranks: with a selection algorithm, the
     pools), `trained_samples` and `trained_tokens` (the rows and padded positions of the batches
     trained, counted on this rank at `BATCH_START`, after the selection, times the world size),
@@ -85,6 +87,10 @@ class TrainTimeBudget(Callback):
         self.train_cpu_s = 0.0
         self.warmup_cpu_s: float | None = 0.0 if warmup_steps == 0 else None
         self._cpu_mark = 0.0
+        self._wall_mark = 0.0
+        # Per-step training time after the warm-up (wall, this process's CPU): the calibration's samples.
+        self.step_times_s: list[float] = []
+        self.step_cpu_times_s: list[float] = []
         self.trained_samples = 0
         self.trained_tokens = 0
 
@@ -106,7 +112,11 @@ class TrainTimeBudget(Callback):
     def batch_end(self, state: State, logger: Logger) -> None:
         now = time.process_time()
         self.train_cpu_s += now - self._cpu_mark
-        self._cpu_mark = now
+        wall = state.timestamp.total_wct.total_seconds()
+        if int(state.timestamp.batch.value) > self.warmup_steps:
+            self.step_times_s.append(wall - self._wall_mark)
+            self.step_cpu_times_s.append(now - self._cpu_mark)
+        self._cpu_mark, self._wall_mark = now, wall
         if int(state.timestamp.batch.value) == self.warmup_steps:
             self.warmup_time_s = state.timestamp.total_wct.total_seconds()
             self.warmup_cpu_s = self.train_cpu_s
@@ -152,6 +162,8 @@ class TrainTimeBudget(Callback):
                 if self.warmup_cpu_s is not None
                 else None
             ),
+            "step_times_s": self.step_times_s,
+            "step_cpu_times_s": self.step_cpu_times_s,
             "pool_samples": int(state.timestamp.sample.value),
             "pool_tokens": int(state.timestamp.token.value),
             "trained_samples": self.trained_samples * world,

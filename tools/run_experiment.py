@@ -27,13 +27,21 @@ Budgets (one of):
   of training: Composer's wall-clock account of data loading, selection and the training step,
   evaluation excluded) is first measured by a calibration run (`--step-costs calibrate`, the
   default: the first seed, `--calibration-warmup` steps left out, then `--calibration-steps`
-  timed, no evaluation; OUT/calibration.json, reused while the command is unchanged) or given
-  (`--step-costs random=0.41,partitionsel=0.97`, e.g. from tools/bench_step.py). Each run then
+  timed, no evaluation; OUT/calibration.json, reused by any later plan, or `--calibration FILE`) or given
+  (`--step-costs random=0.41,partitionsel=0.97`, e.g. from tools/bench_step.py). The calibrated
+  cost is a model (`compute_plan.fit_cost_model`: seconds per training FLOP, per scoring FLOP, per
+  solver) fitted to interleaved rounds of every group of configurations that do the same work
+  (random and random_stratified are one group: the same cost, the same steps), run until each
+  arm's cost spread against the reference is within `--calibration-target` (docs/evaluation.md).
+  Each run then
   trains floor(budget / its cost) steps with `max_duration` = those steps, so its warm-up and
   decay are laid over its own steps and it ends at the schedule's final rate; durations in `dur`
   (`t_warmup: 0.03dur`, the selection's `start`/`end`) are fractions of its own steps. A plan
   with a run that would not leave a warm-up given in `ba` is rejected before training.
-  OUT/plan.json holds the costs and the steps.
+  OUT/plan.json holds the costs, their spreads and the steps. With `--sensitivity` (default) an
+  arm whose cost carries calibration noise is also trained at its steps minus and plus that
+  noise's worth (runs `<label>@<steps>-seed<s>`), and OUT/sensitivity.md says whether its paired
+  verdict holds across them.
 - `--budget-seconds S --steps N`: every run stops once it has trained S seconds (same account),
   so a slower strategy trains fewer steps. N is the step cap and the schedule's horizon: a run the
   budget stops ends wherever its schedule then is (not decayed; the runs stop at different points
@@ -66,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -149,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         "--cost-clock": args.cost_clock is not None,
         "--calibration-steps": args.calibration_steps is not None,
         "--calibration-warmup": args.calibration_warmup is not None,
+        "--calibration-rounds": args.calibration_rounds is not None,
+        "--calibration-target": args.calibration_target is not None,
+        "--calibration": args.calibration is not None,
+        "--sensitivity": args.sensitivity is not None,
     }
     if budget is None and any(compute_only.values()):
         parser.error(f"{', '.join(k for k, v in compute_only.items() if v)} only apply with --compute-budget")
@@ -156,11 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     args.cost_clock = args.cost_clock or "wall"
     args.calibration_steps = 10 if args.calibration_steps is None else args.calibration_steps
     args.calibration_warmup = 2 if args.calibration_warmup is None else args.calibration_warmup
-    if args.calibration_steps < 1 or args.calibration_warmup < 0:
+    args.calibration_rounds = 8 if args.calibration_rounds is None else args.calibration_rounds
+    args.calibration_target = 0.01 if args.calibration_target is None else args.calibration_target
+    args.sensitivity = True if args.sensitivity is None else args.sensitivity
+    if args.calibration_steps < 2 or args.calibration_warmup < 0 or args.calibration_rounds < 1:
         parser.error(
-            f"--calibration-steps must be >= 1 and --calibration-warmup >= 0, got "
-            f"{args.calibration_steps} and {args.calibration_warmup}"
+            f"--calibration-steps must be >= 2, --calibration-warmup >= 0 and --calibration-rounds >= 1, got "
+            f"{args.calibration_steps}, {args.calibration_warmup} and {args.calibration_rounds}"
         )
+    if not 0 < args.calibration_target < 1:
+        parser.error(f"--calibration-target must be in (0, 1), got {args.calibration_target}")
+    if args.calibration is not None and not args.calibration.is_file():
+        parser.error(f"--calibration: no such file {args.calibration}")
     given_costs = None
     if args.step_costs != "calibrate":
         try:
@@ -178,11 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_compute(args, strategies, runs_of, seeds[0], budget, given_costs, extra, gpus)
         except PlanError as e:
             parser.error(str(e))
-        steps_of = plan["steps"]
+        steps_of = dict(plan["steps"])
+        for label, counts in plan["sensitivity"].items():  # the same arm at the edges of its calibration noise
+            for n in counts:
+                runs_of[sensitivity_label(label, n)] = runs_of[label]
+                steps_of[sensitivity_label(label, n)] = n
     else:
         steps_of = {label: args.steps for label in strategies}
     todo = []
-    for label, seed in plan_runs(strategies, seeds):
+    for label, seed in plan_runs(list(steps_of), seeds):
         strategy, variant_overrides = runs_of[label]
         run_dir = args.out / f"{label}-seed{seed}"
         steps = steps_of[label]
@@ -225,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def sensitivity_label(label: str, steps: int) -> str:
+    """The name of `label`'s run at `steps` steps beside its plan (its run folders: `<name>-seed<s>`)."""
+    return f"{label}@{steps}"
+
+
 class PlanError(ValueError):
     """An equal-compute plan that cannot run (a missing cost, a failed calibration, a run inside its warm-up)."""
 
@@ -241,31 +270,42 @@ def plan_compute(
 ) -> dict[str, Any]:
     """Every configuration's step cost (calibrated or given), then its steps; writes OUT/plan.json.
 
+    With a calibration, `spread` gives each arm's relative uncertainty (`compute_plan.cost_spread`)
+    and `sensitivity` the step counts on either side of its plan that the spread allows (none for an
+    arm whose work is the reference's), which `--sensitivity` trains too.
+
     Raises:
         PlanError: a configuration without a cost, a calibration run that failed or measured
             nothing, a budget below one step, or a planned run that would end inside a warm-up
             given in `ba`. All before any comparison run starts.
     """
-    from composer_algos.compute_plan import plan_steps
+    from composer_algos.compute_plan import plan_steps, sensitivity_offset
 
     warmups = {label: _warmup_of(args.yaml, extra + runs_of[label][1]) for label in labels}  # config errors first
+    calibration: dict[str, Any] = {}
     if given_costs is not None:
-        costs, source = dict(given_costs), "given"
+        costs, source, spread = dict(given_costs), "given", {}
     else:
-        costs, source = calibrate(args, labels, runs_of, seed, extra, gpus), "calibrated"
+        costs, spread, calibration = calibrate(args, labels, runs_of, seed, extra, gpus, budget.reference)
+        source = "calibrated"
     unit = "CPU s" if args.cost_clock == "cpu" else "s"
     try:
         steps = plan_steps(costs, budget, labels)
     except ValueError as e:
         raise PlanError(f"--compute-budget {args.compute_budget}: {e}") from None
+    sensitivity = {}
     for label, n in steps.items():
-        warmup = warmups[label]
-        if warmup.endswith("ba") and int(float(warmup[:-2])) >= n:
-            raise PlanError(
-                f"--compute-budget {args.compute_budget}: {label} would train {n} steps, inside its "
-                f"scheduler.t_warmup {warmup} (the rate would never decay); raise the budget or give the "
-                "warm-up in dur (a fraction of each run's own steps)"
-            )
+        offset = sensitivity_offset(n, spread.get(label, 0.0)) if args.sensitivity else 0
+        if offset and n - offset >= 1:
+            sensitivity[label] = [n - offset, n + offset]
+        for count in [n, *sensitivity.get(label, [])]:
+            warmup = warmups[label]
+            if warmup.endswith("ba") and int(float(warmup[:-2])) >= count:
+                raise PlanError(
+                    f"--compute-budget {args.compute_budget}: {label} would train {count} steps, inside its "
+                    f"scheduler.t_warmup {warmup} (the rate would never decay); raise the budget or give the "
+                    "warm-up in dur (a fraction of each run's own steps)"
+                )
     reference = budget.steps * costs[budget.reference] if budget.reference is not None else budget.seconds
     plan = {
         "budget": budget.describe(unit),
@@ -273,17 +313,42 @@ def plan_compute(
         "clock": args.cost_clock,
         "cost_source": source,
         "step_costs_s": {label: costs[label] for label in dict.fromkeys([*labels, *([budget.reference] if budget.reference else [])])},
+        "spread": spread,
         "steps": steps,
+        "sensitivity": sensitivity,
+        "calibration": calibration,
     }
     (args.out / "plan.json").write_text(json.dumps(plan, indent=2))
     print(
         f"equal compute: {plan['budget']} ({reference:.1f} {unit} of training); step costs ({source}) "
-        + ", ".join(f"{k} {v:.3f} {unit}" for k, v in plan["step_costs_s"].items())
+        + ", ".join(
+            f"{k} {v:.3f} {unit}" + (f" +- {100 * spread[k]:.2f}%" if spread.get(k) else "")
+            for k, v in plan["step_costs_s"].items()
+        )
         + "; steps "
-        + ", ".join(f"{k} {v}" for k, v in steps.items()),
+        + ", ".join(f"{k} {v}" + (f" (also {sensitivity[k]})" if k in sensitivity else "") for k, v in steps.items()),
         flush=True,
     )
     return plan
+
+
+def arm_work(yaml: Path, shard_dir: str, strategy: str, overrides: list[str]) -> tuple[str, Any]:
+    """(work key, `WorkShape`) of one configuration (`compute_plan.config_work`, `work_key`).
+
+    Raises:
+        PlanError: the configuration does not load.
+    """
+    from composer_algos.compute_plan import config_work, work_key
+    from composer_algos.registry import load_run_config
+    from pipeline.config import ConfigError
+
+    argv = [f"variables.shard_dir={shard_dir}", f"algorithms.data_selection.strategy={strategy}", *overrides]
+    try:
+        cfg = load_run_config(yaml, argv)
+    except ConfigError as e:
+        raise PlanError(f"{yaml} with {argv}: {e}") from None
+    work = config_work(cfg)
+    return work_key(cfg, work), work
 
 
 def calibrate(
@@ -293,25 +358,123 @@ def calibrate(
     seed: int,
     extra: list[str],
     gpus: list[str],
-) -> dict[str, float]:
-    """Seconds of training per step of each configuration, measured by a short run of it.
+    reference: str | None,
+) -> tuple[dict[str, float], dict[str, float], dict[str, Any]]:
+    """Each arm's step cost from a cost model fitted to an interleaved calibration, and its spread.
 
-    Each calibration run is the configuration's own command (first seed, same shards, threads
-    and `--jobs`) for `--calibration-warmup` + `--calibration-steps` steps without evaluation;
-    its cost is `train_budget.json`'s `step_time_s` (`step_cpu_s` with `--cost-clock cpu`), the
-    mean training time of the steps after the warm-up ones. OUT/calibration.json keeps both
-    measurements with the command, reused while the command is the same (unless `--rerun`).
+    Arms are grouped by the work their steps do (`compute_plan.work_key`): one calibration per
+    group, so arms of equal work (random and random_stratified) get the same cost and the same
+    steps. A round runs every group once (`--calibration-warmup` untimed then `--calibration-steps`
+    timed steps, first seed, no evaluation, `--jobs` at a time, the groups' order turning each
+    round so that drifts in the machine's load fall on all of them); rounds go on until every
+    arm's cost relative to the reference has a bootstrap spread at most `--calibration-target`, or
+    `--calibration-rounds` ran. The model (`compute_plan.fit_cost_model`: seconds per training
+    FLOP, per scoring FLOP, and per solver) is fitted to all timed steps.
+
+    The samples are kept in the calibration file (`--calibration`, default OUT/calibration.json)
+    under each group's key and reused by any later plan on the same machine settings (clock,
+    cores, jobs), so re-running a study reproduces its step counts.
+
+    Returns:
+        (costs by label, spreads by label, the calibration's summary for plan.json).
 
     Raises:
-        PlanError: a calibration that is missing under `--report-only`, failed, or measured nothing.
+        PlanError: a calibration run that failed or timed nothing, a calibration file of other
+            machine settings, or a missing calibration under `--report-only`.
     """
-    path = args.out / "calibration.json"
-    known = json.loads(path.read_text()) if path.exists() and not args.rerun else {}
+    from composer_algos.compute_plan import WorkShape, fit_cost_model
+
+    arms = {label: arm_work(args.yaml, args.shard_dir, runs_of[label][0], extra + runs_of[label][1]) for label in labels}
+    groups: dict[str, str] = {}  # work key -> the label whose command calibrates it
+    for label, (key, _) in arms.items():
+        groups.setdefault(key, label)
+    path = args.calibration or args.out / "calibration.json"
+    machine = {"clock": args.cost_clock, "cores": os.cpu_count() or 1, "jobs": args.jobs}
+    known = _read_calibration(path, machine, fresh=args.rerun and args.calibration is None)
+    rounds = 0
+    while True:
+        spread = _spread_of(known, arms, reference, machine["clock"]) if all(k in known["groups"] for k in groups) else None
+        chunks = min((len(known["groups"].get(k, {}).get("chunks", [])) for k in groups), default=0)
+        done = spread is not None and chunks >= 2 and max(spread.values(), default=0.0) <= args.calibration_target
+        if done or chunks >= args.calibration_rounds or (args.report_only and spread is not None):
+            break
+        if args.report_only:
+            raise PlanError(f"--report-only: no calibration for {sorted(set(groups) - set(known['groups']))} in {path}")
+        order = list(groups)[rounds % len(groups) :] + list(groups)[: rounds % len(groups)]
+        todo = [k for k in order if len(known["groups"].get(k, {}).get("chunks", [])) <= chunks]
+        _calibration_round(args, todo, groups, runs_of, arms, known, seed, extra, gpus, path)
+        rounds += 1
+    assert spread is not None
+    classes = {
+        k: (WorkShape(**known["groups"][k]["work"]).work(known["groups"][k]["model"]), _samples(known["groups"][k], machine["clock"]))
+        for k in groups
+    }
+    model = fit_cost_model(list(classes.values()))
+    costs = {label: model.step_cost(classes[key][0]) for label, (key, _) in arms.items()}
+    worst = max(spread.values(), default=0.0)
+    if worst > args.calibration_target:
+        print(
+            f"warning: after {chunks} calibration rounds the step costs' spread is {100 * worst:.2f}% "
+            f"(target {100 * args.calibration_target:.2f}%); the sensitivity runs show what it moves",
+            flush=True,
+        )
+    summary = {
+        "file": str(path),
+        "machine": machine,
+        "rounds": chunks,
+        "timed_steps": {label: sum(len(c["step_times_s"]) for c in known["groups"][key]["chunks"]) for label, (key, _) in arms.items()},
+        "groups": {label: key for label, (key, _) in arms.items()},
+        "model": {
+            "train_s_per_tflop": 1e12 * model.train_s_per_flop,
+            "score_s_per_tflop": 1e12 * model.score_s_per_flop,
+            "solve_s": dict(model.solve_s),
+        },
+        "max_spread": worst,
+    }
+    return costs, spread, summary
+
+
+def _read_calibration(path: Path, machine: dict[str, Any], *, fresh: bool) -> dict[str, Any]:
+    """The calibration file's content ({"machine", "groups"}); empty when absent, of an older format or `fresh`.
+
+    Raises:
+        PlanError: the file was measured with other machine settings (clock, cores or jobs).
+    """
+    empty = {"format": 2, "machine": machine, "groups": {}}
+    if fresh or not path.exists():
+        return empty
+    data = json.loads(path.read_text())
+    if data.get("format") != 2:
+        print(f"{path}: a calibration of an older format; calibrating anew", flush=True)
+        return empty
+    if data.get("machine") != machine:
+        raise PlanError(
+            f"{path} was measured with {data.get('machine')}, this plan runs with {machine}; give the same "
+            "--cost-clock and --jobs, or --rerun to calibrate anew"
+        )
+    return data
+
+
+def _calibration_round(
+    args: argparse.Namespace,
+    todo: list[str],
+    groups: dict[str, str],
+    runs_of: dict[str, tuple[str, list[str]]],
+    arms: dict[str, tuple[str, Any]],
+    known: dict[str, Any],
+    seed: int,
+    extra: list[str],
+    gpus: list[str],
+    path: Path,
+) -> None:
+    """One chunk of each group in `todo` (in that order, `--jobs` at a time); its samples appended to `path`."""
     total = args.calibration_warmup + args.calibration_steps
-    todo, commands = [], {}
-    for label in labels:
+    queue = []
+    for key in todo:
+        label = groups[key]
         strategy, variant_overrides = runs_of[label]
-        run_dir = args.out / "calibration" / label
+        index = len(known["groups"].get(key, {}).get("chunks", []))
+        run_dir = args.out / "calibration" / key / f"chunk{index}"
         cmd = train_command(
             yaml=args.yaml,
             shard_dir=args.shard_dir,
@@ -320,36 +483,68 @@ def calibrate(
             steps=total,
             eval_interval=total,
             run_dir=run_dir,
-            run_name=f"{args.out.name}-calibration-{label}",
+            run_name=f"{args.out.name}-calibration-{label}-{index}",
             extra=extra + variant_overrides + ["eval_loader=null", f"callbacks.train_budget.warmup_steps={args.calibration_warmup}"],
         )
-        commands[label] = cmd[1:]  # the interpreter's path left out
-        if known.get(label, {}).get("command") == commands[label]:
-            continue
-        todo.append((run_dir, cmd))
-    if todo and args.report_only:
-        raise PlanError(f"--report-only: no calibration for {[d.name for d, _ in todo]} in {path}")
-    if todo:
-        print(f"calibrating {len(todo)} configurations: {args.calibration_steps} timed steps after {args.calibration_warmup}", flush=True)
-        failed = _run_queue(list(todo), jobs=args.jobs, gpus=gpus, budget_seconds=None)  # it pops its queue
-        if failed:
-            raise PlanError(f"calibration runs failed: {failed} (see their logs in {args.out / 'calibration'})")
-        for run_dir, _ in todo:
-            budget_json = run_dir / "train_budget.json"
-            measured = json.loads(budget_json.read_text()) if budget_json.exists() else {}
-            if measured.get("step_time_s") is None or measured.get("step_cpu_s") is None:
-                raise PlanError(f"calibration of {run_dir.name} measured no step time ({budget_json})")
-            known[run_dir.name] = {
-                "step_time_s": measured["step_time_s"],
-                "step_cpu_s": measured["step_cpu_s"],
-                "warmup_steps": args.calibration_warmup,
-                "timed_steps": args.calibration_steps,
-                "seed": seed,
-                "command": commands[run_dir.name],
+        queue.append((run_dir, cmd))
+    print(
+        f"calibration round: {len(queue)} configurations, {args.calibration_steps} timed steps each after "
+        f"{args.calibration_warmup} ({', '.join(groups[k] for k in todo)})",
+        flush=True,
+    )
+    failed = _run_queue(list(queue), jobs=args.jobs, gpus=gpus, budget_seconds=None)
+    if failed:
+        raise PlanError(f"calibration runs failed: {failed} (see their logs in {args.out / 'calibration'})")
+    for key, (run_dir, _) in zip(todo, queue):
+        budget = json.loads((run_dir / "train_budget.json").read_text()) if (run_dir / "train_budget.json").exists() else {}
+        if not budget.get("step_times_s"):
+            raise PlanError(f"calibration of {groups[key]} timed no step ({run_dir / 'train_budget.json'})")
+        wall = _read_samples(run_dir, "wall")
+        cpu = _read_samples(run_dir, "cpu")
+        group = known["groups"].setdefault(
+            key, {"label": groups[key], "work": dataclasses.asdict(arms[groups[key]][1]), "model": budget.get("model"), "chunks": []}
+        )
+        group["chunks"].append(
+            {
+                "step_times_s": list(wall.step_s),
+                "step_cpu_times_s": list(cpu.step_s),
+                "features_s": list(wall.features_s),
+                "selection_s": list(wall.selection_s),
+                "features_cpu_s": list(cpu.features_s),
+                "selection_cpu_s": list(cpu.selection_s),
             }
-        path.write_text(json.dumps(known, indent=2))
-    key = "step_cpu_s" if args.cost_clock == "cpu" else "step_time_s"
-    return {label: float(known[label][key]) for label in labels}
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(known, indent=1))
+
+
+def _read_samples(run_dir: Path, clock: str) -> Any:
+    from composer_algos.compute_plan import read_step_samples
+
+    return read_step_samples(run_dir, clock)[0]
+
+
+def _samples(group: dict[str, Any], clock: str) -> Any:
+    """A group's `StepSamples` on `clock`, all its chunks together."""
+    from composer_algos.compute_plan import StepSamples
+
+    cpu = clock == "cpu"
+    chunks = group["chunks"]
+    pick = lambda wall_key, cpu_key: tuple(x for c in chunks for x in c[cpu_key if cpu else wall_key])  # noqa: E731
+    return StepSamples(
+        step_s=pick("step_times_s", "step_cpu_times_s"),
+        features_s=pick("features_s", "features_cpu_s"),
+        selection_s=pick("selection_s", "selection_cpu_s"),
+    )
+
+
+def _spread_of(known: dict[str, Any], arms: dict[str, tuple[str, Any]], reference: str | None, clock: str) -> dict[str, float]:
+    """Each arm's bootstrap spread (`compute_plan.cost_spread`) from the samples so far."""
+    from composer_algos.compute_plan import WorkShape, cost_spread
+
+    keys = {key for key, _ in arms.values()}
+    classes = {k: (WorkShape(**known["groups"][k]["work"]).work(known["groups"][k]["model"]), _samples(known["groups"][k], clock)) for k in keys}
+    return cost_spread(classes, {label: key for label, (key, _) in arms.items()}, reference=reference)
 
 
 def _warmup_of(yaml: Path, overrides: list[str]) -> str:
@@ -410,13 +605,42 @@ def build_parser() -> argparse.ArgumentParser:
         "excluded: steadier on a CPU shared with other jobs)",
     )
     parser.add_argument(
-        "--calibration-steps", type=int, default=None, help="timed steps of a calibration run (default 10)"
+        "--calibration-steps", type=int, default=None, help="timed steps of each calibration run (default 10)"
     )
     parser.add_argument(
         "--calibration-warmup",
         type=int,
         default=None,
         help="steps of a calibration run before the timed ones (default 2; lazy state is built there)",
+    )
+    parser.add_argument(
+        "--calibration-rounds",
+        type=int,
+        default=None,
+        help="at most this many calibration runs per configuration (default 8); rounds stop earlier once "
+        "every arm's cost spread is within --calibration-target",
+    )
+    parser.add_argument(
+        "--calibration-target",
+        type=float,
+        default=None,
+        help="the relative spread (bootstrap standard deviation) of each arm's step cost against the "
+        "reference's that ends the calibration (default 0.01)",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="the calibration file to read and extend (default OUT/calibration.json): give another "
+        "experiment's to plan with its measured costs on the same machine settings",
+    )
+    parser.add_argument(
+        "--sensitivity",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --compute-budget (default on): also train each arm whose cost carries calibration "
+        "noise at its planned steps minus and plus that noise's worth of steps, and report whether its "
+        "verdict holds across them",
     )
     parser.add_argument(
         "--budget-seconds",
@@ -580,6 +804,8 @@ def report(
         (out / "paired.json").write_text(json.dumps(paired, indent=2))
         table["paired"] = paired
         written += [out / "paired.md", out / "paired.json"]
+        if plan is not None and plan.get("sensitivity"):
+            written += write_sensitivity(out, plan, seeds, baseline=paired_baseline)
     selection = selection_report(out, strategies, seeds, reference=reference)
     selection_md = format_selection_markdown(selection)
     print("\n" + selection_md)
@@ -592,6 +818,21 @@ def report(
     written.append(out / "curves.png")
     print("\nwrote " + ", ".join(str(p) for p in written))
     return table
+
+
+def write_sensitivity(out: Path, plan: dict[str, Any], seeds: list[int], *, baseline: str) -> list[Path]:
+    """OUT/sensitivity.md and .json: each arm's difference from `baseline` at the edges of its calibration noise."""
+    from composer_algos.experiment_stats import format_sensitivity_markdown, sensitivity
+
+    counts = plan["sensitivity"]
+    labels = [baseline, *counts, *(sensitivity_label(a, n) for a, ns in counts.items() for n in ns)]
+    per_seed = collect(out, list(dict.fromkeys(labels)), seeds)["per_seed"]
+    result = sensitivity(per_seed, counts, plan["steps"], baseline=baseline, label_at=sensitivity_label)
+    md = format_sensitivity_markdown(result, baseline=baseline)
+    print("\n" + md)
+    (out / "sensitivity.md").write_text(md + "\n")
+    (out / "sensitivity.json").write_text(json.dumps(result, indent=2))
+    return [out / "sensitivity.md", out / "sensitivity.json"]
 
 
 def collect(out: Path, strategies: list[str], seeds: list[int], *, plan: dict[str, Any] | None = None) -> dict:

@@ -236,9 +236,13 @@ def main(argv: list[str] | None = None) -> int:
             budget_steps=args.budget_steps, jobs=args.jobs, quick=args.quick,
         )
     if "more" in parts:
-        cmd = more_seeds_command(study_dir, shards=shards, seq_len=args.seq_len, seeds=args.more_seeds, jobs=args.jobs)
-        for label in MORE_ARMS:
-            link_runs(study_dir / "equal_compute", study_dir / "equal_compute_more", label=label, seeds=args.more_seeds)
+        cmd = more_seeds_command(
+            study_dir, shards=shards, seq_len=args.seq_len, seeds=args.more_seeds, jobs=args.jobs,
+            budget_steps=args.budget_steps,
+        )
+        if study_calibration(study_dir) is not None:  # the study's runs were planned with the same costs
+            for label in MORE_ARMS:
+                link_runs(study_dir / "equal_compute", study_dir / "equal_compute_more", label=label, seeds=args.more_seeds)
         _run(cmd, env)
     if "report" in parts:
         print(study_report(study_dir))
@@ -268,7 +272,9 @@ def study_commands(
     arms = STUDY_ARMS if profile == "full" else {k: STUDY_ARMS[k] for k in QUICK_ARMS}
     base = _experiment_command(arms, shards=shards, seeds=seeds, jobs=jobs)
     tail = ["--", f"variables.max_seq_len={seq_len}", *STUDY_OVERRIDES]
-    calibration = ["--calibration-steps", "2", "--calibration-warmup", "1"] if quick else ["--calibration-steps", "6", "--calibration-warmup", "2"]
+    # The calibration: run_experiment's defaults (rounds of 10 timed steps after 2 until every arm's cost
+    # is within 1% of its bootstrap spread against random's, at most 8 rounds).
+    calibration = ["--calibration-steps", "2", "--calibration-warmup", "1", "--calibration-rounds", "2"] if quick else []
     cmds = [
         base + ["--compute-budget", f"random={budget_steps}", "--cost-clock", "cpu", *calibration,
                 "--out", str(dest / "equal_compute"), *tail]
@@ -296,23 +302,27 @@ def study(
     print(f"study ({profile}) took {time.perf_counter() - t0:.0f} s of wall time in this invocation", flush=True)
 
 
-def more_seeds_command(dest: Path, *, shards: Path, seq_len: int, seeds: str, jobs: int) -> list[str]:
-    """run_experiment at equal compute for MORE_ARMS, step costs from the study's own calibration.
+def study_calibration(dest: Path) -> Path | None:
+    """The study's calibration file when it holds this version's samples (run_experiment's format 2), else None."""
+    path = dest / "equal_compute" / "calibration.json"
+    return path if path.exists() and json.loads(path.read_text()).get("format") == 2 else None
 
-    Raises:
-        SystemExit: the study's equal-compute plan (DEST/equal_compute/plan.json) is missing.
+
+def more_seeds_command(
+    dest: Path, *, shards: Path, seq_len: int, seeds: str, jobs: int, budget_steps: int = 80
+) -> list[str]:
+    """run_experiment at equal compute for MORE_ARMS, planned with the study's calibration when it has one.
+
+    The study's calibration file (`study_calibration`) holds the measured steps of every
+    configuration, so the added seeds train the steps the study's seeds did (and the study's runs are
+    linked, not retrained); without one (a fresh directory, or a study calibrated by an older
+    version) run_experiment calibrates MORE_ARMS itself, in DEST/equal_compute_more.
     """
-    plan_path = dest / "equal_compute" / "plan.json"
-    if not plan_path.exists():
-        raise SystemExit(f"more: {plan_path} is missing; run --parts study first (its calibration sets the step costs)")
-    plan = json.loads(plan_path.read_text())
-    costs = plan["step_costs_s"]
-    budget = plan["budget"]  # "the cost of N steps of random"
-    steps = int(budget.split("the cost of ")[1].split(" ")[0])
+    calibration = study_calibration(dest)
     cmd = _experiment_command({label: STUDY_ARMS[label] for label in MORE_ARMS}, shards=shards, seeds=seeds, jobs=jobs)
     return cmd + [
-        "--compute-budget", f"random={steps}", "--cost-clock", plan.get("clock", "cpu"),
-        "--step-costs", ",".join(f"{label}={costs[label]!r}" for label in MORE_ARMS),
+        "--compute-budget", f"random={budget_steps}", "--cost-clock", "cpu",
+        *(["--calibration", str(calibration)] if calibration is not None else []),
         "--out", str(dest / "equal_compute_more"), "--", f"variables.max_seq_len={seq_len}", *STUDY_OVERRIDES,
     ]
 
@@ -380,6 +390,7 @@ def study_report(dest: Path) -> str:
             if isinstance(steps, float) and steps.is_integer():
                 steps = int(steps)  # a mean over seeds of equal step counts
             cost = plan["step_costs_s"].get(label) if plan else None
+            spread = (plan or {}).get("spread", {}).get(label)
             flops = (entry.get("flops") or {}).get("mean")
             d = (
                 f"{diff['mean']:+.4f} [{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}], {diff['n']}"
@@ -387,13 +398,25 @@ def study_report(dest: Path) -> str:
                 else "-"
             )
             lines.append(
-                f"| {label} | {steps if steps is not None else '-'} | {f'{cost:.3f}' if cost else '-'} | "
+                f"| {label} | {steps if steps is not None else '-'} | "
+                f"{f'{cost:.3f}' if cost else '-'}{f' +- {100 * spread:.2f}%' if spread else ''} | "
                 f"{avg.get('mean', float('nan')):.4f} +- {avg.get('std', float('nan')):.4f} | "
                 f"{f'{flops:.3g}' if flops else '-'} | {d} |"
             )
             if flops and avg.get("mean") is not None and math.isfinite(avg["mean"]):
                 points.append((name, label, float(flops), float(avg["mean"])))
         lines.append("")
+        calibration = (plan or {}).get("calibration") or {}
+        if calibration:
+            lines += [
+                f"Calibration: {calibration['rounds']} interleaved rounds, timed steps "
+                + ", ".join(f"{k} {v}" for k, v in calibration["timed_steps"].items())
+                + f"; the largest spread of an arm's cost against random's {100 * calibration['max_spread']:.2f}% "
+                "(bootstrap; arms of random's work have none and train random's steps).",
+                "",
+            ]
+        if (dest / name / "sensitivity.md").exists():
+            lines += [(dest / name / "sensitivity.md").read_text().strip(), ""]
         # PartitionSel's capacities stratify its picks by domain; random_stratified is random with
         # the same stratification, so the difference from it is what the guided choice adds.
         if "random_stratified" in comparison.get("per_seed", {}):

@@ -145,25 +145,22 @@ def test_report_pairs_partitionsel_arms_with_random_stratified_too(tmp_path):
 
 
 def test_more_seeds_reuse_the_study_calibration_so_every_seed_trains_the_studys_steps(tmp_path):
-    from composer_algos.compute_plan import parse_compute_budget, parse_step_costs, plan_steps
-
-    costs = {"random": 2.0, "random_stratified": 1.9, "ps_w64": 2.5, "partitionsel": 5.0}
-    _write(tmp_path / "equal_compute" / "plan.json", {"budget": "the cost of 80 steps of random", "clock": "cpu", "step_costs_s": costs})
+    calibration = tmp_path / "equal_compute" / "calibration.json"
+    _write(calibration, {"format": 2, "machine": {}, "groups": {}})
     cmd = study_ghpile.more_seeds_command(tmp_path, shards=tmp_path / "s", seq_len=512, seeds="1,2,3,4,5", jobs=2)
     assert set(_arms_of(cmd)) == set(study_ghpile.MORE_ARMS)
     assert _arms_of(cmd)["ps_w64"] == study_ghpile.STUDY_ARMS["ps_w64"]
-    given = parse_step_costs(cmd[cmd.index("--step-costs") + 1])
-    assert given == {k: costs[k] for k in study_ghpile.MORE_ARMS}
-    # The cost of 80 random steps (160 s): 80, floor(160 / 1.9) = 84 and floor(160 / 2.5) = 64 steps.
-    budget = parse_compute_budget(cmd[cmd.index("--compute-budget") + 1])
-    assert plan_steps(given, budget, list(study_ghpile.MORE_ARMS)) == {"random": 80, "random_stratified": 84, "ps_w64": 64}
+    assert cmd[cmd.index("--calibration") + 1] == str(calibration) and "--step-costs" not in cmd
+    assert cmd[cmd.index("--compute-budget") + 1] == "random=80"
     assert cmd[cmd.index("--out") + 1] == str(tmp_path / "equal_compute_more")
     assert cmd[cmd.index("--cost-clock") + 1] == "cpu"
 
 
-def test_more_seeds_need_the_studys_plan(tmp_path):
-    with pytest.raises(SystemExit, match="plan.json is missing"):
-        study_ghpile.more_seeds_command(tmp_path, shards=tmp_path, seq_len=512, seeds="1", jobs=1)
+def test_more_seeds_calibrate_anew_without_a_study_calibration_of_this_format(tmp_path):
+    cmd = study_ghpile.more_seeds_command(tmp_path, shards=tmp_path, seq_len=512, seeds="1", jobs=1, budget_steps=40)
+    assert "--calibration" not in cmd and cmd[cmd.index("--compute-budget") + 1] == "random=40"
+    _write(tmp_path / "equal_compute" / "calibration.json", {"random": {"step_cpu_s": 2.0}})  # the old format
+    assert "--calibration" not in study_ghpile.more_seeds_command(tmp_path, shards=tmp_path, seq_len=512, seeds="1", jobs=1)
 
 
 def test_link_runs_links_only_finished_runs_of_the_named_arm(tmp_path):

@@ -275,3 +275,98 @@ def test_run_flops_from_the_recorded_counts(tmp_path):
     assert (flops["scored_pool_rows"], flops["scored_validation_rows"]) == (24, 6)
     assert flops["selection"] == pytest.approx(30 * 8 * 912 * 2.0)
     assert estimate_run_flops(tmp_path / "nothing") is None
+
+
+# ---------------------------------------------------------------------------------------------- cost model (issue 34)
+def _samples(step, features=None, selection=None):
+    from composer_algos.compute_plan import StepSamples
+
+    features = features if features is not None else [0.0] * len(step)
+    return StepSamples(tuple(step), tuple(features), tuple(selection if selection is not None else features))
+
+
+def test_cost_model_factors_hand_computed():
+    from composer_algos.compute_plan import StepWork, fit_cost_model
+
+    plain = StepWork(train_flops=100.0)
+    ps = StepWork(train_flops=100.0, score_flops=50.0, solver="partitionsel")
+    ps_small = StepWork(train_flops=100.0, score_flops=10.0, solver="partitionsel")
+    model = fit_cost_model([
+        (plain, _samples([1.0, 3.0])),  # 2 s / 100 FLOPs
+        (ps, _samples([4.0, 4.0], features=[1.5, 1.5], selection=[2.0, 2.0])),
+        (ps_small, _samples([2.5], features=[0.3], selection=[0.5])),
+    ])
+    assert model.train_s_per_flop == pytest.approx(0.02)
+    assert model.score_s_per_flop == pytest.approx((1.5 + 1.5 + 0.3) / (50 + 50 + 10))
+    a = model.score_s_per_flop
+    rest = [4.0 - 2.0 - 50 * a, 4.0 - 2.0 - 50 * a, 2.5 - 2.0 - 10 * a]
+    assert model.solve_s["partitionsel"] == pytest.approx(sum(rest) / 3)
+    assert model.step_cost(ps) == pytest.approx(2.0 + 50 * a + sum(rest) / 3)
+    # Without a plain configuration, training is the step less the whole selection.
+    alone = fit_cost_model([(ps, _samples([4.0, 4.0], features=[1.5, 1.5], selection=[2.0, 2.0]))])
+    assert alone.train_s_per_flop == pytest.approx(0.02) and alone.step_cost(ps) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_equal_work_gets_equal_steps_for_any_calibration_noise(seed):
+    import random
+
+    from composer_algos.compute_plan import StepWork, cost_spread, fit_cost_model
+
+    rng = random.Random(seed)
+    plain = StepWork(train_flops=1e9)
+    ps = StepWork(train_flops=1e9, score_flops=3e8, solver="partitionsel")
+    noisy = lambda c, n: [c * (1 + rng.uniform(-0.4, 0.4)) for _ in range(n)]  # noqa: E731
+    ps_steps = noisy(1.4, 12)
+    classes = {"plain": (plain, _samples(noisy(1.0, 12))), "ps": (ps, _samples(ps_steps, [0.3 * t for t in ps_steps]))}
+    arms = {"random": "plain", "random_stratified": "plain", "partitionsel": "ps"}
+    model = fit_cost_model(list(classes.values()))
+    costs = {label: model.step_cost(classes[key][0]) for label, key in arms.items()}
+    steps = plan_steps(costs, ComputeBudget(reference="random", steps=80), list(arms))
+    assert steps["random_stratified"] == steps["random"] == 80
+    spread = cost_spread(classes, arms, reference="random", draws=50, seed=seed)
+    assert spread["random_stratified"] == spread["random"] == 0.0 and spread["partitionsel"] > 0
+
+
+def test_work_of_a_config_and_its_key():
+    from composer_algos.compute_plan import config_work, work_key
+    from composer_algos.registry import load_run_config
+
+    def work(*overrides):
+        cfg = load_run_config(TINY, list(overrides))
+        w = config_work(cfg)
+        return w, work_key(cfg, w)
+
+    random, k_random = work("algorithms.data_selection.strategy=random", "seed=3", "run_name=a")
+    strat, k_strat = work("algorithms.data_selection.strategy=random_stratified", "seed=4", "run_name=b")
+    ps, k_ps = work("algorithms.data_selection.strategy=partitionsel")
+    window, k_window = work("algorithms.data_selection.strategy=partitionsel", "algorithms.data_selection.features.score_window=16")
+    none, k_none = work("algorithms.data_selection.strategy=none")
+    assert k_random == k_strat and random == strat and random.solver is None
+    assert len({k_random, k_ps, k_window, k_none}) == 4
+    assert ps.solver == "partitionsel" and ps.pool_rows == 2 * ps.train_rows and ps.val_rows > 0
+    assert window.scored_width == 16 and ps.scored_width == ps.train_width
+    assert none.train_rows == ps.pool_rows  # strategy none trains the whole pool
+    _, k_lr = work("algorithms.data_selection.strategy=random", "optimizer.lr=0.5")
+    assert k_lr != k_random  # anything else in the config may change the work: its own calibration
+
+
+def test_step_samples_of_a_real_run_align_the_selection_log(dolma_shards, tmp_path):
+    import train
+    from composer_algos.compute_plan import read_step_samples
+    from composer_algos.registry import load_run_config
+    from tests.training.conftest import tiny_overrides
+
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(TINY, tiny_overrides(dolma_shards, run_dir, "max_duration=4ba", "eval_loader=null",
+                                               "callbacks.train_budget.warmup_steps=1"))
+    trainer = train.build_trainer(cfg)
+    trainer.fit()
+    trainer.close()
+    wall, shape = read_step_samples(run_dir, "wall")
+    cpu, _ = read_step_samples(run_dir, "cpu")
+    assert len(wall.step_s) == len(cpu.step_s) == 3 and shape["num_hidden_layers"] > 0
+    for step, feat, sel in zip(wall.step_s, wall.features_s, wall.selection_s):
+        assert 0 < feat <= sel <= step
+    for c, w, cf, wf in zip(cpu.step_s, wall.step_s, cpu.features_s, wall.features_s):
+        assert cf == pytest.approx(wf * c / w)

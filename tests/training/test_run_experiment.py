@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import random
 import subprocess
 import sys
 import time
@@ -17,7 +18,8 @@ from tests.common.paths import REPO_ROOT
 TOOL = REPO_ROOT / "tools" / "run_experiment.py"
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 NAMES = ["a", "b"]
-FAKE_STEP_COST = {"random": 0.5, "partitionsel": 1.5}
+FAKE_STEP_COST = {"random": 0.5, "random_stratified": 0.5, "partitionsel": 1.5}
+NOISE: dict = {"amp": 0.0, "rng": random.Random(0)}  # the fake's per-step timing noise (relative)
 FAKE_SHAPE = {
     "hidden_size": 4,
     "num_hidden_layers": 2,
@@ -70,11 +72,24 @@ def fake_training(monkeypatch):
                 }
             )
         )
-        # A training second per step is the strategy's FAKE_STEP_COST (1.0 when not listed).
-        cost = FAKE_STEP_COST.get(_arg(cmd, "algorithms.data_selection.strategy"), 1.0)
+        # A training second per step is the strategy's FAKE_STEP_COST (1.0 when not listed), times
+        # 1 + NOISE["amp"] x a uniform draw in [-1, 1) for each timed step (the calibration's samples).
+        strategy = _arg(cmd, "algorithms.data_selection.strategy")
+        cost = FAKE_STEP_COST.get(strategy, 1.0)
+        warmup = int(_arg(cmd, "callbacks.train_budget.warmup_steps")) if any(
+            a.startswith("callbacks.train_budget.warmup_steps=") for a in cmd
+        ) else 1
+        timed = [cost * (1 + NOISE["amp"] * (2 * NOISE["rng"].random() - 1)) for _ in range(max(0, steps - warmup))]
+        if strategy == "partitionsel":  # a third of its step is the feature pass, as selection_log.csv says
+            rows = [f"{warmup + i},partitionsel,{t / 3},{t / 6},0.0" for i, t in enumerate(timed)]  # from step 0
+            Path(run_dir, "selection_log.csv").write_text(
+                "step,strategy,time_features_s,time_solve_s,time_exchange_s\n" + "\n".join(rows) + "\n"
+            )
         Path(run_dir, "train_budget.json").write_text(
             json.dumps(
                 {
+                    "step_times_s": timed,
+                    "step_cpu_times_s": [2 * t for t in timed],
                     "train_time_s": cost * steps,
                     "steps": steps,
                     "warmup_steps": 1,
@@ -94,6 +109,8 @@ def fake_training(monkeypatch):
         )
         return _FakeProc()
 
+    monkeypatch.setitem(NOISE, "amp", 0.0)
+    monkeypatch.setitem(NOISE, "rng", random.Random(0))
     monkeypatch.setattr(tool.subprocess, "Popen", popen)
     monkeypatch.setattr(tool.time, "sleep", lambda s: None)
     monkeypatch.setattr(tool, "plot_curves", lambda *a, **k: None)
@@ -240,20 +257,109 @@ def test_compute_budget_calibrates_every_configuration_first_and_reuses_it(fake_
         tmp_path, "--compute-budget", "random=60", "--calibration-steps", "6", "--calibration-warmup", "2"
     )
     assert tool.main(args) == 0
-    calibrations, runs = launched[:2], launched[2:]
-    for cmd, _ in calibrations:
+    # Noise-free timings: two interleaved rounds of both configurations already agree to 0%.
+    calibrations = [c for c, _ in launched if "/calibration/" in _arg(c, "save_folder")]
+    runs = [c for c, _ in launched if "/calibration/" not in _arg(c, "save_folder")]
+    assert [_arg(c, "algorithms.data_selection.strategy") for c in calibrations] == [
+        "random", "partitionsel", "partitionsel", "random"
+    ]
+    for cmd in calibrations:
         assert _arg(cmd, "max_duration") == "8ba" and _arg(cmd, "seed") == "1"
         assert _arg(cmd, "eval_loader") == "null"
         assert _arg(cmd, "callbacks.train_budget.warmup_steps") == "2"
-        assert "/calibration/" in _arg(cmd, "save_folder")
     # Measured 0.5 and 1.5 s a step: 60 random steps cost 30 s, which buy 20 partitionsel steps.
-    steps = {_arg(c, "algorithms.data_selection.strategy"): _arg(c, "max_duration") for c, _ in runs}
+    steps = {_arg(c, "algorithms.data_selection.strategy"): _arg(c, "max_duration") for c in runs}
     assert steps == {"random": "60ba", "partitionsel": "20ba"} and len(runs) == 4
-    calibration = json.loads((tmp_path / "exp" / "calibration.json").read_text())
-    assert calibration["random"]["step_time_s"] == 0.5 and calibration["partitionsel"]["step_time_s"] == 1.5
+    plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    assert plan["spread"] == {"random": 0.0, "partitionsel": 0.0} and plan["sensitivity"] == {}
+    model = plan["calibration"]["model"]  # the feature pass is a third of partitionsel's 1.5 s
+    assert model["solve_s"]["partitionsel"] == pytest.approx(1.5 - 0.5 - 0.5)
     launched.clear()
     assert tool.main(args) == 0
     assert launched == []  # calibration and runs reused
+
+
+def test_arms_of_equal_work_get_equal_steps_whatever_the_calibration_measured(fake_training, tmp_path):
+    """random_stratified draws a few indices more than random: the same work, so the same steps (issue 34)."""
+    tool, launched = fake_training
+    NOISE["amp"] = 0.3
+    args = _compute_args(tmp_path, "--compute-budget", "random=80", "--calibration-rounds", "3", "--strategies",
+                         "random,random_stratified,partitionsel", "--seeds", "1")
+    assert tool.main(args) == 0
+    calibrated = {_arg(c, "algorithms.data_selection.strategy") for c, _ in launched if "/calibration/" in _arg(c, "save_folder")}
+    assert calibrated == {"random", "partitionsel"}  # one calibration for the two of equal work
+    plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    assert plan["steps"]["random_stratified"] == plan["steps"]["random"] == 80
+    assert plan["step_costs_s"]["random_stratified"] == plan["step_costs_s"]["random"]
+    assert plan["spread"]["random_stratified"] == 0.0 and plan["spread"]["partitionsel"] > 0
+
+
+def test_a_saved_calibration_reproduces_the_step_counts(fake_training, tmp_path):
+    tool, launched = fake_training
+    NOISE["amp"] = 0.3
+    first = _compute_args(tmp_path, "--compute-budget", "random=80", "--calibration-rounds", "3", "--seeds", "1")
+    assert tool.main(first) == 0
+    planned = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    # Another experiment planned with that file: no calibration run, the same costs and steps, though
+    # a new calibration on this (noisy) machine would measure other costs.
+    launched.clear()
+    other = tmp_path / "other"
+    args = [*first, "--out", str(other), "--calibration", str(tmp_path / "exp" / "calibration.json")]  # the last --out wins
+    assert tool.main(args) == 0
+    assert not [c for c, _ in launched if "/calibration/" in _arg(c, "save_folder")]
+    again = json.loads((other / "plan.json").read_text())
+    assert again["steps"] == planned["steps"] and again["step_costs_s"] == planned["step_costs_s"]
+
+
+def test_calibration_rounds_go_on_until_the_spread_is_within_the_target(fake_training, tmp_path):
+    tool, launched = fake_training
+    NOISE["amp"] = 0.02
+    args = _compute_args(tmp_path, "--compute-budget", "random=80", "--calibration-rounds", "6", "--seeds", "1",
+                         "--calibration-target", "0.002")
+    assert tool.main(args) == 0
+    plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    rounds = plan["calibration"]["rounds"]
+    assert 2 < rounds <= 6
+    assert plan["calibration"]["max_spread"] <= 0.002 or rounds == 6
+
+
+def test_sensitivity_runs_train_each_noisy_arm_either_side_of_its_plan(fake_training, tmp_path):
+    tool, launched = fake_training
+    NOISE["amp"] = 0.5
+    args = _compute_args(tmp_path, "--compute-budget", "random=80", "--calibration-rounds", "2", "--seeds", "1,2",
+                         "--calibration-steps", "3", "--paired-baseline", "random")
+    assert tool.main(args) == 0
+    plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    n = plan["steps"]["partitionsel"]
+    low, high = plan["sensitivity"]["partitionsel"]
+    assert low < n < high and high - n == n - low >= 1 and "random" not in plan["sensitivity"]
+    trained = {(_arg(c, "save_folder").rsplit("/", 1)[1], _arg(c, "max_duration")) for c, _ in launched}
+    for seed in (1, 2):
+        assert (f"partitionsel@{low}-seed{seed}", f"{low}ba") in trained
+        assert (f"partitionsel@{high}-seed{seed}", f"{high}ba") in trained
+    md = (tmp_path / "exp" / "sensitivity.md").read_text()
+    assert f"| partitionsel | {low} / {n} / {high} |" in md
+
+
+def test_sensitivity_marks_a_verdict_that_flips_inside_the_noise():
+    from composer_algos.experiment_stats import sensitivity
+
+    def runs(values):
+        return {seed: {"average": v, "domains": {}} for seed, v in enumerate(values, 1)}
+
+    per_seed = {
+        "random": runs([1.0, 1.0, 1.0]),
+        "a": runs([0.90, 0.91, 0.92]),  # lower than random beyond noise at the planned 10 steps
+        "a@9": runs([1.05, 0.95, 1.01]),  # level at 9
+        "a@11": runs([0.80, 0.81, 0.82]),
+        "b": runs([1.10, 1.11, 1.12]),
+        "b@9": runs([1.10, 1.12, 1.11]),
+        "b@11": runs([1.08, 1.09, 1.10]),
+    }
+    out = sensitivity(per_seed, {"a": [9, 11], "b": [9, 11]}, {"a": 10, "b": 10}, baseline="random",
+                      label_at=lambda arm, n: f"{arm}@{n}")
+    assert out["a"]["verdicts"] == ["level", "lower", "lower"] and out["a"]["flips"]
+    assert out["b"]["verdicts"] == ["higher"] * 3 and not out["b"]["flips"]
 
 
 def test_a_plan_that_never_leaves_warmup_is_rejected_before_training(fake_training, tmp_path, capsys):
