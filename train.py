@@ -38,12 +38,12 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
 
     from composer_algos.builders import build_component, build_optimizer, build_scheduler
     from composer_algos.file_logger import AppendFileLogger
-    from composer_algos.mixture_io import read_mixture_json
+    from composer_algos.mixture_io import stream_weights
     from composer_algos.models import build_causal_lm
     from composer_algos.registry import type_components
     from composer_algos.selection_algorithm import find_data_selection_in
     from pipeline.dataset import split_samples
-    from pipeline.loaders import build_domain_evaluators, build_train_dataloader
+    from pipeline.loaders import build_domain_evaluators, train_dataloader_from_config
     from pipeline.manifest import load_manifest
     from pipeline.tokenizer import load_tokenizer
 
@@ -60,15 +60,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     data = cfg.train_loader.dataset
     manifest = load_manifest(data.shard_dir)
     domain_names = [d.name for d in manifest.domains]
-    weights = data.domain_weights
-    if data.domain_weights_file is not None:
-        if not os.path.isfile(data.domain_weights_file):
-            raise FileNotFoundError(
-                f"train_loader.dataset.domain_weights_file: no such file {data.domain_weights_file!r} "
-                "(for DoReMi's stage c, run the proxy stage first; it writes <run_dir>/doremi/mixture.json)"
-            )
-        weights = dict(read_mixture_json(data.domain_weights_file).weights)  # DoReMi's or a selection run's
-        log.info("stream proportions from %s: %s", data.domain_weights_file, weights)
+    weights = stream_weights(data.domain_weights, data.domain_weights_file, where="train_loader.dataset")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     run_dir = cfg.save_folder or os.path.join("runs", cfg.run_name or "run")
     context = {
@@ -82,26 +74,9 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     # The pool is sized from the algorithm's own oversampling (its default included): one owner.
     selection = find_data_selection_in(algorithms)
     device_pool = int(round(device_batch * selection.oversampling)) if selection is not None else device_batch
-    train_loader = build_train_dataloader(
-        shard_dir=data.shard_dir,
-        remote=data.remote,
-        split=data.split,
-        domains=data.domains,
-        domain_weights=weights,
-        shuffle=data.shuffle,
-        shuffle_seed=data.shuffle_seed,
-        shuffle_algo=data.shuffle_algo,
-        num_canonical_nodes=data.num_canonical_nodes,
-        predownload=data.predownload,
-        epoch_size=data.epoch_size,
-        device_batch_size=device_pool,
-        pad_token_id=pad_id,
+    train_loader = train_dataloader_from_config(
+        cfg.train_loader, domain_weights=weights, device_batch_size=device_pool, pad_token_id=pad_id,
         max_seq_len=cfg.max_seq_len,
-        num_workers=cfg.train_loader.num_workers,
-        drop_last=cfg.train_loader.drop_last,
-        prefetch_factor=cfg.train_loader.prefetch_factor,
-        persistent_workers=cfg.train_loader.persistent_workers,
-        pin_memory=cfg.train_loader.pin_memory,
     )
     evaluators = []
     if cfg.eval_loader is not None:

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ __all__ = [
     "write_mixture_json",
     "read_mixture_json",
     "read_mixture_csv",
+    "stream_weights",
 ]
 
 FORMAT_VERSION = 1
@@ -253,6 +254,31 @@ class MixtureCSVWriter:
             csv.writer(f).writerows(kept)
         self._file = open(self.path, "a", newline="")
         self._writer = csv.writer(self._file)
+
+
+def stream_weights(
+    domain_weights: Mapping[str, float] | None, domain_weights_file: str | None, *, where: str
+) -> dict[str, float] | None:
+    """The training streams' proportions: `domain_weights`, or the weights of a `mixture.json` file.
+
+    Args:
+        domain_weights: proportions by domain name (None: the natural mixture, unless a file is given).
+        domain_weights_file: a `mixture.json` (DoReMi's or a selection run's) whose weights replace them.
+        where: the yaml path of the dataset section, used in messages (`train_loader.dataset`).
+
+    Raises:
+        FileNotFoundError: `domain_weights_file` does not exist.
+    """
+    if domain_weights_file is None:
+        return None if domain_weights is None else dict(domain_weights)
+    if not os.path.isfile(domain_weights_file):
+        raise FileNotFoundError(
+            f"{where}.domain_weights_file: no such file {domain_weights_file!r} "
+            "(for DoReMi's stage c, run the proxy stage first; it writes <run_dir>/doremi/mixture.json)"
+        )
+    weights = dict(read_mixture_json(domain_weights_file).weights)
+    log.info("stream proportions from %s: %s", domain_weights_file, weights)
+    return weights
 
 
 def read_mixture_csv(path: str | os.PathLike) -> tuple[list[int], list[str], np.ndarray]:

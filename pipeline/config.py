@@ -40,6 +40,8 @@ __all__ = [
     "parse_components",
     "load_config",
     "parse_config",
+    "guide_fraction_problems",
+    "pool_unit_problems",
 ]
 
 _DURATION = re.compile(r"^\d+(\.\d+)?(ba|ep|sp|tok|dur)$")
@@ -281,11 +283,7 @@ class TrainConfig:
             value = str(getattr(self, name))
             if not _DURATION.match(value):
                 errs.append(f"{name} must be a duration like 1000ba, 2ep or 0.5dur, got {value!r}")
-        if str(self.max_duration).endswith(("sp", "tok")):
-            errs.append(
-                f"max_duration {self.max_duration!r}: use ba or ep; samples and tokens are counted in pool "
-                "units before selection, so sp/tok durations would not mean what they say"
-            )
+        errs += pool_unit_problems("max_duration", self.max_duration)
         if self.global_train_batch_size <= 0:
             errs.append(f"global_train_batch_size must be > 0, got {self.global_train_batch_size}")
         if self.max_seq_len <= 0:
@@ -311,36 +309,56 @@ class TrainConfig:
         return errs
 
     def _validate_guide_fractions(self) -> list[str]:
-        """Evaluation must not read the validation examples that guide selection (see pipeline.holdout)."""
-        errs = []
-        ev = self.eval_loader
-        if ev is not None and not 0.0 <= ev.guide_fraction < 1.0:
-            errs.append(f"eval_loader.guide_fraction must be in [0, 1) (0: the whole split), got {ev.guide_fraction}")
-        selection = self.algorithms.get("data_selection")
-        val = (selection or {}).get("validation") if isinstance(selection, Mapping | None) else None
-        if isinstance(val, str):  # a shard directory: its options take their defaults
-            val = {"shard_dir": val}
-        val = val if isinstance(val, Mapping) else {}
-        guide = val.get("guide_fraction", 0.5)
-        if selection is None or not isinstance(guide, (int, float)):
-            return errs
-        if not 0.0 < guide <= 1.0:
-            errs.append(f"algorithms.data_selection.validation.guide_fraction must be in (0, 1], got {guide}")
-        same_split = (
-            ev is not None
-            and _same_location(
-                ev.shard_dir or self.train_loader.dataset.shard_dir,
-                val.get("shard_dir", self.train_loader.dataset.shard_dir),
-            )
-            and ev.split == val.get("split", "val")
+        return guide_fraction_problems(
+            self.algorithms.get("data_selection"), self.eval_loader, self.train_loader.dataset.shard_dir
         )
-        if same_split and ev is not None and ev.guide_fraction < guide:
-            errs.append(
-                f"eval_loader.guide_fraction {ev.guide_fraction} is below "
-                f"algorithms.data_selection.validation.guide_fraction {guide}: evaluation would read validation "
-                f"examples that guide selection; set eval_loader.guide_fraction={guide}"
-            )
+
+
+def guide_fraction_problems(
+    selection: Any, ev: EvalConfig | None, train_shard_dir: str, *, eval_key: str = "eval_loader"
+) -> list[str]:
+    """Evaluation must not read the validation examples that guide selection (see pipeline.holdout).
+
+    Args:
+        selection: the `algorithms.data_selection` options (a mapping; None: no selection).
+        ev: the evaluation's shards, split and guide fraction (None: no evaluation).
+        train_shard_dir: the training shards (the default of both the evaluation's and the guide's).
+        eval_key: the yaml path of the evaluation's `guide_fraction`'s section, for messages.
+    """
+    errs = []
+    if ev is not None and not 0.0 <= ev.guide_fraction < 1.0:
+        errs.append(f"{eval_key}.guide_fraction must be in [0, 1) (0: the whole split), got {ev.guide_fraction}")
+    val = (selection or {}).get("validation") if isinstance(selection, Mapping | None) else None
+    if isinstance(val, str):  # a shard directory: its options take their defaults
+        val = {"shard_dir": val}
+    val = val if isinstance(val, Mapping) else {}
+    guide = val.get("guide_fraction", 0.5)
+    if selection is None or not isinstance(guide, (int, float)):
         return errs
+    if not 0.0 < guide <= 1.0:
+        errs.append(f"algorithms.data_selection.validation.guide_fraction must be in (0, 1], got {guide}")
+    same_split = (
+        ev is not None
+        and _same_location(ev.shard_dir or train_shard_dir, val.get("shard_dir", train_shard_dir))
+        and ev.split == val.get("split", "val")
+    )
+    if same_split and ev is not None and ev.guide_fraction < guide:
+        errs.append(
+            f"{eval_key}.guide_fraction {ev.guide_fraction} is below "
+            f"algorithms.data_selection.validation.guide_fraction {guide}: evaluation would read validation "
+            f"examples that guide selection; set {eval_key}.guide_fraction={guide}"
+        )
+    return errs
+
+
+def pool_unit_problems(key: str, duration: Any) -> list[str]:
+    """A duration in samples or tokens, which Composer counts in pool units before selection (else none)."""
+    if not str(duration).endswith(("sp", "tok")):
+        return []
+    return [
+        f"{key} {duration!r}: use ba or ep; samples and tokens are counted in pool "
+        "units before selection, so sp/tok durations would not mean what they say"
+    ]
 
 
 def _same_location(a: Any, b: Any) -> bool:

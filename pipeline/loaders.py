@@ -10,13 +10,20 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 from pipeline.collators import build_collator
+from pipeline.config import LoaderConfig
 from pipeline.dataset import DomainStreamingDataset, split_samples
 from pipeline.holdout import DEFAULT_GUIDE_FRACTION, heldout_subset
 from pipeline.manifest import load_manifest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_train_dataloader", "build_domain_evaluators"]
+__all__ = [
+    "build_domain_evaluators",
+    "build_heldout_dataloader",
+    "build_train_dataloader",
+    "eval_domains",
+    "train_dataloader_from_config",
+]
 
 
 def build_train_dataloader(
@@ -82,6 +89,90 @@ def build_train_dataloader(
     return DataSpec(loader)
 
 
+def train_dataloader_from_config(
+    loader: LoaderConfig,
+    *,
+    device_batch_size: int,
+    pad_token_id: int,
+    max_seq_len: int,
+    domain_weights: Mapping[str, float] | None,
+) -> DataSpec:
+    """`build_train_dataloader` with the dataset and loader options of a `train_loader` section.
+
+    `domain_weights` replaces the section's own (`pipeline.config.DatasetConfig`: its
+    `domain_weights_file` is read by the caller, `composer_algos.mixture_io.stream_weights`).
+    """
+    data = loader.dataset
+    return build_train_dataloader(
+        shard_dir=data.shard_dir,
+        remote=data.remote,
+        split=data.split,
+        domains=data.domains,
+        domain_weights=domain_weights,
+        shuffle=data.shuffle,
+        shuffle_seed=data.shuffle_seed,
+        shuffle_algo=data.shuffle_algo,
+        num_canonical_nodes=data.num_canonical_nodes,
+        predownload=data.predownload,
+        epoch_size=data.epoch_size,
+        device_batch_size=device_batch_size,
+        pad_token_id=pad_token_id,
+        max_seq_len=max_seq_len,
+        num_workers=loader.num_workers,
+        drop_last=loader.drop_last,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory=loader.pin_memory,
+    )
+
+
+def build_heldout_dataloader(
+    *,
+    shard_dir: str,
+    domains: Sequence[str],
+    device_batch_size: int,
+    pad_token_id: int,
+    max_seq_len: int,
+    remote: str | None = None,
+    split: str = "val",
+    guide_fraction: float = DEFAULT_GUIDE_FRACTION,
+    what: str = "evaluation",
+) -> DataSpec:
+    """An evaluation loader over the held-out part of `domains`' `split` (see `build_domain_evaluators`)."""
+    manifest = load_manifest(shard_dir)
+    _check_seq_len(manifest.max_seq_len, max_seq_len, shard_dir)
+    dataset = DomainStreamingDataset(
+        shard_dir=shard_dir, split=split, remote=remote, domains=domains, shuffle=False, batch_size=device_batch_size
+    )
+    # A map-style view of the held-out samples; Composer drops a DistributedSampler's padding.
+    heldout = heldout_subset(dataset, guide_fraction, what=what)
+    loader = DataLoader(
+        heldout,
+        batch_size=device_batch_size,
+        collate_fn=build_collator(manifest.mode, pad_token_id=pad_token_id, max_seq_len=max_seq_len),
+        drop_last=False,
+        sampler=dist.get_sampler(heldout, shuffle=False, drop_last=False),
+    )
+    return DataSpec(loader)
+
+
+def eval_domains(shard_dir: str, split: str, domains: Sequence[str] | None) -> list[str]:
+    """The domains of `domains` (default: all) that have samples in `split`, in manifest order.
+
+    Raises:
+        ValueError: no such domain has samples in `split`.
+    """
+    manifest = load_manifest(shard_dir)
+    names = list(domains) if domains is not None else [d.name for d in manifest.domains]
+    with_data = [d.name for d in manifest.domains if d.name in names and split_samples(d, split) > 0]
+    if not with_data:
+        raise ValueError(f"{shard_dir}: no domain has samples in split {split!r}; shard with a validation split")
+    skipped = sorted(set(names) - set(with_data))
+    if skipped:
+        log.warning("domains %s have no %s samples and get no evaluator", skipped, split)
+    return with_data
+
+
 def build_domain_evaluators(
     *,
     shard_dir: str,
@@ -105,34 +196,26 @@ def build_domain_evaluators(
     """
     manifest = load_manifest(shard_dir)
     _check_seq_len(manifest.max_seq_len, max_seq_len, shard_dir)
-    names = list(domains) if domains is not None else [d.name for d in manifest.domains]
-    with_data = [d.name for d in manifest.domains if d.name in names and split_samples(d, split) > 0]
-    if not with_data:
-        raise ValueError(f"{shard_dir}: no domain has samples in split {split!r}; shard with a validation split")
-    skipped = sorted(set(names) - set(with_data))
-    if skipped:
-        log.warning("domains %s have no %s samples and get no evaluator", skipped, split)
+    with_data = eval_domains(shard_dir, split, domains)
     groups = [[n] for n in with_data] if per_domain else [with_data]
-    collate = build_collator(manifest.mode, pad_token_id=pad_token_id, max_seq_len=max_seq_len)
     evaluators = []
     for group in groups:
-        dataset = DomainStreamingDataset(
-            shard_dir=shard_dir, split=split, remote=remote, domains=group, shuffle=False, batch_size=device_batch_size
-        )
         label = f"val/{group[0]}" if per_domain else "val/all"
-        # A map-style view of the held-out samples; Composer drops a DistributedSampler's padding.
-        heldout = heldout_subset(dataset, guide_fraction, what=f"evaluator {label}")
-        loader = DataLoader(
-            heldout,
-            batch_size=device_batch_size,
-            collate_fn=collate,
-            drop_last=False,
-            sampler=dist.get_sampler(heldout, shuffle=False, drop_last=False),
+        loader = build_heldout_dataloader(
+            shard_dir=shard_dir,
+            domains=group,
+            device_batch_size=device_batch_size,
+            pad_token_id=pad_token_id,
+            max_seq_len=max_seq_len,
+            remote=remote,
+            split=split,
+            guide_fraction=guide_fraction,
+            what=f"evaluator {label}",
         )
         evaluators.append(
             Evaluator(
                 label=label,
-                dataloader=DataSpec(loader),
+                dataloader=loader,
                 metric_names=["LanguageCrossEntropy", "LanguagePerplexity"],
                 subset_num_batches=subset_num_batches,
             )

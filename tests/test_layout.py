@@ -86,6 +86,21 @@ def test_selection_and_feature_cores_never_import_composer():
     assert not _offences(files, ("composer",)), "the selection and feature cores must not depend on Composer"
 
 
+def test_only_the_foundry_plugin_touches_llmfoundry():
+    # llm-foundry is an optional extra: the main environment never has it, and its plugin module imports
+    # it lazily (inside functions), so importing composer_algos.foundry needs no llmfoundry either.
+    plugin = REPO_ROOT / "composer_algos" / "foundry.py"
+    others = [p for p in _library_files() + [REPO_ROOT / "train.py"] if p != plugin]
+    assert not _offences(others, ("llmfoundry",)), "only composer_algos/foundry.py may import llmfoundry"
+    top_level = [
+        node
+        for node in ast.parse(plugin.read_text(encoding="utf-8")).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and any(n.startswith("llmfoundry") for n in [getattr(node, "module", None) or "", *(a.name for a in node.names)])
+    ]
+    assert not top_level, "composer_algos/foundry.py must import llmfoundry inside functions only"
+
+
 def test_library_holds_no_corpus_generator():
     assert not (REPO_ROOT / "pipeline" / "sample_corpus.py").exists(), (
         "the synthetic corpus belongs in tools/"
