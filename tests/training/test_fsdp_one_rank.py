@@ -1,0 +1,58 @@
+"""PartitionSel under Composer's FSDP on one rank selects what it selects without FSDP (issue 30.4).
+
+`composer train.py yamls/llama1b_dolma.yaml` on one GPU: the yaml's `fsdp_config` asks for
+FULL_SHARD, which FSDP makes NO_SHARD on one rank, and the first selection step used to fail
+("gradient features do not support FSDP units that do not shard"). Here the tiny config runs three
+steps with `fsdp_config` (FULL_SHARD, `use_orig_params` true and false) on CPU with gloo, through
+tests/training/cpu_fsdp_runs.py (which says how Composer's FSDP is put on the CPU), and each
+step's selection must be the pinned one of the run without FSDP (tests/training/test_selection_pins.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.common.paths import REPO_ROOT
+from tests.training.conftest import tiny_overrides
+
+TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+PINS = REPO_ROOT / "tests" / "training" / "data" / "selection_pins.json"
+USE_ORIG_PARAMS = ["true", "false"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(dolma_shards, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("fsdp_one_rank")
+    runs = {
+        f"use_orig_params={u}": tiny_overrides(
+            dolma_shards,
+            tmp / f"run_{u}",
+            "eval_loader=null",
+            "algorithms.data_selection.strategy=partitionsel",
+            f"fsdp_config={{sharding_strategy: FULL_SHARD, use_orig_params: {u}}}",
+        )
+        for u in USE_ORIG_PARAMS
+    }
+    (tmp / "runs.json").write_text(json.dumps(runs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "tests.training.cpu_fsdp_runs", str(tmp / "out.json"), str(TINY), str(tmp / "runs.json")]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+# One process, two runs of three steps: 86 s wall for the module with the shards fixture, 26 s of CPU,
+# measured at load average 11 on the 2-core machine.
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("use_orig_params", USE_ORIG_PARAMS)
+def test_partitionsel_under_one_rank_fsdp_selects_as_without_fsdp(fsdp_runs, use_orig_params):
+    got = fsdp_runs[f"use_orig_params={use_orig_params}"]
+    pins = json.loads(PINS.read_text())["partitionsel"]
+    assert len(got["selection/selected_hash"]) == 3
+    assert got["selection/selected_hash"] == pins["selected_hash"], "selections differ from the run without FSDP"
+    assert got["loss/train/total"] == pytest.approx(pins["loss"], rel=1e-5)
