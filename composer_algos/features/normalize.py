@@ -123,8 +123,9 @@ def sharded_adam_scales(
       and the overall mean, which are sums over the shards. The large target matrices are never gathered.
 
     Each parameter also adds the count of elements this rank covers and a flag when it holds a nonempty
-    slice without optimizer state. Under HYBRID_SHARD (or NO_SHARD) every element is held by R replicas
-    and all of them contribute; dividing by R (count / numel) gives the same `v_hat` as one shard group.
+    slice without optimizer state. Under HYBRID_SHARD every element is held by R replicas and all of
+    them contribute; dividing by R (count / numel) gives the same `v_hat` as one shard group. (Units
+    that hold whole parameters, NO_SHARD, do not come here: their state is read as without FSDP.)
     The result is the same on every rank, and matches the unsharded `optimizer_second_moments` +
     `exact_adam_scale` / `factored_adam_scales` to float tolerance.
 

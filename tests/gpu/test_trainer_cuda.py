@@ -1,4 +1,4 @@
-"""A real run on the GPU path: 20 steps of amp_bf16 + partitionsel, and FSDP over two GPUs (issue 12.5)."""
+"""A real run on the GPU path: 20 steps of amp_bf16 + partitionsel, FSDP on one GPU (issue 30.4) and over two (issue 12.5)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_fsdp_on_one_gpu_runs_partitionsel(cuda, dolma_shards, tmp_path):
+    """The 1B recipe's FSDP settings on one GPU, where FSDP makes FULL_SHARD NO_SHARD (issue 30.4)."""
+    run = tmp_path / "fsdp1"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "0"}
+    composer = Path(sys.executable).with_name("composer")
+    cmd = [
+        str(composer), "-n", "1", "--master_port", str(_free_port()), str(REPO_ROOT / "train.py"), str(TINY),
+        *tiny_overrides(dolma_shards, run, *GPU_RUN, "max_duration=6ba"),
+        "fsdp_config={sharding_strategy: FULL_SHARD, mixed_precision: PURE, activation_checkpointing: true}",
+    ]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    lines = (run / "log-rank0.txt").read_text().splitlines()
+    assert len([ln for ln in lines if "[metric]" in ln and "selection/selected_hash" in ln]) == 6
+    assert not any("selection/fallback: 1" in ln for ln in lines), "features or solves failed under FSDP"
 
 
 @pytest.mark.parametrize("sharding", ["FULL_SHARD"])
