@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all test-dist test-gpu lint bench clean
+.PHONY: setup setup-foundry demo test test-foundry test-all test-dist test-gpu lint bench clean
 
 # Creates .venv/ (reused when present and up to date with pyproject.toml).
 $(STAMP): pyproject.toml
@@ -29,6 +29,33 @@ test-gpu: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
+
+# .venv-foundry/: llm-foundry 0.22 with this package and its entry points (pip install -e '.[test,foundry]';
+# Streaming 0.12.x and transformers 4.51.x, the low ends of this project's ranges). Reused when present
+# and up to date with pyproject.toml.
+FOUNDRY_VENV ?= .venv-foundry
+FOUNDRY_PY := $(FOUNDRY_VENV)/bin/python
+FOUNDRY_STAMP := $(FOUNDRY_VENV)/.installed
+
+$(FOUNDRY_STAMP): pyproject.toml
+	test -x $(FOUNDRY_PY) || python3 -m venv $(FOUNDRY_VENV)
+	$(FOUNDRY_PY) -m pip install -q --upgrade pip
+	$(FOUNDRY_PY) -m pip install -q -e '.[test,foundry]'
+	touch $(FOUNDRY_STAMP)
+
+setup-foundry: $(FOUNDRY_STAMP)
+
+# The plugin's tests (`llmfoundry train` end to end) and the project's Streaming-facing tests (MDS writing and
+# reading, shared memory, resumption, the pinned selections), in .venv-foundry.
+FOUNDRY_TESTS := tests/foundry tests/data/test_roundtrip.py tests/data/test_corpora.py \
+	tests/data/test_determinism.py tests/data/test_manifest_tokenizer.py tests/data/test_shard_errors.py \
+	tests/data/test_shard_robustness.py tests/data/test_shard_disk_full.py tests/data/test_faults_shard.py \
+	tests/doremi/test_pipeline.py tests/training/test_holdout.py tests/training/test_infra.py \
+	tests/training/test_faults.py tests/training/test_selected_ids.py tests/training/test_resume.py \
+	tests/training/test_selection_pins.py
+
+test-foundry: $(FOUNDRY_STAMP)
+	$(FOUNDRY_PY) -m pytest -q $(FOUNDRY_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
