@@ -6,8 +6,10 @@ trained per step (this rank), C = domains, D = feature dimension.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,11 +24,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from composer_algos.features.val_average import ValidationAverage
 from composer_algos.seeding import mix_seed
+from composer_algos.selection.conflicts import conflict_fraction
+from composer_algos.selection.types import DeferredChecks
 from composer_algos.selection_step import (
     assemble_problem,
     record_step,
     redistribute,
     selection_metrics,
+    settle_on_host,
     solve_problem,
 )
 from composer_algos.validation_source import BatchValidationSource, ValidationSource, model_inputs
@@ -590,13 +595,22 @@ class DataSelection(Algorithm):
         needs_features = get_strategy(strategy).needs_features or stale
 
         # Stage 1: assemble the problem (this rank's pool, or every rank's under global scope).
-        t0 = time.perf_counter()
+        # Locally the step reads the device once (settle_on_host): the checks of device values
+        # (finite features, a finite objective) are recorded as they run and judged from that
+        # one transfer, which also brings the selection to the host. Global scope agrees on
+        # fallbacks across ranks before it gathers, so it judges as it goes.
+        deferred = not multi
+        feature_checks, solver_checks = DeferredChecks(), DeferredChecks()
+        model = getattr(state, "model", None)
+        cpu = torch.device("cpu")
+        clock = _StageClock(next((p.device for p in model.parameters()), cpu) if model is not None else cpu)
         feats_ND, gbar_D, fallback = None, None, None  # fallback: why this step selects at random
         self._val_rows_VD, self._val_domain_V = None, None
         if needs_features:
-            feats_ND, gbar_D, fallback = self._features(
-                state, batch, step, defer_commits=multi, validation=not stale
-            )
+            with _deferring(feature_checks if deferred else None):
+                feats_ND, gbar_D, fallback = self._features(
+                    state, batch, step, defer_commits=multi or deferred, validation=not stale
+                )
         # log_conflicts: features of the pool for the log only (the problem below never sees them).
         probe_ND = None
         if self.log_conflicts and not needs_features and strategy == self.strategy:
@@ -609,11 +623,14 @@ class DataSelection(Algorithm):
                     )
                     self._warned_log_conflicts = True
             else:
-                probe_ND, _, _ = self._features(state, batch, step, validation=False)
+                # Its checks are never judged: a broken probe only loses its logged fraction (below).
+                with _deferring(DeferredChecks()):
+                    probe_ND, _, _ = self._features(state, batch, step, validation=False)
         # The validation rows one by one (and their domains), for the targets and strategies that read them.
         rows_needed = not stale and strategy == self.strategy and self._needs_validation_rows()
-        t_feat = _sync_time(t0)
+        clock.mark("features")
         t1 = time.perf_counter()
+        average_before = self.val_average.snapshot()
         problem = assemble_problem(
             domain_N,
             kappa_rank=self.kappa,
@@ -640,15 +657,11 @@ class DataSelection(Algorithm):
                 )
             self._grow_domains(top)
             pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
-        if needs_features:
-            self._settle_simulated_adam(multi, failed=problem.fallback is not None)
-        if self.between == "stale_topk" and not stale and problem.gbar_D is not None:
-            self._stale_gbar, self._stale_gbar_shared = problem.gbar_D.detach().clone(), multi or world == 1
         if self.check_consistency and multi:
             self._check_same_problem(problem)
 
         # Stage 2: solve (falling back to random within capacities when the problem is broken).
-        t2 = time.perf_counter()
+        clock.mark("solve start")
         options = self.strategy_options.get(strategy) if strategy == self.strategy else None
         if stale and problem.fallback is None:
             outcome = self._stale_topk(problem, gen_seed)
@@ -662,9 +675,42 @@ class DataSelection(Algorithm):
                 options=options,
                 fractions=self._fractions,
                 capacity_fn=self._capacity_fn(),
+                deferred=solver_checks if deferred else None,
             )
-        adaptive_metrics = self._update_adaptive(problem, outcome, eta) if rows_needed else {}
-        t_solve = _sync_time(t2)
+        # The conflict fraction of the selection, read with it (dropped if the step falls back).
+        logged_PD = problem.features_PD if probe_ND is None else probe_ND
+        extras = {}
+        if logged_PD is not None and outcome.fallback is None and outcome.result.indices.numel() > 1:
+            fraction = conflict_fraction(logged_PD, outcome.result.indices)
+            if probe_ND is not None:  # a broken probe logs nothing (nan is dropped below)
+                usable = torch.isfinite(probe_ND).all() & (probe_ND != 0).any()
+                fraction = torch.where(usable, fraction, torch.full_like(fraction, float("nan")))
+            extras["conflicts"] = fraction
+        clock.mark("solve end")
+        # The step's one host sync (local scope): the selection, its numbers and the checks.
+        outcome, extra_values, failed_checks = settle_on_host(
+            outcome,
+            problem,
+            {"unusable gradient features": feature_checks, f"{strategy} failed numerically": solver_checks},
+            num_domains=self.num_domains,
+            seed=gen_seed,
+            fractions=self._fractions,
+            capacity_fn=self._capacity_fn(),
+            extras=extras,
+        )
+        features_ok = "unusable gradient features" not in failed_checks and problem.fallback is None
+        if not features_ok:
+            # The features were unusable: the step is a fallback, and nothing learnt from them stays.
+            self.val_average.restore(average_before)
+            problem.features_PD, problem.gbar_D = None, None
+        if needs_features:
+            self._settle_simulated_adam(multi, failed=not features_ok, deferred=deferred)
+        if self.between == "stale_topk" and not stale and problem.gbar_D is not None:
+            self._stale_gbar, self._stale_gbar_shared = problem.gbar_D.detach().clone(), multi or world == 1
+        adaptive_metrics = (
+            self._update_adaptive(problem, outcome, eta) if rows_needed and outcome.fallback is None else {}
+        )
+        clock.mark("settled", host_only=True)
 
         # Stage 3: redistribute (subset locally, or rebalance the global picks across ranks).
         t3 = time.perf_counter()
@@ -677,15 +723,20 @@ class DataSelection(Algorithm):
         # Stage 4: record, through Composer's logger only.
         if outcome.fallback is not None:
             self._note_fallback(step, outcome.fallback)
-        logged_PD = problem.features_PD if probe_ND is None else probe_ND
+        conflicts = extra_values.get("conflicts")
         metrics = selection_metrics(
             outcome.result,
-            features_PD=logged_PD if outcome.fallback is None else None,
+            features_PD=None,
             new_batch=new_batch,
             domain_key=self.domain_key,
             fallback=outcome.fallback is not None,
             fallbacks_total=self.fallbacks,
-            times_s=(t_feat, t_solve, t_exchange),
+            times_s=(
+                clock.seconds("start", "features"),
+                clock.seconds("solve start", "solve end") + clock.host_seconds("solve end", "settled"),
+                t_exchange,
+            ),
+            conflicts=conflicts if conflicts is not None and math.isfinite(conflicts) else None,
         )
         if needs_features and self.extractor is not None and self.extractor.chunk_size_in_use is not None:
             metrics["selection/score_chunk_size"] = float(self.extractor.chunk_size_in_use)
@@ -746,19 +797,24 @@ class DataSelection(Algorithm):
             out[f"selection/adaptive_utility/{name}"] = float(policy.prev_C[c])
         return out
 
-    def _settle_simulated_adam(self, multi: bool, *, failed: bool) -> None:
-        """Under global scope, advance the simulated-Adam filter with every rank's pool (or with none).
+    def _settle_simulated_adam(self, multi: bool, *, failed: bool, deferred: bool = False) -> None:
+        """Advance the simulated-Adam filter with the step's pool once the features are judged (or drop it).
 
-        Each rank's filter would otherwise follow its own pool, so the gathered rows would be
-        normalised differently and only rank 0's state would reach the checkpoint.
+        Under global scope with every rank's pool: each rank's filter would otherwise follow its
+        own pool, so the gathered rows would be normalised differently and only rank 0's state would
+        reach the checkpoint. Locally with `deferred` checks, once the step's one transfer has
+        judged the features (a failed call must leave the state unchanged).
         """
         ext = self.extractor
-        if not multi or ext is None or ext.normalization != "adam_simulated":
+        if not (multi or deferred) or ext is None or ext.normalization != "adam_simulated":
             return
         if failed:
             ext.simulated.discard()
-        else:
+        elif multi:
             ext.simulated.commit_global(lambda t: dist.all_reduce(t, reduce_operation="SUM"))
+        else:
+            ext.simulated.defer_commits = False
+            ext.simulated.commit()
 
     def _note_fallback(self, step: int, reason: str) -> None:
         """Count a fallback and log it (every time: `warnings.warn` would show it once per call site)."""
@@ -783,8 +839,8 @@ class DataSelection(Algorithm):
             self._build_extractor(state)
         assert self.extractor is not None
         self.extractor.simulated.defer_commits = defer_commits
-        device = next(p.device for p in state.model.parameters())
-        pool = model_inputs(batch, device)
+        # Host tensors: the extractor cuts windows / score tokens there and moves what it scores.
+        pool = model_inputs(batch)
         val = None
         val_domain_V = None
         if validation and self.spec is not None and self.spec.needs_validation:
@@ -792,7 +848,7 @@ class DataSelection(Algorithm):
                 self._build_validation(state)
             assert self.validation is not None
             val_batch = self.validation.batch_for_step(step)
-            val = model_inputs(val_batch, device)
+            val = model_inputs(val_batch)
             val_domain_V = self._validation_domain_ids(val_batch)
         precision = getattr(state, "precision", None)
         context = None
@@ -815,7 +871,8 @@ class DataSelection(Algorithm):
             )
             rows = self.extractor.val_features_in_use
             if rows is not None and val_domain_V is not None:
-                self._val_rows_VD, self._val_domain_V = rows.float(), val_domain_V.to(rows.device)
+                self._val_rows_VD = rows.float()
+                self._val_domain_V = val_domain_V.to(rows.device, non_blocking=True)
             return feats, gbar, None
         except FeatureError as e:
             return None, None, f"unusable gradient features ({e})"
@@ -875,23 +932,24 @@ class DataSelection(Algorithm):
 
     def _stale_topk(self, problem: Any, seed: int) -> Any:
         """The between step's selection: the top kappa by `<g_i, gbar_stale>` within this step's capacities."""
-        from composer_algos.selection import compute_capacities
+        from composer_algos.selection import compute_capacities, count_domains
         from composer_algos.selection.types import finish_result
         from composer_algos.selection_step import SolveOutcome, broadcast_selection
 
         assert problem.features_PD is not None and self._stale_gbar is not None
         features_PD = problem.features_PD
-        scores_P = features_PD @ self._stale_gbar.to(features_PD.device, features_PD.dtype)
+        scores_P = features_PD @ self._stale_gbar.to(features_PD.device, features_PD.dtype, non_blocking=True)
+        domain_P = problem.domain_P.to(features_PD.device, non_blocking=True)
         # The same generator stream as a selecting step's capacities (solve_problem's _run_strategy).
         gen = torch.Generator().manual_seed(seed)
-        counts_C = torch.bincount(problem.domain_P, minlength=self.num_domains)
+        counts_C = count_domains(problem.domain_P, self.num_domains).cpu()
         capacity_fn = self._capacity_fn()
         if capacity_fn is not None:
             caps_C = capacity_fn(counts_C, min(problem.kappa, int(problem.domain_P.shape[0])), gen)
         else:
             caps_C = compute_capacities(counts_C, problem.kappa, self._fractions, generator=gen)
-        sel_K = top_k_within_capacities(scores_P, problem.domain_P, caps_C.to(problem.domain_P.device), problem.kappa)
-        result = finish_result(sel_K, problem.domain_P, self.num_domains)
+        sel_K = top_k_within_capacities(scores_P, domain_P, caps_C.to(domain_P.device, non_blocking=True), problem.kappa)
+        result = finish_result(sel_K, domain_P, self.num_domains)
         if problem.gathered:
             result = broadcast_selection(result, problem.domain_P, self.num_domains)
         return SolveOutcome(result, "stale_topk", None, caps_C)
@@ -1019,7 +1077,41 @@ def _validation_config(validation: Any) -> dict[str, Any]:
     )
 
 
-def _sync_time(t0: float) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+class _StageClock:
+    """Times of a step's stages without making the host wait for the accelerator.
+
+    On CUDA each mark also records an event; the times between marks taken before the step's one
+    transfer are read from the events after it (they are complete by then), so they measure the
+    device's work. Elsewhere (and for marks taken after the transfer) the host clock. Created at
+    the mark "start".
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._host: dict[str, float] = {}
+        self._events: dict[str, Any] = {}
+        self.mark("start")
+
+    def mark(self, name: str, *, host_only: bool = False) -> None:
+        self._host[name] = time.perf_counter()
+        if self.cuda and not host_only:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events[name] = event
+
+    def host_seconds(self, a: str, b: str) -> float:
+        return self._host[b] - self._host[a]
+
+    def seconds(self, a: str, b: str) -> float:
+        """Device time between two marks when both events are complete, else host time."""
+        ea, eb = self._events.get(a), self._events.get(b)
+        if ea is not None and eb is not None and eb.query():
+            return ea.elapsed_time(eb) / 1000.0
+        return self.host_seconds(a, b)
+
+
+def _deferring(checks: Any):
+    """`selection.deferring_checks(checks)`, or nothing for None."""
+    from composer_algos.selection import deferring_checks
+
+    return deferring_checks(checks) if checks is not None else contextlib.nullcontext()

@@ -15,6 +15,7 @@ import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "assemble_problem",
     "broadcast_selection",
     "solve_problem",
+    "settle_on_host",
     "redistribute",
     "record_step",
     "selection_metrics",
@@ -100,7 +102,9 @@ def assemble_problem(
 ) -> SelectionProblem:
     """Build the selection problem of this step, from this rank's pool or, with `gather`, from every rank's.
 
-    Under `gather` the ranks all-gather their domain ids, features and validation features (the
+    Locally the problem keeps `domain_N` where it is (the loader's batch: the host), so the
+    capacities and the domain bookkeeping cost no sync; the strategies move a copy to the features'
+    device. Under `gather` the ranks all-gather their domain ids, features and validation features (the
     pools may differ in size); every rank then holds the same problem. If any rank's features
     failed, every rank falls back. The budget is `min(kappa_rank, P // W) * W`: an uneven
     end-of-epoch pool lowers the budget (the strategy chooses among every candidate) rather than
@@ -128,9 +132,10 @@ def assemble_problem(
         The `SelectionProblem`; its features and gbar are None when the step falls back.
     """
     device = features_ND.device if features_ND is not None else domain_N.device
-    domain_N = domain_N.to(device)
     n = int(domain_N.shape[0])
     world = dist.get_world_size() if gather else 1
+    if world > 1:
+        domain_N = domain_N.to(device, non_blocking=True)  # collectives need it on the device
     if world <= 1:
         problem = SelectionProblem(domain_N, min(kappa_rank, n), features_ND, gbar_D, fallback)
     else:
@@ -160,7 +165,8 @@ def assemble_problem(
         kappa = min(kappa_rank, int(sizes_W.sum()) // world) * world
         problem = SelectionProblem(domain_P, kappa, feats_PD, gbar_D, fallback, owner_P, local_P, world)
     if problem.fallback is None and val_rows_VD is not None and val_domain_V is not None:
-        problem.val_rows_VD, problem.val_domain_V = val_rows_VD, val_domain_V.to(val_rows_VD.device)
+        problem.val_rows_VD = val_rows_VD
+        problem.val_domain_V = val_domain_V.to(val_rows_VD.device, non_blocking=True)
         if balance_domains and problem.gbar_D is not None:
             from composer_algos.capacity_policy import domain_balanced_mean
 
@@ -183,6 +189,7 @@ def solve_problem(
     options: Mapping[str, Any] | None = None,
     fractions: list[float] | None = None,
     capacity_fn: Callable[[torch.Tensor, int, torch.Generator], torch.Tensor] | None = None,
+    deferred: Any = None,
 ) -> SolveOutcome:
     """Run `strategy` on the problem; fall back to random selection within capacities when it breaks.
 
@@ -203,11 +210,15 @@ def solve_problem(
         fractions: fixed per-domain shares of the budget (default: proportional to the pool).
         capacity_fn: instead of `fractions`, the capacity policy: `(pool_counts_C, k, generator) ->
             capacities_C` (`CapacityPolicy.capacities`; with `slack`, upper bounds summing above k).
+        deferred: a `selection.DeferredChecks` (local scope only): the strategy's checks of device
+            values (finite features, objective, weights) are recorded there instead of read on the
+            host, and the result stays where the strategy left it. `settle_on_host` then judges
+            them in the step's one transfer and falls back there. None: judged here.
 
     Returns:
         A `SolveOutcome` (result, the strategy that produced it, the fallback reason or None).
     """
-    from composer_algos.selection import get_strategy
+    from composer_algos.selection import deferring_checks, get_strategy
 
     fallback = problem.fallback
     if fallback is not None:
@@ -216,7 +227,13 @@ def solve_problem(
     features = problem.features_PD if spec.needs_features else None
     gbar = problem.gbar_D if spec.needs_validation else None
     gen, caps_C = _step_generator(spec, problem, num_domains, seed, fractions, capacity_fn)
-    result, error = _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, gen, options, caps_C)
+    if deferred is not None and not problem.gathered:
+        with deferring_checks(deferred):
+            result, error = _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, gen, options, caps_C)
+        if error is None:
+            return SolveOutcome(result, strategy, fallback, caps_C)
+    else:
+        result, error = _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, gen, options, caps_C)
     if problem.gathered and spec.needs_features:
         # Ranks solve the same problem; still, a failure on one must not leave the others diverged.
         flag = torch.tensor([0 if error is None else 1], device=problem.domain_P.device)
@@ -276,6 +293,113 @@ def broadcast_selection(result: Any, domain_P: torch.Tensor, num_domains: int) -
         objective=objective,
         domain_counts=counts_C.to(result.domain_counts.device, result.domain_counts.dtype),
     )
+
+
+def settle_on_host(
+    outcome: SolveOutcome,
+    problem: SelectionProblem,
+    checks: Mapping[str, Any],
+    *,
+    num_domains: int,
+    seed: int,
+    fractions: list[float] | None = None,
+    capacity_fn: Callable[[torch.Tensor, int, torch.Generator], torch.Tensor] | None = None,
+    extras: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[SolveOutcome, dict[str, float], dict[str, str]]:
+    """The step's one host sync: the selection, its numbers and every deferred check, in one transfer.
+
+    Everything the host needs from the device after a local solve (the selected indices, weights,
+    objective and counters, the deferred checks of the features and of the strategy, and the
+    `extras` the step logs) is concatenated as float64 and copied once. The checks are then judged
+    in the order of `checks`; the first that fails makes the step fall back to `random_stratified`
+    within the capacities, computed on the host from the step's seed (as `solve_problem` would), so
+    the fallback costs no further sync. Values already on the host are read where they are.
+
+    Args:
+        outcome: `solve_problem(..., deferred=...)`'s outcome (its result may live on the device).
+        problem: the step's problem (local scope: its domain ids on the host).
+        checks: name -> `DeferredChecks`, judged in order; a failure's message becomes the fallback
+            reason, prefixed by the name (e.g. `{"unusable gradient features": ..., "partitionsel
+            failed numerically": ...}`).
+        num_domains, seed, fractions, capacity_fn: as `solve_problem` (for the fallback).
+        extras: name -> 0-dim tensor to read with the rest (e.g. the conflict fraction).
+
+    Returns:
+        `(outcome with a host result, extras as floats, failed checks: name -> message)`; `extras`
+        is empty after a fallback, and so is the failed-checks mapping when every check passed.
+    """
+    from composer_algos.features import FeatureError
+    from composer_algos.selection import SelectionNumericsError, SelectionResult, get_strategy
+
+    result = outcome.result
+    host_domains = problem.domain_P if problem.domain_P.device.type == "cpu" else None
+    fields: list[tuple[str, torch.Tensor]] = [("indices", result.indices)]
+    if host_domains is None:  # a gathered pool's ids live on the device: its counts travel too
+        fields.append(("domain_counts", result.domain_counts))
+    if result.weights is not None:
+        fields.append(("weights", result.weights))
+    if result.objective is not None:
+        fields.append(("objective", result.objective))
+    fields += [(f"info:{k}", v) for k, v in result.info.items() if isinstance(v, torch.Tensor)]
+    fields += [(f"extra:{k}", v) for k, v in (extras or {}).items()]
+    for name, c in checks.items():
+        fields += [(f"check:{name}:{i}", part) for i, part in enumerate(c.packed())]
+    host = _fetch([t for _, t in fields])
+    values = dict(zip((name for name, _ in fields), host))
+    failed: dict[str, str] = {}
+    for name, c in checks.items():
+        parts = [values[f"check:{name}:{i}"].reshape(-1) for i in range(len(c.packed()))]
+        try:
+            c.judge(torch.cat(parts).tolist() if parts else [])
+        except (FeatureError, SelectionNumericsError) as e:
+            failed[name] = str(e)
+            break
+    extra_values = {k[len("extra:"):]: float(v) for k, v in values.items() if k.startswith("extra:")}
+    if failed:
+        name, message = next(iter(failed.items()))
+        fallback = outcome.fallback or f"{name} ({message})"
+        spec = get_strategy(FALLBACK_STRATEGY)
+        gen, caps_C = _step_generator(spec, problem, num_domains, seed, fractions, capacity_fn)
+        fallback_result, _ = _run_strategy(spec, FALLBACK_STRATEGY, problem, None, None, num_domains, 0.0, gen, None, caps_C)
+        return SolveOutcome(fallback_result, FALLBACK_STRATEGY, fallback, caps_C), {}, failed
+    indices = values["indices"].long()
+    counts_C = (
+        torch.bincount(host_domains.index_select(0, indices), minlength=num_domains)
+        if host_domains is not None
+        else values["domain_counts"].long()
+    )
+    host_result = SelectionResult(
+        indices=indices,
+        domain_counts=counts_C,
+        weights=values["weights"].to(result.weights.dtype) if result.weights is not None else None,
+        objective=values["objective"].to(result.objective.dtype) if result.objective is not None else None,
+        info={
+            **{k: v for k, v in result.info.items() if not isinstance(v, torch.Tensor)},  # host numbers as they are
+            **{k[len("info:"):]: v.to(result.info[k[len("info:"):]].dtype) for k, v in values.items() if k.startswith("info:")},
+        },
+    )
+    caps = outcome.capacities.cpu() if outcome.capacities is not None else None
+    return SolveOutcome(host_result, outcome.strategy, outcome.fallback, caps), extra_values, {}
+
+
+def _fetch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor on the host, in one copy per device they live on (float64: exact for indices and float32).
+
+    The tensors of the accelerator make ONE transfer; those already on the host are concatenated
+    there (the same code path on every device, so a CPU run exercises what a GPU run does).
+    """
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    out = list(tensors)
+    for members in groups.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in members]).cpu()
+        offset = 0
+        for i in members:
+            n = tensors[i].numel()
+            out[i] = flat[offset : offset + n].reshape(tensors[i].shape)
+            offset += n
+    return out
 
 
 def redistribute(
@@ -387,8 +511,13 @@ def selection_metrics(
     fallback: bool,
     fallbacks_total: int,
     times_s: tuple[float, float, float],
+    conflicts: float | None = None,
 ) -> dict[str, float]:
-    """The step's `selection/*` metrics (see docs/data_selection.md, Logged metrics)."""
+    """The step's `selection/*` metrics (see docs/data_selection.md, Logged metrics).
+
+    `conflicts`: the conflict fraction of the selection when the caller read it already (the
+    step reads it in its one transfer); otherwise it is computed from `features_PD` here.
+    """
     from composer_algos.selection import conflict_fraction
 
     mask = new_batch.get("attention_mask")
@@ -410,7 +539,9 @@ def selection_metrics(
         if key in result.info:
             metrics[f"selection/{key}"] = float(result.info[key])
     metrics["selection/selected_hash"] = float(selection_hash(result.indices))
-    if features_PD is not None and result.indices.numel() > 1:
+    if conflicts is not None:
+        metrics["selection/conflict_fraction"] = float(conflicts)
+    elif features_PD is not None and result.indices.numel() > 1:
         metrics["selection/conflict_fraction"] = float(conflict_fraction(features_PD, result.indices))
     return metrics
 
@@ -491,20 +622,26 @@ def _step_generator(spec, problem, num_domains, seed, fractions, capacity_fn):
 
     The capacities are the policy's `capacity_fn`, else `compute_capacities` with `fractions`.
     """
-    from composer_algos.selection import compute_capacities
+    from composer_algos.selection import compute_capacities, count_domains
 
     gen = torch.Generator().manual_seed(seed)
     if not spec.uses_capacities:
         return gen, None
-    counts_C = torch.bincount(problem.domain_P, minlength=num_domains)
+    # On the host (free there; the capacities are host arithmetic): a gathered pool's ids live on
+    # the device, and moving their counts is that case's one extra sync.
+    counts_C = count_domains(problem.domain_P, num_domains).cpu()
     if capacity_fn is not None:
         return gen, capacity_fn(counts_C, min(problem.kappa, int(problem.domain_P.shape[0])), gen)
     return gen, compute_capacities(counts_C, problem.kappa, fractions, generator=gen)
 
 
 def _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, gen, options, capacities):
-    """`(result, None)`, or `(None, reason)` when the problem is numerically broken."""
-    from composer_algos.selection import SelectionNumericsError
+    """`(result, None)`, or `(None, reason)` when the problem is numerically broken.
+
+    Inside a `deferring_checks` block the finiteness checks are recorded, not judged: a broken
+    problem then shows when the block's owner judges them (`settle_on_host`).
+    """
+    from composer_algos.selection import SelectionNumericsError, check_or_defer
 
     extra: dict[str, Any] = {}
     if getattr(spec, "needs_validation_rows", False):
@@ -522,10 +659,24 @@ def _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, gen
             **extra,
             **dict(options or {}),
         )
+        if result.objective is not None:
+            check_or_defer(result.objective, partial(_judge_objective, strategy))
+        if result.weights is not None:
+            check_or_defer(torch.isfinite(result.weights).all(), partial(_judge_weights, strategy))
     except (SelectionNumericsError, torch.linalg.LinAlgError) as e:
         return None, f"{strategy} failed numerically ({e})"
-    if result.objective is not None and not bool(torch.isfinite(result.objective).all()):
-        return None, f"{strategy} returned a non-finite objective ({float(result.objective)})"
-    if result.weights is not None and not bool(torch.isfinite(result.weights).all()):
-        return None, f"{strategy} returned non-finite weights"
     return result, None
+
+
+def _judge_objective(strategy: str, values: list[float]) -> None:
+    from composer_algos.selection import SelectionNumericsError
+
+    if not all(math.isfinite(v) for v in values):
+        raise SelectionNumericsError(f"{strategy} returned a non-finite objective ({values[0] if values else None})")
+
+
+def _judge_weights(strategy: str, values: list[float]) -> None:
+    from composer_algos.selection import SelectionNumericsError
+
+    if not all(values):
+        raise SelectionNumericsError(f"{strategy} returned non-finite weights")

@@ -211,8 +211,21 @@ class BatchValidationSource:
             return next(self._it)
 
 
-def model_inputs(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-    """`input_ids`, `attention_mask` and `labels` of a batch on `device` (defaults: all ones; inputs, padding ignored)."""
+def model_inputs(batch: Mapping[str, Any], device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """`input_ids`, `labels` and, when some token is padding, `attention_mask` of a batch.
+
+    Defaults as `losses.mask_and_labels` (labels: the inputs, padding ignored). A mask of all ones
+    on the host (the loader's batches) is left out: the model then takes its causal path without
+    reading it (transformers tests `mask.all()` on the host, a sync on an accelerator, at every
+    forward), and every scoring path defaults a missing mask to ones. With `device` the tensors are
+    moved there without making the host wait; None (what the selection step passes) leaves them
+    where they are, so the features cut windows and score tokens on the host and move only those.
+    """
     input_ids = batch["input_ids"]
     mask, labels = mask_and_labels(batch)
-    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+    out = {"input_ids": input_ids, "labels": labels}
+    if mask.device.type != "cpu" or not bool(mask.all()):
+        out["attention_mask"] = mask
+    if device is not None:
+        out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    return out

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +25,14 @@ from composer_algos.features.normalize import (
     sharded_adam_scales,
     unit_rows,
 )
-from composer_algos.features.projection import FJLTPlan, apply_fjlt, make_fjlt_plan
+from composer_algos.features.projection import (
+    FJLTPlan,
+    FJLTStack,
+    apply_fjlt,
+    fjlt_stack,
+    make_fjlt_plan,
+    stack_fjlt_plans,
+)
 from composer_algos.features.score_tokens import first_target_tokens, score_tokens_problem
 from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
 from composer_algos.features.targets import (
@@ -43,6 +52,8 @@ from composer_algos.features.windows import (
     score_window_problems,
     window_batch,
 )
+from composer_algos.losses import mask_and_labels
+from composer_algos.selection.types import check_or_defer
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +302,11 @@ class GradFeatureExtractor:
         self._unpreconditioned_warned: tuple[str, ...] = ()
         self.last_step: int | None = None
         self._sketch_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Every target sketched (large layers, the pretraining recipes): products and FJLT batched
+        # across layers (`_sketched_rows_features`).
+        self._all_sketched = all(t.sketched for t in self.targets)
+        self._fjlt_stack_cache: dict[tuple, FJLTStack] = {}
+        self._call_cache: dict[tuple, Any] = {}  # per compute() call: projections scaled by that call's Adam scales
         self._fjlt_cache: dict[tuple, FJLTPlan] = {}
 
     @property
@@ -346,23 +362,33 @@ class GradFeatureExtractor:
             preconditioners = self._adam_preconditioners(optimizer)
         use_sim = self.normalization == "adam_simulated"
         pool_pre, val_pre = _split_preconditioners(preconditioners, self.precondition)
-        chunk = self._resolve_chunk(auto_chunk_size)
+        self._call_cache = {}
+        full_length = int(pool_batch["input_ids"].shape[1])
         pool_batch, val_batch = self._windowed(pool_batch, val_batch, step, row_offset)
+        chunk = self._rows_per_forward(auto_chunk_size, full_length)
         while True:
             bad_rows: list[torch.Tensor] = []  # per-call tensors; one host sync at the end
             oom = False
             try:
                 with scoring_mode(self.model):
-                    G_nd = self._features(
-                        pool_batch, device, step, pool_pre, bad_rows, accumulate=use_sim, chunk=chunk,
-                        precision_context=precision_context, score_tokens=self.score_tokens,
+                    parts = [(pool_batch, pool_pre, use_sim, self.score_tokens)]
+                    if val_batch is not None:
+                        parts.append((val_batch, val_pre, False, None))
+                    # Windows of the pool and of the validation batch share one forward (their rows
+                    # have the same length); whole rows are scored batch by batch as before.
+                    joint = self._joint_windows(pool_batch, val_batch)
+                    outs = self._features_of(
+                        parts if joint else parts[:1], device, step, bad_rows, chunk=chunk,
+                        precision_context=precision_context,
                     )
+                    if not joint and val_batch is not None:
+                        outs += self._features_of(
+                            parts[1:], device, step, bad_rows, chunk=chunk, precision_context=precision_context
+                        )
+                    G_nd = outs[0]
                     gbar_d, self.val_features_in_use = None, None
                     if val_batch is not None:
-                        V_nd = self._features(
-                            val_batch, device, step, val_pre, bad_rows, accumulate=False, chunk=chunk,
-                            precision_context=precision_context,
-                        )
+                        V_nd = outs[1]
                         gbar_d = V_nd.mean(dim=0)
                         self.val_features_in_use = V_nd
                 with record_function("features/check_host_sync"):
@@ -405,8 +431,10 @@ class GradFeatureExtractor:
         device = next(self.model.parameters()).device
         pre = self._adam_preconditioners(optimizer)
         pool_pre, val_pre = _split_preconditioners(pre, self.precondition)
-        chunk = self._resolve_chunk(None)
+        self._call_cache = {}
+        full_length = int(pool_batch["input_ids"].shape[1])
         pool_batch, val_batch = self._windowed(pool_batch, val_batch, step, 0)
+        chunk = self._rows_per_forward(None, full_length)
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         saved = self.proj_dim
         try:
@@ -481,48 +509,150 @@ class GradFeatureExtractor:
         score_tokens: int | None = None,
     ) -> torch.Tensor:
         """Normalised, compressed features of one batch, `chunk` examples a forward (each cut to `score_tokens`)."""
-        n = batch["input_ids"].shape[0]
-        if n == 0:
+        parts = [(batch, preconditioners, accumulate, score_tokens)]
+        return self._features_of(parts, device, step, bad_rows, chunk=chunk, precision_context=precision_context)[0]
+
+    def _features_of(
+        self,
+        parts: list[tuple[Mapping[str, torch.Tensor], Any, bool, int | None]],
+        device: torch.device,
+        step: int,
+        bad_rows: list[torch.Tensor],
+        *,
+        chunk: int,
+        precision_context: Callable[[], AbstractContextManager] | None = None,
+    ) -> list[torch.Tensor]:
+        """Features of several batches scored in the same forwards, `chunk` rows a forward.
+
+        `parts` are `(batch, preconditioners, accumulate, score_tokens)`; their rows are stacked
+        (the batches must have the same length; `score_tokens` is for a lone batch) and cut into
+        forwards of `chunk` rows, and each forward's signals are turned into features batch by
+        batch, with that batch's preconditioners. Returns one `(rows, d)` tensor per part.
+        """
+        batches = [p[0] for p in parts]
+        sizes = [int(b["input_ids"].shape[0]) for b in batches]
+        if min(sizes) == 0:
             raise ValueError("a batch passed to GradFeatureExtractor.compute has no rows")
-        rows = []
+        batch = batches[0] if len(batches) == 1 else _stack_rows(batches)
+        score_tokens = parts[0][3] if len(parts) == 1 else None
+        bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
+        outs: list[list[torch.Tensor]] = [[] for _ in parts]
         longest = 0
-        for start in range(0, n, chunk):
-            part = {k: v[start : start + chunk].to(device) for k, v in batch.items() if torch.is_tensor(v)}
-            part = first_target_tokens(part, score_tokens)
+        for start in range(0, bounds[-1][1], chunk):
+            stop = min(start + chunk, bounds[-1][1])
+            # Cut where the batch is (the loader's: the host, so the cut's length costs no sync),
+            # then moved without making the host wait.
+            part = first_target_tokens({k: v[start:stop] for k, v in batch.items() if torch.is_tensor(v)}, score_tokens)
+            part = {k: v.to(device, non_blocking=True) for k, v in part.items()}
             longest = max(longest, int(part["input_ids"].shape[1]))
-            self._attempt_rows = int(part["input_ids"].shape[0])
+            self._attempt_rows = stop - start
             signals, _ = capture_layer_signals(self._forward_model, part, self.targets, self._cut, precision_context)
             if self._whole_units:
                 settle_fsdp_units(self._whole_units)
-            out_nd = None
-            raw_parts = []
-            for t, (a_nTI, delta_nTO) in zip(self.targets, signals):
-                # Upcast before any product: under a bf16 autocast the captured inputs and output
-                # gradients are bf16, and the per-example sums over T tokens, the Adam scales, the
-                # FFT and the solver all run in float32 (float64 models keep float64).
-                dtype = torch.promote_types(a_nTI.dtype, torch.float32)
-                a_nTI, delta_nTO = a_nTI.to(dtype), delta_nTO.to(dtype)
-                pre = preconditioners[t.index] if preconditioners is not None else None
-                with record_function("features/products"):
-                    x_nD, col_scale_D = self._layer_features(t, a_nTI, delta_nTO, pre, step)
-                if self.normalization == "adam_simulated":
-                    if accumulate:
-                        self.simulated.accumulate(t.name, x_nD)
-                    x_nD = self.simulated.filter(t.name, x_nD)
-                # A row holding NaN/inf has a non-finite sum: one reduction instead of an elementwise mask.
-                bad_rows.append((~torch.isfinite(x_nD.sum(dim=1))).sum())
-                if self.proj_dim:
-                    if out_nd is None:
-                        out_nd = x_nD.new_zeros(x_nD.shape[0], self.proj_dim)
-                    with record_function("features/fjlt"):
-                        apply_fjlt(x_nD, self._fjlt_plan(t, x_nD, step), out_nd, col_scale_D)
-                else:
-                    raw_parts.append(x_nD if col_scale_D is None else x_nD * col_scale_D)
-            rows.append(out_nd if self.proj_dim else torch.cat(raw_parts, dim=1))
-        X_nd = torch.cat(rows, dim=0)
+            for i, (lo, hi) in enumerate(bounds):
+                a, b = max(lo, start), min(hi, stop)
+                if a >= b:
+                    continue
+                rows = signals if (a, b) == (start, stop) else [(x[a - start : b - start], d[a - start : b - start]) for x, d in signals]
+                _, pre, accumulate, _ = parts[i]
+                outs[i].append(self._rows_features(rows, pre, step, accumulate, bad_rows))
         if score_tokens is not None:
             self.score_length_in_use = longest
-        return unit_rows(X_nd) if self.normalization == "unit" else X_nd
+        out = [torch.cat(o, dim=0) if len(o) > 1 else o[0] for o in outs]
+        return [unit_rows(X) for X in out] if self.normalization == "unit" else out
+
+    def _rows_features(
+        self,
+        signals: list[tuple[torch.Tensor, torch.Tensor]],
+        preconditioners: Any,
+        step: int,
+        accumulate: bool,
+        bad_rows: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Normalised, compressed features (m, d) of the rows whose layer signals are given."""
+        if self._all_sketched:
+            return self._sketched_rows_features(signals, preconditioners, step, accumulate, bad_rows)
+        out_nd = None
+        raw_parts = []
+        for t, (a_nTI, delta_nTO) in zip(self.targets, signals):
+            # Upcast before any product: under a bf16 autocast the captured inputs and output
+            # gradients are bf16, and the per-example sums over T tokens, the Adam scales, the
+            # FFT and the solver all run in float32 (float64 models keep float64).
+            dtype = torch.promote_types(a_nTI.dtype, torch.float32)
+            a_nTI, delta_nTO = a_nTI.to(dtype), delta_nTO.to(dtype)
+            pre = preconditioners[t.index] if preconditioners is not None else None
+            with record_function("features/products"):
+                x_nD, col_scale_D = self._layer_features(t, a_nTI, delta_nTO, pre, step)
+            if self.normalization == "adam_simulated":
+                if accumulate:
+                    self.simulated.accumulate(t.name, x_nD)
+                x_nD = self.simulated.filter(t.name, x_nD)
+            # A row holding NaN/inf has a non-finite sum: one reduction instead of an elementwise mask.
+            bad_rows.append((~torch.isfinite(x_nD.sum(dim=1))).sum())
+            if self.proj_dim:
+                if out_nd is None:
+                    out_nd = x_nD.new_zeros(x_nD.shape[0], self.proj_dim)
+                with record_function("features/fjlt"):
+                    apply_fjlt(x_nD, self._fjlt_plan(t, x_nD, step), out_nd, col_scale_D)
+            else:
+                raw_parts.append(x_nD if col_scale_D is None else x_nD * col_scale_D)
+        return out_nd if self.proj_dim else torch.cat(raw_parts, dim=1)
+
+    def _sketched_rows_features(
+        self,
+        signals: list[tuple[torch.Tensor, torch.Tensor]],
+        preconditioners: Any,
+        step: int,
+        accumulate: bool,
+        bad_rows: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """`_rows_features` when every target is sketched: the layers' products and FJLT batched across layers.
+
+        Every sketch is K x J, so the L layers' features stack into one (L, m, K J) tensor: the
+        input-side projections take one matmul per distinct input (q, k and v read the same
+        tensor; so do gate and up), the products one batched einsum, the non-finite check one
+        reduction and the FJLT one batched FFT (`fjlt_stack`). The same arithmetic as the
+        layer-by-layer path, grouped (each output row of a matmul or FFT depends only on its own
+        inputs, up to the floating-point order of the grouped kernels).
+        """
+        projections = self._scaled_sketches(preconditioners, signals[0][0], step)
+        w_by_layer: list[torch.Tensor | None] = [None] * len(self.targets)
+        # The hooks detach each call's input, so layers reading one tensor hold distinct views of
+        # the same memory: grouped by where their data lives.
+        groups: dict[tuple, list[int]] = {}
+        for pos, (a_nTI, _) in enumerate(signals):
+            key = (a_nTI.data_ptr(), tuple(a_nTI.shape), a_nTI.stride(), a_nTI.dtype)
+            groups.setdefault(key, []).append(pos)
+        with record_function("features/products"):
+            for positions in groups.values():
+                a_nTI = signals[positions[0]][0]
+                a_nTI = a_nTI.to(torch.promote_types(a_nTI.dtype, torch.float32))
+                P_in_GI = self._stacked_inputs(projections, positions, a_nTI.shape[-1], preconditioners)
+                w_nTG = a_nTI @ P_in_GI.T
+                for i, pos in enumerate(positions):
+                    w = w_nTG[..., i * self.k_in : (i + 1) * self.k_in]
+                    t = self.targets[pos]
+                    if t.has_bias:
+                        w = w + projections[pos][1][:, a_nTI.shape[-1]]
+                    w_by_layer[pos] = w
+            u = [
+                delta.to(torch.promote_types(delta.dtype, torch.float32)) @ projections[pos][0].T
+                for pos, (_, delta) in enumerate(signals)
+            ]
+            x_LnD = torch.einsum("lntk,lntj->lnkj", torch.stack(u), torch.stack(w_by_layer)).flatten(2)  # type: ignore[arg-type]
+        if self.normalization == "adam_simulated":
+            filtered = []
+            for t, x_nD in zip(self.targets, x_LnD):
+                if accumulate:
+                    self.simulated.accumulate(t.name, x_nD)
+                filtered.append(self.simulated.filter(t.name, x_nD))
+            x_LnD = torch.stack(filtered)
+        # A row holding NaN/inf has a non-finite sum: one reduction, one count per layer.
+        bad_rows.append((~torch.isfinite(x_LnD.sum(dim=2))).sum(dim=1))
+        if not self.proj_dim:
+            return x_LnD.transpose(0, 1).flatten(1)
+        with record_function("features/fjlt"):
+            return fjlt_stack(x_LnD, self._fjlt_stack_plan(x_LnD, step))
 
     def _layer_features(
         self,
@@ -545,13 +675,74 @@ class GradFeatureExtractor:
 
     def _resolve_chunk(self, auto_chunk_size: int | None) -> int:
         """Examples per forward: `chunk_size`, or for "auto" the caller's microbatch size; at most the OOM cap."""
+        return self._rows_per_forward(auto_chunk_size, None)
+
+    def _rows_per_forward(self, auto_chunk_size: int | None, full_length: int | None) -> int:
+        """Rows scored per forward: `chunk_size` rows of the batch's full length, at most the OOM cap.
+
+        `chunk_size` (or for "auto" the caller's microbatch size) counts rows of `full_length`
+        tokens (the training microbatch's memory). With `score_window` t shorter than that, a
+        window holds t / full_length of a row's tokens, activations and logits, so
+        `full_length // t` windows take one row's place in a forward.
+        """
         if auto_chunk_size is not None and not (isinstance(auto_chunk_size, int) and auto_chunk_size >= 1):
             raise ValueError(f"`auto_chunk_size` must be an int >= 1 (the run's microbatch size), got {auto_chunk_size!r}")
         if isinstance(self.chunk_size, int):
             chunk = self.chunk_size
         else:
             chunk = auto_chunk_size if auto_chunk_size is not None else DEFAULT_CHUNK_SIZE
+        t = self.score_window
+        if t is not None and full_length is not None and t < full_length:
+            chunk *= full_length // t
         return min(chunk, self._oom_chunk_cap) if self._oom_chunk_cap is not None else chunk
+
+    def _joint_windows(self, pool_batch: Mapping[str, torch.Tensor], val_batch: Mapping[str, torch.Tensor] | None) -> bool:
+        """Whether the pool's and the validation batch's windows are scored in the same forwards."""
+        if val_batch is None or self.score_window is None:
+            return False
+        t = self.score_window
+        return int(pool_batch["input_ids"].shape[1]) == int(val_batch["input_ids"].shape[1]) == t
+
+    def _scaled_sketches(self, preconditioners: Any, like: torch.Tensor, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per target, its sketch projections with this side's Adam scales folded in (once per call and side)."""
+        dtype = torch.promote_types(like.dtype, torch.float32)
+        key = ("sketches", id(preconditioners), like.device, dtype)
+        cached = self._call_cache.get(key)
+        if cached is None:
+            cached = []
+            for t in self.targets:
+                P_out_KO, P_in_JI = self._sketch(t, like.device, dtype, step)
+                pre = preconditioners[t.index] if preconditioners is not None else None
+                if pre is not None:
+                    s_out_O, s_in_I = pre
+                    P_out_KO = P_out_KO * s_out_O.to(P_out_KO.dtype)
+                    P_in_JI = P_in_JI * s_in_I.to(P_in_JI.dtype)
+                cached.append((P_out_KO, P_in_JI))
+            self._call_cache[key] = cached
+        return cached
+
+    def _stacked_inputs(
+        self, projections: list[tuple[torch.Tensor, torch.Tensor]], positions: list[int], d_in: int, preconditioners: Any
+    ) -> torch.Tensor:
+        """The input-side projections of the targets at `positions` (one input tensor), stacked (len x J, I)."""
+        key = ("inputs", id(preconditioners), tuple(positions), projections[positions[0]][1].dtype)
+        cached = self._call_cache.get(key)
+        if cached is None:
+            parts = [projections[pos][1][:, :d_in] for pos in positions]
+            cached = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            self._call_cache[key] = cached
+        return cached
+
+    def _fjlt_stack_plan(self, x_LnD: torch.Tensor, step: int) -> FJLTStack:
+        """Every target's (cached) FJLT plan, stacked for `fjlt_stack` (the targets share their width D)."""
+        step_key = step if self.resample_projections else None
+        key = (x_LnD.shape[2], x_LnD.device, x_LnD.dtype, step_key)
+        if key not in self._fjlt_stack_cache:
+            if self.resample_projections:
+                self._fjlt_stack_cache = {}
+            x_nD = x_LnD[0]
+            self._fjlt_stack_cache[key] = stack_fjlt_plans([self._fjlt_plan(t, x_nD, step) for t in self.targets])
+        return self._fjlt_stack_cache[key]
 
     def _halve_chunk(self, chunk: int) -> int:
         """After an out-of-memory error: half the rows that failed, kept as the cap for later calls."""
@@ -657,31 +848,44 @@ class GradFeatureExtractor:
         return self._fjlt_cache[key]
 
     def _check(self, G_nd: torch.Tensor, gbar_d: torch.Tensor | None, bad_rows: list[torch.Tensor]) -> None:
-        """Raise FeatureError for non-finite or all-zero features (one host sync for all checks)."""
+        """Raise FeatureError for non-finite or all-zero features (one host sync for all checks).
+
+        Inside a `selection.deferring_checks` block (the selection step) the flags are recorded
+        instead and the error is raised when the step judges them, from its one transfer.
+        """
+        # bad_rows: per forward and batch, the non-finite rows of each target (one 0-dim count per
+        # layer, or one count per layer stacked), in target order.
+        counts = [r.to(G_nd.device).reshape(-1) for r in bad_rows]
+        flags = torch.cat(
+            counts
+            + [torch.stack([(~torch.isfinite(G_nd)).any(dim=1).sum(), (G_nd != 0).any().long()])]
+            + ([torch.stack([torch.isfinite(gbar_d).all().long(), (gbar_d != 0).any().long()])] if gbar_d is not None else [])
+        )
+        n_counts = sum(int(c.numel()) for c in counts)
+        check_or_defer(flags, partial(self._judge, n_counts, int(G_nd.shape[0]), gbar_d is not None))
+
+    def _judge(self, n_bad: int, n_rows: int, with_gbar: bool, flags: list[float]) -> None:
+        """`_check`'s verdict on the host values of its flags."""
+        flags = [int(f) for f in flags]
         n_layers = len(self.targets)
-        flags = torch.stack(
-            [r.to(G_nd.device) for r in bad_rows]
-            + [(~torch.isfinite(G_nd)).any(dim=1).sum(), (G_nd != 0).any().long()]
-            + ([torch.isfinite(gbar_d).all().long(), (gbar_d != 0).any().long()] if gbar_d is not None else [])
-        ).tolist()
-        per_chunk_layer = flags[: len(bad_rows)]
+        per_chunk_layer = flags[:n_bad]
         bad_by_layer = [0] * n_layers
         for i, count in enumerate(per_chunk_layer):
             bad_by_layer[i % n_layers] += count
         bad_layers = {self.targets[i].name: c for i, c in enumerate(bad_by_layer) if c}
-        G_bad_rows, G_nonzero = flags[len(bad_rows)], flags[len(bad_rows) + 1]
+        G_bad_rows, G_nonzero = flags[n_bad], flags[n_bad + 1]
         if bad_layers or G_bad_rows:
             raise FeatureError(
                 f"non-finite gradient features: rows with NaN/inf per layer {bad_layers}, "
-                f"{G_bad_rows} of {G_nd.shape[0]} pool rows non-finite after normalisation/projection"
+                f"{G_bad_rows} of {n_rows} pool rows non-finite after normalisation/projection"
             )
         if not G_nonzero:
             raise FeatureError(
-                f"all {G_nd.shape[0]} pool feature rows are zero (layers {self.target_names}); "
+                f"all {n_rows} pool feature rows are zero (layers {self.target_names}); "
                 f"do the examples have target tokens (labels != -100)?"
             )
-        if gbar_d is not None:
-            gbar_finite, gbar_nonzero = flags[len(bad_rows) + 2], flags[len(bad_rows) + 3]
+        if with_gbar:
+            gbar_finite, gbar_nonzero = flags[n_bad + 2], flags[n_bad + 3]
             if not gbar_finite:
                 raise FeatureError("the validation mean feature gbar is non-finite")
             if not gbar_nonzero:
@@ -736,3 +940,15 @@ def _split_preconditioners(
         else:
             out.append([None if scales is None else tuple(s.pow(power) for s in scales) for scales in pre])
     return out[0], out[1]
+
+
+def _stack_rows(batches: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The rows of several batches of one length, stacked (labels defaulted; a mask when any batch has one)."""
+    filled = [mask_and_labels(b) for b in batches]
+    out = {
+        "input_ids": torch.cat([b["input_ids"] for b in batches]),
+        "labels": torch.cat([labels for _, labels in filled]),
+    }
+    if any(b.get("attention_mask") is not None for b in batches):
+        out["attention_mask"] = torch.cat([mask for mask, _ in filled])
+    return out

@@ -12,7 +12,7 @@ import torch
 
 from composer_algos.features.sketch import PURPOSE_FJLT, derive_seed, make_generator
 
-__all__ = ["FJLTPlan", "make_fjlt_plan", "apply_fjlt", "fjlt_project", "next_fast_len"]
+__all__ = ["FJLTPlan", "FJLTStack", "make_fjlt_plan", "apply_fjlt", "stack_fjlt_plans", "fjlt_stack", "fjlt_project", "next_fast_len"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,57 @@ def apply_fjlt(
     coeffs_nF = torch.fft.rfft(signed_nD, n=plan.fft_len, dim=1, norm="ortho")
     flat_n2F = torch.view_as_real(coeffs_nF).reshape(n, -1)
     return out_nd.add_(flat_n2F.index_select(1, plan.index_d) * plan.scale_d)
+
+
+@dataclass(frozen=True)
+class FJLTStack:
+    """The plans of L layers of one input width D, stacked so that one call projects them all (`fjlt_stack`).
+
+    Attributes:
+        signs_LD: (L, D) the layers' random signs.
+        index_Ld: (L, d) the FFT positions each layer keeps; for an embedding (d >= D) the flat
+            (L D,) output positions of every layer's inputs, in layer order.
+        scale_Ld: (L, d) per-output scales; None for an embedding.
+        fft_len: the common padded length (0 for an embedding).
+        dim_out: d.
+    """
+
+    signs_LD: torch.Tensor
+    index_Ld: torch.Tensor
+    scale_Ld: torch.Tensor | None
+    fft_len: int
+    dim_out: int
+
+
+def stack_fjlt_plans(plans: list[FJLTPlan]) -> FJLTStack:
+    """Stack plans of one input and output width (raises ValueError otherwise)."""
+    if len({(p.dim_in, p.dim_out, p.fft_len) for p in plans}) != 1:
+        raise ValueError("stack_fjlt_plans: the plans must share their input width, output width and FFT length")
+    signs_LD = torch.stack([p.signs_D for p in plans])
+    if plans[0].scale_d is None:
+        return FJLTStack(signs_LD, torch.cat([p.index_d for p in plans]), None, 0, plans[0].dim_out)
+    scale_Ld = torch.stack([p.scale_d for p in plans])  # type: ignore[misc]
+    return FJLTStack(signs_LD, torch.stack([p.index_d for p in plans]), scale_Ld, plans[0].fft_len, plans[0].dim_out)
+
+
+def fjlt_stack(x_LnD: torch.Tensor, plans: FJLTStack) -> torch.Tensor:
+    """`sum_l apply_fjlt(x_LnD[l], plan_l)` in a handful of kernels: the L layers' projections summed, (n, d).
+
+    One signed product, then one batched FFT with one gather of the kept coefficients, or for an
+    embedding one scatter of every layer's signed inputs into the output (contributions added in
+    layer order, as the layer-by-layer sum).
+    """
+    L, n, dim_in = x_LnD.shape
+    if plans.signs_LD.shape != (L, dim_in):
+        raise ValueError(f"features have shape {tuple(x_LnD.shape)} but the stacked plans expect ({plans.signs_LD.shape[0]}, n, {plans.signs_LD.shape[1]})")
+    signed_LnD = x_LnD * plans.signs_LD.unsqueeze(1)
+    if plans.scale_Ld is None:
+        out_nd = x_LnD.new_zeros(n, plans.dim_out)
+        return out_nd.index_add_(1, plans.index_Ld, signed_LnD.transpose(0, 1).reshape(n, L * dim_in))
+    coeffs_LnF = torch.fft.rfft(signed_LnD, n=plans.fft_len, dim=2, norm="ortho")
+    flat_Ln2F = torch.view_as_real(coeffs_LnF).flatten(2)
+    kept_Lnd = flat_Ln2F.gather(2, plans.index_Ld.unsqueeze(1).expand(L, n, -1))
+    return (kept_Lnd * plans.scale_Ld.unsqueeze(1)).sum(dim=0)
 
 
 def fjlt_project(

@@ -54,6 +54,14 @@ class ValidationAverage:
         self.count += 1
         return (self._m / (1.0 - self.beta**self.count)).to(gbar_d.dtype)
 
+    def snapshot(self) -> tuple[torch.Tensor | None, int]:
+        """The state as it is (`restore` puts it back; `update` never writes into the saved tensor)."""
+        return self._m, self.count
+
+    def restore(self, snapshot: tuple[torch.Tensor | None, int]) -> None:
+        """Undo the updates since `snapshot()` (a step whose features turned out unusable)."""
+        self._m, self.count = snapshot
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "beta": self.beta,

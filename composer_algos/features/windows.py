@@ -109,7 +109,8 @@ def window_positions(
 def take_windows(batch: Mapping[str, torch.Tensor], t: int, starts_n: torch.Tensor) -> dict[str, torch.Tensor]:
     """The batch with each row cut to `t` tokens from its start (a new dict; other fields passed through).
 
-    `input_ids`, `attention_mask` and `labels` (defaults as `losses.mask_and_labels`) become (n, t).
+    `input_ids`, `attention_mask` and `labels` (defaults as `losses.mask_and_labels`; a batch
+    without a mask, i.e. without padding, gets none) become (n, t).
     With `t >= T` the batch is returned as given (the same tensors): nothing to cut. All-zero
     starts are a slice (no copy); otherwise one gather per field.
     """
@@ -117,12 +118,21 @@ def take_windows(batch: Mapping[str, torch.Tensor], t: int, starts_n: torch.Tens
     T = int(input_ids.shape[1])
     if t >= T:
         return batch  # type: ignore[return-value]
-    mask, labels = mask_and_labels(batch)
-    out = dict(batch)
-    out.update({"input_ids": input_ids, "attention_mask": mask, "labels": labels})
+    out = _with_defaults(batch)
     index_nt = starts_n.to(input_ids.device).view(-1, 1) + torch.arange(t, device=input_ids.device)
     for key in _SEQUENCE_KEYS:
-        out[key] = out[key].gather(1, index_nt)
+        if key in out:
+            out[key] = out[key].gather(1, index_nt)
+    return out
+
+
+def _with_defaults(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A new dict of the batch with its labels filled in; a missing mask (no padding) stays missing."""
+    mask, labels = mask_and_labels(batch)
+    out = dict(batch)
+    out.update({"input_ids": batch["input_ids"], "labels": labels})
+    if batch.get("attention_mask") is not None:
+        out["attention_mask"] = mask
     return out
 
 
@@ -140,9 +150,10 @@ def window_batch(
     if t is None or t >= int(batch["input_ids"].shape[1]):
         return batch
     if position == "start":
-        out = dict(batch)
-        mask, labels = mask_and_labels(batch)
-        out.update({"input_ids": batch["input_ids"][:, :t], "attention_mask": mask[:, :t], "labels": labels[:, :t]})
+        out = _with_defaults(batch)
+        for key in _SEQUENCE_KEYS:
+            if key in out:
+                out[key] = out[key][:, :t]
         return out
     mask, _ = mask_and_labels(batch)
     starts_n = window_positions(

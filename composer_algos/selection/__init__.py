@@ -37,11 +37,15 @@ from composer_algos.selection.random_select import select_random, select_random_
 from composer_algos.selection.refit import refit_exact
 from composer_algos.selection.swap import refine_swap
 from composer_algos.selection.types import (
+    DeferredChecks,
     NoOptions,
     SelectionInputs,
     SelectionNumericsError,
     SelectionResult,
     StrategySpec,
+    check_or_defer,
+    count_domains,
+    deferring_checks,
     finish_result,
     strategy,
 )
@@ -61,6 +65,10 @@ __all__ = [
     "strategy_names",
     "strategy",
     "finish_result",
+    "DeferredChecks",
+    "deferring_checks",
+    "check_or_defer",
+    "count_domains",
     "compute_capacities",
     "resolve_capacities",
     "conflict_fraction",

@@ -63,6 +63,8 @@ class ActiveSetState:
         capacity: int,
         ridge_abs: float,
         grad_tol: torch.Tensor,
+        *,
+        host_values: tuple[float, list[float]] | None = None,
     ) -> None:
         n = gram.n
         dev, dt = mu_N.device, mu_N.dtype
@@ -71,7 +73,6 @@ class ActiveSetState:
         self.mu_N = mu_N
         self.ridge_abs = float(ridge_abs)
         self.ridge_1 = torch.full((1,), self.ridge_abs, dtype=dt, device=dev)
-        self.on_cpu = dev.type == "cpu"
         self.out_dtype = dt
         # float32 inverse updates lose about eps * cond(K_AA) digits. A Schur complement below
         # 1e4 eps K_jj (cond above ~1e3, as with more picks than feature dimensions, or near
@@ -79,10 +80,13 @@ class ActiveSetState:
         self.promote_tol = 1e4 * torch.finfo(dt).eps if dt == torch.float32 else 0.0
         self.promoted = False
         self.grad_tol = grad_tol
-        self.grad_tol_f = float(grad_tol)
+        if host_values is None:  # one transfer of the tolerance and diag(K) for the host-side tests
+            values = torch.cat([grad_tol.view(1).to(gram.diag_N.dtype), gram.diag_N]).tolist()
+            host_values = (values[0], values[1:])
+        self.grad_tol_f = host_values[0]
         # Schur complements at or below this (relative to K_jj) mean j depends on the active set.
         self.pivot_tol = 64.0 * torch.finfo(dt).eps
-        self.diag_host = gram.diag_N.tolist()  # for the pivot test after the round's sync
+        self.diag_host = host_values[1]  # for the pivot test after the round's sync
         cap1 = capacity + 1
         self.cap1 = cap1
         self.rows_MN = torch.zeros(cap1, n, dtype=dt, device=dev)  # K rows by slot
@@ -100,6 +104,7 @@ class ActiveSetState:
         self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grad_N = mu_N.clone()
         self.grad_scratch_N = torch.empty_like(mu_N)
+        self._flag_views(dt)
         self.inactive_N = torch.zeros(n, dtype=torch.bool, device=dev)  # selected at weight 0
         self.sel: list[int] = []  # selection order (host)
         self.slot_of: dict[int, int] = {}  # active element -> slot (host)
@@ -115,6 +120,11 @@ class ActiveSetState:
         self.singular: set[int] = set()
         self._kkt_cap = 3 * cap1 + 10
 
+    def _flag_views(self, dtype: torch.dtype) -> None:
+        """The round's host-read buffer ``[g_j, schur, min z, KKT violation, j]``, written in place (no cat)."""
+        self.flags_F = torch.zeros(5, dtype=dtype, device=self.mu_N.device)
+        self.g_1, self.schur_1, self.zmin_1, self.viol_1, self.j_1 = self.flags_F.split(1)
+
     @property
     def act(self) -> list[int]:
         """The active elements (host), in slot order."""
@@ -122,15 +132,16 @@ class ActiveSetState:
 
     @property
     def sel_M(self) -> torch.Tensor:
-        """The selection in pick order as a device tensor."""
-        return torch.tensor(self.sel, dtype=torch.long, device=self.mu_N.device)
+        """The selection in pick order as a device tensor (copied from the host without blocking)."""
+        return _to_device(self.sel, self.mu_N.device)
 
     def add(self, j1: torch.Tensor, g_j: torch.Tensor | None = None) -> int:
         """Select pool element ``j1`` (shape ``(1,)`` int64) and refit exactly on the new support.
 
         Args:
             j1: the element to add.
-            g_j: optional ``(1,)`` ``grad_N[j]`` (saves a gather when the caller has it).
+            g_j: optional ``(1,)`` ``grad_N[j]`` (saves a gather when the caller has it; written
+                straight into ``g_1``, e.g. by ``torch.max(..., out=(state.g_1, j1))``, it saves a copy).
 
         Returns:
             ``j`` as a Python int (it travels with the round's one host sync).
@@ -183,26 +194,25 @@ class ActiveSetState:
         # t = K_{:,W} qext = K_{:,A} q - K_{:,j}: t_j = k.q - K_jj gives the Schur complement, and
         # grad - z_j (K_{:,j} - K_{:,A} q) = grad + z_j t is the gradient at the new optimum.
         t_N = torch.mv(rows_NW, qext_W)
-        schur = torch.sub(self.ridge_1, t_N.index_select(0, j1))
+        # The round's host-read values are written into one buffer (flags_F) as they are computed.
+        schur = torch.sub(self.ridge_1, t_N.index_select(0, j1), out=self.schur_1)
         if g_j is None:
-            g_j = self.grad_N.index_select(0, j1)
+            g_j = torch.index_select(self.grad_N, 0, j1, out=self.g_1)
+        elif g_j is not self.g_1:
+            g_j = self.g_1.copy_(g_j)
         z_j = g_j / schur
         torch.addcmul(v_W, qext_W, z_j, value=-1.0, out=z_W)
         torch.addcmul(self.grad_N, t_N, z_j, out=self.grad_scratch_N)
         # Free slots hold z = 0 exactly and z_j > 0 whenever j enters, so min z < 0 means an active
         # weight went negative.
-        parts = [g_j, schur, z_W.amin(0, keepdim=True)]
+        torch.amin(z_W, 0, keepdim=True, out=self.zmin_1)
         if self.num_inactive > 0:
             # Selected elements at weight 0 must keep a non-positive gradient (KKT).
-            viol = ((self.grad_scratch_N > self.grad_tol) & self.inactive_N).any()
-            parts.append(viol.view(1).to(g_j.dtype))
-        if not self.on_cpu:
-            # j travels with the round's one sync (on CPU reading it costs less than converting it).
-            parts.append(j1.to(g_j.dtype))
-        flags = torch.cat(parts).tolist()
-        g_f, schur_f, zmin_f = flags[:3]
-        j = int(flags[-1]) if not self.on_cpu else int(j1)
-        viol_f = flags[3] if self.num_inactive > 0 else 0.0
+            self.viol_1.copy_(((self.grad_scratch_N > self.grad_tol) & self.inactive_N).any().view(1))
+        self.j_1.copy_(j1)  # j travels with the round's one sync
+        g_f, schur_f, zmin_f, viol_f, j_f = self.flags_F.tolist()
+        j = int(j_f)
+        viol_f = viol_f if self.num_inactive > 0 else 0.0
         if g_f > self.grad_tol_f and schur_f < self.promote_tol * self.diag_host[j] and not self.promoted:
             self._promote()
             if not new:
@@ -307,8 +317,8 @@ class ActiveSetState:
         if not self.slot_of:
             return
         act = self.act
-        slots_A = torch.tensor([self.slot_of[e] for e in act], dtype=torch.long, device=self.mu_N.device)
-        act_A = torch.tensor(act, dtype=torch.long, device=self.mu_N.device)
+        slots_A = _to_device([self.slot_of[e] for e in act], self.mu_N.device)
+        act_A = _to_device(act, self.mu_N.device)
         rows_AN = self.rows_MN.index_select(0, slots_A)
         kr_AA = rows_AN.index_select(1, act_A)
         kr_AA = kr_AA + self.ridge_abs * torch.eye(len(act), dtype=kr_AA.dtype, device=kr_AA.device)
@@ -375,7 +385,7 @@ class ActiveSetState:
 
     def _elem_tensor(self) -> torch.Tensor:
         """The element of each used slot as a device tensor."""
-        return torch.tensor(self.elem[: self.hi], dtype=torch.long, device=self.mu_N.device)
+        return _to_device(self.elem[: self.hi], self.mu_N.device)
 
     def scaled_objective(self) -> torch.Tensor:
         """``Phi(v)`` with the true ``K`` (no ridge), from ``K_AA v_A = mu_A - grad_A`` (ridge aside)."""
@@ -405,6 +415,12 @@ class ActiveSetState:
         self.grad_N = self.grad_N.to(dt)
         self.grad_scratch_N = self.grad_scratch_N.to(dt)
         self.ridge_1 = self.ridge_1.to(dt)
+        self._flag_views(dt)
         self._slot_views = {}
         log.debug("ActiveSetState: ill-conditioned active set; continuing in float64")
         self._slow_refit()
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of host values on ``device``, copied without making the host wait."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

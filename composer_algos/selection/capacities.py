@@ -99,6 +99,8 @@ def resolve_capacities(
     num_domains: int,
     k: int,
     generator: torch.Generator | None = None,
+    *,
+    counts_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The capacities a strategy works with: proportional ones, or the caller's clipped to the pool.
 
@@ -110,17 +112,22 @@ def resolve_capacities(
         k: the number of examples to select, ``min(kappa, n)``.
         generator: for unbiased rounding of proportional ones (see ``compute_capacities``); None
             (default) for the deterministic largest remainder.
+        counts_C: the pool's ``(C,)`` count per domain when the caller has it on the host
+            (``SelectionInputs.domain_counts_host``); with host capacities everything is then
+            computed on the host, without a sync on an accelerator.
 
     Returns:
-        ``(C,)`` int64 capacities, each at most the domain's pool count, summing to at least ``k``.
+        ``(C,)`` int64 capacities, each at most the domain's pool count, summing to at least ``k``,
+        on the device of the counts (the host with ``counts_C``).
 
     Raises:
         ValueError: when the caller's capacities admit fewer than ``k`` examples.
     """
-    counts_C = torch.bincount(domain_ids_N, minlength=num_domains)
+    if counts_C is None:
+        counts_C = torch.bincount(domain_ids_N, minlength=num_domains)
     if capacities is None:
         return compute_capacities(counts_C, k, generator=generator)
-    caps_C = torch.minimum(capacities.to(counts_C.device), counts_C)
+    caps_C = torch.minimum(capacities.to(counts_C.device, torch.long), counts_C)
     room = int(caps_C.sum())
     if room < k:
         raise ValueError(

@@ -11,7 +11,13 @@ import torch
 from composer_algos.selection.capacities import compute_capacities
 from composer_algos.selection.objective import compute_gram
 from composer_algos.selection.segments import count_per_domain, segmented_argmax_mask
-from composer_algos.selection.types import NoOptions, SelectionInputs, SelectionResult, strategy
+from composer_algos.selection.types import (
+    NoOptions,
+    SelectionInputs,
+    SelectionResult,
+    count_domains,
+    strategy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +54,11 @@ def select_colm(
         assert inputs.features is not None
         gram_NN = compute_gram(inputs.features)
     inputs.check_finite(diag_K=torch.diagonal(gram_NN))
-    counts_C = torch.bincount(dom_N, minlength=num_domains)
+    # The budgets are host arithmetic: on the host counts when the caller's ids came from there.
+    counts_C = inputs.domain_counts_host if inputs.domain_counts_host is not None else count_domains(dom_N, num_domains)
     small_C, budgets_C = colm_budgets(counts_C, inputs.k, generator)
+    rounds = int(budgets_C.max()) if budgets_C.numel() else 0
+    small_C, budgets_C = small_C.to(device, non_blocking=True), budgets_C.to(device, non_blocking=True)
     small_N = small_C.index_select(0, dom_N)
 
     same_NN = dom_N.unsqueeze(1) == dom_N.unsqueeze(0)
@@ -64,7 +73,6 @@ def select_colm(
     best_N = torch.zeros(n, dtype=gram_NN.dtype, device=device)
     taken_N = small_N.clone()
     rem_C = budgets_C.clone()
-    rounds = int(budgets_C.max())
     for _ in range(rounds):
         open_N = (rem_C.index_select(0, dom_N) > 0) & ~taken_N
         gains_N = (sim_NN - best_N.unsqueeze(1)).clamp_min(0.0).sum(0)
@@ -72,7 +80,9 @@ def select_colm(
         taken_N |= picked_N
         rem_C -= count_per_domain(picked_N, dom_N, num_domains)
         best_N = torch.maximum(best_N, torch.where(picked_N.unsqueeze(0), sim_NN, torch.zeros_like(sim_NN)).amax(1))
-    sel_S = torch.nonzero(taken_N).flatten()
+    # Exactly k are taken (the small sources whole, every budget filled: budgets never exceed a
+    # source's count): their positions ascending, without nonzero's host sync.
+    sel_S = torch.argsort((~taken_N).to(torch.uint8), stable=True)[: inputs.k]
     return inputs.finish(sel_S, objective=best_N.sum(), info={"small_sources": small_C})
 
 

@@ -8,7 +8,6 @@ import logging
 
 import torch
 
-from composer_algos.selection.capacities import resolve_capacities
 from composer_algos.selection.greats import greats_greedy
 from composer_algos.selection.objective import binary_utility, compute_gram
 from composer_algos.selection.partitionsel import PartitionSelOptions, run_weighted_selection
@@ -39,7 +38,7 @@ def select_id(
     block_NN = gram_NN * (dom_N.unsqueeze(1) == dom_N.unsqueeze(0))
     align_N = inputs.features @ inputs.val_feature
     inputs.check_finite(diag_K=torch.diagonal(gram_NN), align=align_N)
-    caps_C = resolve_capacities("id", inputs.capacities, dom_N, num_domains, inputs.k)
+    caps_C = inputs.resolve_capacities().to(inputs.device, non_blocking=True)
     sel_S = greats_greedy(block_NN, align_N, inputs.eta, inputs.k, domain_ids_N=dom_N, capacities_C=caps_C)
     objective = binary_utility(sel_S, block_NN, align_N, inputs.eta)
     return inputs.finish(sel_S, objective=objective)

@@ -12,7 +12,6 @@ import torch
 
 from composer_algos.selection.active_set import ActiveSetState
 from composer_algos.selection.apga import APGAPoolState, APGAState
-from composer_algos.selection.capacities import resolve_capacities
 from composer_algos.selection.gram_rows import GramRows, as_gram_rows
 from composer_algos.selection.objective import build_objective
 from composer_algos.selection.refit import default_grad_tol, refit_exact
@@ -22,6 +21,7 @@ from composer_algos.selection.types import (
     SelectionInputs,
     SelectionResult,
     check_finite,
+    check_or_defer,
     finish_result,
     strategy,
 )
@@ -178,9 +178,15 @@ def run_weighted_selection(
             gram_NN = gram_NN * (dom_N.unsqueeze(1) == dom_N.unsqueeze(0))
         gram = GramRows(gram_NN=gram_NN)
     check_finite(strategy, diag_K=gram.diag_N, mu=mu_N)
-    caps_C = resolve_capacities(strategy, inputs.capacities, dom_N, num_domains, inputs.k)
-    ridge_abs = opts.ridge * float(gram.diag_N.mean()) if opts.ridge > 0 else 0.0
+    caps_C = inputs.resolve_capacities()
     grad_tol = default_grad_tol(mu_N)
+    # The setup's host reads in one transfer: the ridge's scale (mean diag K), and for the exact
+    # refit's host-side tests the gradient tolerance and diag(K).
+    exact = opts.refit == "exact"
+    parts = [gram.diag_N.mean().view(1)] + ([grad_tol.view(1), gram.diag_N] if exact else [])
+    setup = torch.cat(parts).tolist() if opts.ridge > 0 or exact else [0.0]
+    ridge_abs = opts.ridge * setup[0] if opts.ridge > 0 else 0.0
+    host_values = (setup[1], setup[2:]) if exact else None
     # kappa >= n runs the same rounds: OMP then adds every element in gradient order, which is
     # the incremental form of an exact refit on the whole pool.
     sel_S, v_S, phi, info = omp_select(
@@ -196,6 +202,8 @@ def run_weighted_selection(
         apga_tol=opts.apga_tol,
         generator=generator,
         cpu_single_thread=opts.cpu_single_thread,
+        domain_ids_host=inputs.domain_ids_host,
+        host_values=host_values,
     )
     if opts.refine == "swap":
         start = time.perf_counter()
@@ -204,7 +212,7 @@ def run_weighted_selection(
             # The swap estimates and their verification are closed forms around the exact optimum
             # on the current support (Phi = <v, mu> / 2 there); APGA's weights are only close to it.
             sel_S, v_S, phi, blocked = _resolve_exact(gram, mu_N, sel_S, v_S, ridge_abs, grad_tol)
-            info["singular_pivots"] = torch.tensor(blocked, device=inputs.device)
+            info["singular_pivots"] = blocked
         sel_S, v_S, phi, swap_info = refine_swap(
             gram,
             mu_N,
@@ -221,11 +229,11 @@ def run_weighted_selection(
         info.update(swap_info)
         log.debug("%s: swap refinement took %.4fs", strategy, time.perf_counter() - start)
     if gram.lazy:
-        info["gram_rows_computed"] = torch.tensor(gram.rows_computed, device=inputs.device)
+        info["gram_rows_computed"] = gram.rows_computed
     info["objective_scaled"] = phi
     info["ridge_share"] = _ridge_share(strategy, v_S, mu_N[sel_S], ridge_abs, inputs, opts.ridge)
     if inputs.eta == 0:
-        info["scale_free"] = torch.ones((), dtype=torch.bool, device=inputs.device)
+        info["scale_free"] = True
     weights_S = v_S / inputs.eta if inputs.eta > 0 else v_S
     return finish_result(sel_S, dom_N, num_domains, weights_S=weights_S, objective=_unscale(phi, inputs.eta), info=info)
 
@@ -244,6 +252,8 @@ def omp_select(
     apga_tol: float = 0.0,
     generator: torch.Generator | None = None,
     cpu_single_thread: bool = False,
+    domain_ids_host: torch.Tensor | None = None,
+    host_values: tuple[float, list[float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """OMP over the partition matroid in the scale-free variable ``v`` (paper Alg. 2).
 
@@ -268,6 +278,11 @@ def omp_select(
         generator: randomness for the randomized pick.
         cpu_single_thread: run the rounds with one intra-op thread on CPU (process-wide, restored
             afterwards; see ``single_thread_on_cpu``).
+        domain_ids_host: the same ids on the host when the caller has them (the exact refit tracks
+            domains there, and reading device ids would cost a sync); capacities given on the host
+            are read there too.
+        host_values: the exact refit's ``(float(grad_tol), diag(K).tolist())`` when the caller has
+            read them already (with other values, in one transfer).
 
     Returns:
         ``(indices_S, v_S, phi, info)``: the selection in pick order, its weights ``v``, the
@@ -286,6 +301,8 @@ def omp_select(
             apga_max_iters,
             apga_tol,
             generator,
+            domain_ids_host,
+            host_values,
         )
 
 
@@ -301,14 +318,18 @@ def _omp_rounds(
     apga_max_iters: int,
     apga_tol: float,
     generator: torch.Generator | None,
+    domain_ids_host: torch.Tensor | None = None,
+    host_values: tuple[float, list[float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The body of ``omp_select``."""
     device = mu_N.device
     n = gram.n
     grad_tol = default_grad_tol(mu_N)
+    caps_host = capacities_C if capacities_C.device.type == "cpu" else None
+    capacities_C = capacities_C.to(device, non_blocking=True)
     state: ActiveSetState | APGAState | APGAPoolState
     if refit == "exact":
-        state = ActiveSetState(gram, mu_N, k, ridge_abs, grad_tol)
+        state = ActiveSetState(gram, mu_N, k, ridge_abs, grad_tol, host_values=host_values)
     elif refit == "apga":
         state = APGAState(gram, mu_N, k, ridge_abs, apga_max_iters, apga_tol)
     else:
@@ -323,9 +344,10 @@ def _omp_rounds(
     rem_C = capacities_C.clone()
     minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=device)
     if exact:
+        j_buf = torch.zeros(1, dtype=torch.long, device=device)
         # The exact state syncs once per round anyway and hands back j: track domains on the host.
-        rem_host = capacities_C.tolist()
-        dom_host = dom_N.tolist()
+        rem_host = (caps_host if caps_host is not None else capacities_C).tolist()
+        dom_host = (domain_ids_host if domain_ids_host is not None else dom_N).tolist()
     if randomized or lazy:
         counts_C = torch.bincount(dom_N, minlength=capacities_C.shape[0])
         starts_C = torch.cumsum(counts_C, 0) - counts_C
@@ -335,7 +357,7 @@ def _omp_rounds(
         uniforms_K = torch.rand(k, generator=gen, device=gen.device, dtype=torch.float64).to(device)
         # Bounds summing above k (capacities: slack): the base of the matroid truncated at k keeps
         # only the k - r heaviest of the per-domain bases.
-        truncated = int(capacities_C.sum()) > k
+        truncated = int((caps_host if caps_host is not None else capacities_C).sum()) > k
     for r in range(k):
         scores_N = state.grad_N + penalty_N
         if randomized:
@@ -346,6 +368,9 @@ def _omp_rounds(
                 remaining=k - r if truncated else None,
             ).view(1)
             g_j = None
+        elif exact:
+            # Straight into the state's round buffer (the value it reads back on the host).
+            g_j, j1 = torch.max(scores_N, 0, keepdim=True, out=(state.g_1, j_buf))
         else:
             g_j, j1 = torch.max(scores_N, 0, keepdim=True)
         if lazy:
@@ -371,16 +396,16 @@ def _omp_rounds(
     sel_S = state.sel_M if isinstance(state, ActiveSetState) else state.sel_M[:k].clone()
     v_S = state.weights_on(sel_S)
     info: dict[str, torch.Tensor] = {}
+    # Counters of the host-side bookkeeping, as Python numbers (nothing to copy to or from a device).
     if isinstance(state, ActiveSetState):
-        info["slow_refits"] = torch.tensor(state.slow_refits, device=device)
-        info["weight_drops"] = torch.tensor(state.drops, device=device)
-        info["weight_reentries"] = torch.tensor(state.reentries, device=device)
+        info["slow_refits"] = state.slow_refits
+        info["weight_drops"] = state.drops
+        info["weight_reentries"] = state.reentries
         # Left at weight 0 because their pivot was numerically singular (still selected: they fill
         # the budget, but the refit cannot use them).
-        singular = sum(1 for e in state.singular if e not in state.slot_of)
-        info["singular_pivots"] = torch.tensor(singular, device=device)
+        info["singular_pivots"] = sum(1 for e in state.singular if e not in state.slot_of)
     else:
-        info["apga_iterations"] = torch.tensor(state.iterations, device=device)
+        info["apga_iterations"] = state.iterations
     return sel_S, v_S, state.scaled_objective(), info
 
 
@@ -495,15 +520,22 @@ def _ridge_share(
     (more picks than the features' rank): only the ridge bounds them, and the objective and the
     weights then grow as ``1 / ridge`` (the demo's logged f(S) near 7e6).
     """
-    global _RIDGE_WARNED
     align = torch.dot(v_S, mu_S)
     share = ridge_abs * torch.dot(v_S, v_S) / align.clamp_min(torch.finfo(v_S.dtype).tiny)
     share = torch.where(align > 0, share, torch.zeros_like(share))
     if not _RIDGE_WARNED and ridge_abs > 0 and inputs.eta > 0:
-        value = float(share)
+        # Judged on the host with the step's other checks (now, outside a selection step).
+        check_or_defer(share, lambda values: _warn_ridge(strategy, values[0], v_S.shape[0], inputs, ridge_rel))
+    return share
+
+
+def _warn_ridge(strategy: str, value: float, k: int, inputs: SelectionInputs, ridge_rel: float) -> None:
+    """The once-per-process warning of ``_ridge_share`` (the share is read on the host here)."""
+    global _RIDGE_WARNED
+    if not _RIDGE_WARNED:
         if value > 0.5:
             _RIDGE_WARNED = True
-            k, dim = v_S.shape[0], inputs.features.shape[1] if inputs.features is not None else None
+            dim = inputs.features.shape[1] if inputs.features is not None else None
             cause = (
                 f"{k} picks exceed the {dim} feature dimensions"
                 if dim is not None and k > dim
@@ -521,7 +553,6 @@ def _ridge_share(
                 inputs.eta,
                 ridge_rel,
             )
-    return share
 
 
 def _use_lazy_gram(opts: PartitionSelOptions, inputs: SelectionInputs, block_diagonal: bool) -> bool:

@@ -8,7 +8,6 @@ import logging
 
 import torch
 
-from composer_algos.selection.capacities import resolve_capacities
 from composer_algos.selection.types import NoOptions, SelectionInputs, SelectionResult, strategy
 
 log = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ def select_random(
         The selection, with ``weights`` and ``objective`` None.
     """
     gen = generator if generator is not None else torch.Generator(device=inputs.device)
-    perm_N = torch.randperm(inputs.n, generator=gen, device=gen.device).to(inputs.device)
+    perm_N = torch.randperm(inputs.n, generator=gen, device=gen.device).to(inputs.device, non_blocking=True)
     return inputs.finish(perm_N[: inputs.k])
 
 
@@ -51,9 +50,9 @@ def select_random_stratified(
         The selection, with ``weights`` and ``objective`` None.
     """
     dom_N = inputs.domain_ids
-    caps_C = resolve_capacities("random_stratified", inputs.capacities, dom_N, num_domains, inputs.k)
+    caps_C = inputs.resolve_capacities().to(inputs.device, non_blocking=True)
     gen = generator if generator is not None else torch.Generator(device=inputs.device)
-    keys_N = torch.rand(inputs.n, generator=gen, device=gen.device).to(inputs.device)
+    keys_N = torch.rand(inputs.n, generator=gen, device=gen.device).to(inputs.device, non_blocking=True)
     by_key_N = torch.sort(keys_N, stable=True).indices
     by_domain_N = torch.sort(dom_N[by_key_N], stable=True).indices
     perm_N = by_key_N[by_domain_N]  # grouped by domain, key ascending inside each domain

@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -26,6 +28,10 @@ __all__ = [
     "empty_result",
     "finish_result",
     "check_finite",
+    "count_domains",
+    "DeferredChecks",
+    "deferring_checks",
+    "check_or_defer",
     "SelectionNumericsError",
 ]
 
@@ -37,6 +43,65 @@ class SelectionNumericsError(ValueError):
     catches this type (and only this subclass of ``ValueError``) to fall back to random selection
     within capacities for the step, while bad options and shapes still stop the run.
     """
+
+
+class DeferredChecks:
+    """Checks of device values recorded during a selection step and judged once, from its one transfer.
+
+    A check that reads a device value on the host (are the features finite? is the objective?)
+    makes the host wait for the accelerator. Inside a `deferring_checks` block, `check_or_defer`
+    records the values instead (as float64 on their device) with a judge; the caller later moves
+    `packed()` to the host with everything else the step reads there, and `judge` runs the judges
+    in order on those host values: the first failing one raises its error.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._judges: list[tuple[int, Callable[[list[float]], None]]] = []
+
+    def add(self, values: torch.Tensor, judge: Callable[[list[float]], None]) -> None:
+        """Record `values` (any shape, numbers) and the function that raises when they are bad."""
+        flat = values.detach().reshape(-1).to(torch.float64)
+        self._parts.append(flat)
+        self._judges.append((int(flat.numel()), judge))
+
+    @property
+    def width(self) -> int:
+        """How many numbers `packed()` holds."""
+        return sum(n for n, _ in self._judges)
+
+    def packed(self) -> list[torch.Tensor]:
+        """The recorded values, float64, in order (for the caller's one transfer)."""
+        return list(self._parts)
+
+    def judge(self, host_values: Sequence[float]) -> None:
+        """Run the judges on the transferred values (`width` numbers, in `packed()` order)."""
+        offset = 0
+        for n, fn in self._judges:
+            fn(list(host_values[offset : offset + n]))
+            offset += n
+
+
+_DEFERRED: contextvars.ContextVar[DeferredChecks | None] = contextvars.ContextVar("selection_deferred_checks", default=None)
+
+
+@contextlib.contextmanager
+def deferring_checks(checks: DeferredChecks) -> Iterator[DeferredChecks]:
+    """Within the block, `check_or_defer` records into `checks` instead of reading device values."""
+    token = _DEFERRED.set(checks)
+    try:
+        yield checks
+    finally:
+        _DEFERRED.reset(token)
+
+
+def check_or_defer(values: torch.Tensor, judge: Callable[[list[float]], None]) -> None:
+    """Judge `values` now (one host sync), or record them when a `deferring_checks` block is open."""
+    checks = _DEFERRED.get()
+    if checks is not None:
+        checks.add(values, judge)
+    else:
+        judge(values.detach().reshape(-1).to(torch.float64).tolist())
 
 
 @dataclass
@@ -55,14 +120,16 @@ class SelectionResult:
         objective: 0-dim tensor: ``f(S) = U(w*)`` for ``partitionsel`` and ``iwd`` (``eta * f(S)``
             at ``eta == 0``); the strategy's own score otherwise (see each strategy's
             docstring); ``None`` for the random baselines.
-        info: extra tensors worth logging (e.g. the number of swaps made).
+        info: extra values worth logging: 0-dim tensors computed on the device (e.g. the
+            objective's scale-free form), or Python numbers the solver counted on the host (e.g.
+            the number of swaps made), which cost no transfer.
     """
 
     indices: torch.Tensor
     domain_counts: torch.Tensor
     weights: torch.Tensor | None = None
     objective: torch.Tensor | None = None
-    info: dict[str, torch.Tensor] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,6 +182,10 @@ class SelectionInputs:
         num_domains: ``C``.
         val_rows: ``(V, D)`` validation features on ``device`` in ``dtype`` (strategies with
             ``needs_validation_rows``), or None.
+        domain_ids_host: ``(N,)`` int64 domain ids on the host when the caller gave host ids (the
+            training loop's), else None: host-side bookkeeping reads them without a sync.
+        domain_counts_host: ``(C,)`` int64 pool count per domain on the host, with ``domain_ids_host``.
+        capacities_host: ``capacities`` as the caller gave them on the host (int64), or None.
     """
 
     n: int
@@ -130,6 +201,28 @@ class SelectionInputs:
     strategy: str = ""
     num_domains: int = 0
     val_rows: torch.Tensor | None = None
+    domain_ids_host: torch.Tensor | None = None
+    domain_counts_host: torch.Tensor | None = None
+    capacities_host: torch.Tensor | None = None
+
+    def resolve_capacities(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``capacities.resolve_capacities`` for this pool, on the host when the ids and capacities came from there.
+
+        Returns:
+            ``(C,)`` int64 capacities (on the host when computed there; strategies move them).
+        """
+        from composer_algos.selection.capacities import resolve_capacities
+
+        host = self.domain_counts_host is not None and (self.capacities is None or self.capacities_host is not None)
+        return resolve_capacities(
+            self.strategy,
+            self.capacities_host if host and self.capacities is not None else self.capacities,
+            self.domain_ids,
+            self.num_domains,
+            self.k,
+            generator,
+            counts_C=self.domain_counts_host if host else None,
+        )
 
     def finish(
         self,
@@ -280,7 +373,8 @@ def validate_inputs(
 
     ``domain_ids`` and ``capacities`` follow the features to their device; half-precision
     features are upcast to float32 (Cholesky and the solvers need it). Costs one host sync for
-    the domain-id range check. Finiteness is checked later and more cheaply by the strategies
+    the domain-id range check when the ids live on an accelerator; host ids (the training loop's)
+    are checked and counted on the host and moved without blocking. Finiteness is checked later and more cheaply by the strategies
     (``check_finite`` on ``diag(K)`` and ``G gbar``, which are NaN/inf whenever a row of ``G`` is).
 
     Args:
@@ -370,14 +464,20 @@ def validate_inputs(
     src_dtype = anchor.dtype if anchor is not None else torch.float32
     dtype = src_dtype if src_dtype in (torch.float32, torch.float64) else torch.float32
 
-    domain_ids = domain_ids.to(device=device, dtype=torch.long)
+    ids_host = counts_host = capacities_host = None
     if n > 0:
+        # One sync when the ids live on an accelerator; none for host ids (the training loop's).
         lo_hi = torch.stack([domain_ids.min(), domain_ids.max()]).tolist()
         if lo_hi[0] < 0 or lo_hi[1] >= num_domains:
             raise ValueError(
                 f"{strategy}: `domain_ids` must lie in [0, num_domains={num_domains}), "
                 f"got values in [{lo_hi[0]}, {lo_hi[1]}]"
             )
+    if domain_ids.device.type == "cpu":
+        ids_host = domain_ids.long()
+        counts_host = torch.bincount(ids_host, minlength=num_domains)
+    # Host ids (the loader's) travel without making the host wait.
+    domain_ids = domain_ids.to(device=device, dtype=torch.long, non_blocking=True)
     if features is not None:
         features = features.to(device=device, dtype=dtype)
     if val_feature is not None:
@@ -401,9 +501,12 @@ def validate_inputs(
                 f"{strategy}: `capacities` must be an integer tensor of shape ({num_domains},), "
                 f"got {_describe(capacities)}"
             )
-        capacities = capacities.to(device=device, dtype=torch.long)
+        # Checked where they are (host capacities, the step's, cost no sync), then moved.
         if num_domains > 0 and bool((capacities < 0).any()):
             raise ValueError(f"{strategy}: `capacities` must be >= 0, got {capacities.tolist()}")
+        if capacities.device.type == "cpu":
+            capacities_host = capacities.long()
+        capacities = capacities.to(device=device, dtype=torch.long, non_blocking=True)
     return SelectionInputs(
         n=n,
         k=min(kappa, n),
@@ -418,6 +521,9 @@ def validate_inputs(
         strategy=strategy,
         num_domains=num_domains,
         val_rows=val_rows,
+        domain_ids_host=ids_host,
+        domain_counts_host=counts_host,
+        capacities_host=capacities_host,
     )
 
 
@@ -472,7 +578,7 @@ def finish_result(
     indices_S = indices_S[order_S]
     if weights_S is not None:
         weights_S = weights_S[order_S]
-    counts_C = torch.bincount(domain_ids_N[indices_S], minlength=num_domains)
+    counts_C = count_domains(domain_ids_N.index_select(0, indices_S), num_domains)
     return SelectionResult(
         indices=indices_S,
         domain_counts=counts_C,
@@ -482,12 +588,23 @@ def finish_result(
     )
 
 
+def count_domains(domain_ids: torch.Tensor, num_domains: int) -> torch.Tensor:
+    """``(C,)`` int64 count of each domain id, without a host sync on an accelerator.
+
+    ``torch.bincount`` on CUDA reads the largest id on the host to size its output; a scatter into
+    ``C`` slots does not. Ids must lie in ``[0, C)``.
+    """
+    ids = domain_ids.long()
+    return torch.zeros(num_domains, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
 def check_finite(strategy: str, **tensors: torch.Tensor) -> None:
-    """Raise when any of the named tensors holds NaN or inf (one host sync).
+    """Raise when any of the named tensors holds NaN or inf (one host sync, or deferred to the step's one).
 
     Strategies pass cheap derived quantities (``diag(K)``, ``G gbar``): a NaN or inf anywhere in a
     row of ``G`` makes that row's diagonal Gram entry non-finite, so the full ``(N, D)`` features
-    need not be scanned.
+    need not be scanned. Inside a `deferring_checks` block the check is recorded and raised when
+    the block's owner judges it (the selection step does, after its one transfer).
 
     Raises:
         SelectionNumericsError: naming the non-finite tensors.
@@ -495,13 +612,16 @@ def check_finite(strategy: str, **tensors: torch.Tensor) -> None:
     names = [name for name, t in tensors.items() if t is not None and t.numel() > 0]
     if not names:
         return
-    finite = torch.stack([torch.isfinite(tensors[name]).all() for name in names]).tolist()
-    bad = [name for name, ok in zip(names, finite) if not ok]
-    if bad:
-        raise SelectionNumericsError(
-            f"{strategy}: non-finite values (NaN/inf) in {bad}; the gradient features or the validation "
-            "feature are broken (fall back to `random` for this step)"
-        )
+
+    def judge(finite: list[float]) -> None:
+        bad = [name for name, ok in zip(names, finite) if not ok]
+        if bad:
+            raise SelectionNumericsError(
+                f"{strategy}: non-finite values (NaN/inf) in {bad}; the gradient features or the validation "
+                "feature are broken (fall back to `random` for this step)"
+            )
+
+    check_or_defer(torch.stack([torch.isfinite(tensors[name]).all() for name in names]), judge)
 
 
 def _describe(x: object) -> str:

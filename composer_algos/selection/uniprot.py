@@ -106,7 +106,7 @@ def select_uniprot(
         j = torch.where(taken_N, neg_inf, values_N - value).argmax().view(1)
         value = values_N.index_select(0, j).squeeze(0)
         g_V = g_NV.index_select(0, j).squeeze(0)
-        picked_RV.index_copy_(0, torch.tensor([r], device=S_NV.device), S_NV.index_select(0, j))
+        picked_RV.narrow(0, r, 1).copy_(S_NV.index_select(0, j))
         taken_N.index_fill_(0, j, True)
         picks.append(j)
     return inputs.finish(torch.cat(picks), objective=value)

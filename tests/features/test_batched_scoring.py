@@ -1,0 +1,110 @@
+"""The features pass in few, large kernels (issue 31.2): layers, rows and windows batched, same features.
+
+Each eager op is a kernel launch on a GPU, so the pass batches what it used to loop over: every
+sketched target's products and FJLT in one stacked computation, and the windows of the pool and of
+the validation batch in the same forwards (a window is t of a row's T tokens, so T / t windows take
+one row's place in the microbatch). Each is checked against the layer-by-layer / batch-by-batch
+computation it replaces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer_algos.features import GradFeatureExtractor
+from composer_algos.features.projection import apply_fjlt, fjlt_stack, make_fjlt_plan, stack_fjlt_plans
+from tests.common.models import tiny_llama
+
+
+@pytest.mark.parametrize("dim_out", [40, 300])  # an FFT projection (d < D), an embedding (d >= D)
+def test_stacked_fjlt_is_the_sum_of_the_layers_projections(dim_out):
+    L, n, D = 4, 5, 96
+    x = torch.randn(L, n, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    plans = [make_fjlt_plan(3, layer, D, dim_out, dtype=torch.float64) for layer in range(L)]
+    expected = torch.zeros(n, dim_out, dtype=torch.float64)
+    for layer in range(L):
+        apply_fjlt(x[layer], plans[layer], expected)
+    torch.testing.assert_close(fjlt_stack(x, stack_fjlt_plans(plans)), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_plans_of_different_widths_do_not_stack():
+    with pytest.raises(ValueError, match="share their input width"):
+        stack_fjlt_plans([make_fjlt_plan(0, 0, 10, 4), make_fjlt_plan(0, 1, 12, 4)])
+
+
+def _adam_state(model: torch.nn.Module, batch: dict) -> torch.optim.Optimizer:
+    """An AdamW with second moments for every parameter (one step on `batch`)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def _batch(n: int, T: int, seed: int) -> dict:
+    ids = torch.randint(0, 128, (n, T), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.parametrize("normalization", ["adam_optimizer", "adam_simulated", "none"])
+@pytest.mark.parametrize("proj_dim", [48, 0])
+def test_batched_sketched_layers_give_the_layer_by_layer_features(normalization, proj_dim):
+    model = tiny_llama(seed=3, dtype=torch.float64)
+    pool, val = _batch(6, 12, seed=1), _batch(3, 12, seed=2)
+    opt = _adam_state(model, pool)
+    kw = dict(
+        exact_max_numel=0,  # every target sketched: the batched path
+        last_n_blocks=2,
+        include_lm_head=True,
+        sketch_dim=(4, 5),
+        normalization=normalization,
+        proj_dim=proj_dim,
+        chunk_size=4,
+        precondition="split",  # Adam scales on both sides: each side's projections are its own
+    )
+    batched, looped = GradFeatureExtractor(model, **kw), GradFeatureExtractor(model, **kw)
+    assert batched._all_sketched
+    looped._all_sketched = False  # the layer-by-layer path it replaces
+    for _ in range(2):  # twice: the simulated filter's state moves with the first call
+        G_b, g_b = batched.compute(pool, val, optimizer=opt)
+        G_l, g_l = looped.compute(pool, val, optimizer=opt)
+        torch.testing.assert_close(G_b, G_l, rtol=1e-9, atol=1e-12 * float(G_l.abs().max()))
+        torch.testing.assert_close(g_b, g_l, rtol=1e-9, atol=1e-12 * float(g_l.abs().max()))
+
+
+def _count_forwards(model: torch.nn.Module) -> list[int]:
+    rows: list[int] = []
+    model.model.embed_tokens.register_forward_hook(lambda mod, args, out: rows.append(int(args[0].shape[0])))
+    return rows
+
+
+@pytest.mark.parametrize("sketched", [True, False])
+def test_windows_of_the_pool_and_the_validation_batch_share_a_forward(sketched):
+    model = tiny_llama(seed=5, dtype=torch.float64)
+    forwards = _count_forwards(model)
+    pool, val = _batch(6, 32, seed=3), _batch(2, 32, seed=4)
+    kw = dict(
+        score_window=8, score_window_position="random", normalization="none", proj_dim=40, last_n_blocks=1,
+        exact_max_numel=0 if sketched else 65536, seed=2,
+    )
+    joint, apart = GradFeatureExtractor(model, **kw), GradFeatureExtractor(model, **kw)
+    apart._joint_windows = lambda *_: False  # the batch-by-batch scoring it replaces
+    # A microbatch of 2 rows of 32 tokens holds 8 windows of 8 tokens.
+    assert joint._rows_per_forward(2, 32) == 8 and joint._rows_per_forward(2, 8) == 2
+    G_j, g_j = joint.compute(pool, val, step=7, auto_chunk_size=2)
+    assert forwards == [8], forwards  # pool (6) and validation (2) windows in one forward
+    assert joint.chunk_size_in_use == 8
+    forwards.clear()
+    G_a, g_a = apart.compute(pool, val, step=7, auto_chunk_size=2)
+    assert forwards == [6, 2]
+    torch.testing.assert_close(G_j, G_a, rtol=1e-9, atol=1e-12 * float(G_a.abs().max()))
+    torch.testing.assert_close(g_j, g_a, rtol=1e-9, atol=1e-12 * float(g_a.abs().max()))
+
+
+def test_windows_in_forwards_of_a_microbatch_of_tokens_each():
+    model = tiny_llama(seed=5, dtype=torch.float64)
+    forwards = _count_forwards(model)
+    ex = GradFeatureExtractor(model, score_window=8, normalization="none", proj_dim=40, chunk_size=1)
+    ex.compute(_batch(9, 32, seed=3), _batch(2, 32, seed=4))
+    assert forwards == [4, 4, 3]  # 1 row of 32 tokens a forward: 4 windows of 8

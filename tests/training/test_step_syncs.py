@@ -1,0 +1,103 @@
+"""Host syncs of one selection step (issue 31.1): one per step, where the selection reaches the host.
+
+On a GPU every read of a device value by the host (`.item()`, `.tolist()`, `.cpu()`, `bool()` of a
+tensor, `nonzero`, a CUDA `bincount`, a blocking copy to the device, ...) makes the host wait for
+the accelerator's queue to drain. `tools/step_audit.py` counts the calls the project's own code
+makes during one step of a real Trainer, emulating on this CPU machine which tensors a CUDA run
+holds on the device (its docstring gives the rules; on CUDA the same count comes from torch's
+`set_sync_debug_mode`, see tests/gpu). The budget: one transfer a step for every strategy, plus,
+for the exact OMP refit (partitionsel, iwd), the solver's host-driven active set: one sync per pick
+(its Lawson-Hanson decisions) and two more (the setup's reads and the final refactorisation).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import train
+from pipeline.config import load_config
+from tests.common.paths import REPO_ROOT
+from tests.training.conftest import tiny_overrides
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+from bench_step import prepare_for_stepping  # noqa: E402  (tools/bench_step.py)
+from step_audit import StepAuditor, SyncAudit, format_counts  # noqa: E402  (tools/step_audit.py)
+
+TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+STRATEGIES = ["partitionsel", "greats", "id", "iwd", "gradnorm", "colm", "facloc", "uniprot", "random", "random_stratified"]
+EXACT_OMP = {"partitionsel", "iwd"}
+KAPPA = 4  # tiny_overrides: 4 rows trained a step (a pool of 12)
+
+
+def allowed_syncs(strategy: str) -> int:
+    """The step's one transfer, plus the exact refit's per-pick sync and its two others."""
+    return 1 + (KAPPA + 2 if strategy in EXACT_OMP else 0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_selection_step_syncs_at_most_its_budget(strategy, dolma_shards, tmp_path):
+    cfg = load_config(
+        TINY,
+        tiny_overrides(dolma_shards, tmp_path / strategy, "eval_loader=null", f"algorithms.data_selection.strategy={strategy}"),
+    )
+    trainer = train.build_trainer(cfg)
+    prepare_for_stepping(trainer)
+    auditor = StepAuditor(trainer)
+    trainer.fit(duration="1ba")
+    trainer.fit(duration="1ba")  # step 1: the optimizer has state, so the Adam normalisation runs
+    counts = auditor.count()
+    auditor.close()
+    trainer.close()
+    report = format_counts(counts, top=40)
+    assert counts["mixed"] == 0, report  # device and host tensors in one op: an error on CUDA
+    assert counts["sync"] + counts["h2d"] <= allowed_syncs(strategy), report
+    if strategy not in ("random", "random_stratified"):  # they select on the host: nothing to transfer
+        assert counts["sync"] >= 1, report  # the selection reaches the host once
+    assert counts["kernels"] > 0 and counts["ops"] >= counts["kernels"]
+
+
+def _audit(fn, device_tensors):
+    with SyncAudit(device_tensors) as audit:
+        fn()
+    return audit
+
+
+def test_the_audit_counts_what_syncs_on_cuda_and_not_host_work():
+    # Called from this test file, which is not project code: the calls are attributed to "other".
+    from composer_algos.selection import count_domains
+
+    dev = torch.arange(6.0)
+    host = torch.arange(6.0)
+    audit = _audit(
+        lambda: (
+            dev.sum().item(),
+            host.sum().item(),  # host work: free
+            dev[dev > 2],  # mask index: a nonzero
+            host.to(dev.device),  # a blocking copy to the device
+            host.to(dev.device, non_blocking=True),  # not blocking
+            torch.bincount(dev.long()),  # CUDA's bincount reads the max
+            count_domains(dev.long(), 6),  # the project's scatter: no sync (called inside the project)
+            dev + host,  # mixing: an error on CUDA
+        ),
+        [dev],
+    )
+    kinds = sorted(kind for (kind, _site, _call), n in audit.other.items() for _ in range(n))
+    assert kinds == ["h2d", "sync", "sync", "sync"]
+    assert audit.events == {}  # none of it was the project's code
+
+
+def test_the_audit_attributes_project_calls(monkeypatch):
+    from composer_algos.selection import types
+
+    dev = torch.arange(4.0)
+    audit = _audit(lambda: types.check_finite("x", t=dev), [dev])  # judged at once: one read
+    assert sum(audit.events.values()) == 1
+    ((kind, site, call),) = audit.events
+    assert kind == "sync" and call == "tolist" and site.startswith("composer_algos/selection/types.py:")
+    deferred = types.DeferredChecks()
+    with types.deferring_checks(deferred):
+        audit = _audit(lambda: types.check_finite("x", t=dev), [dev])  # deferred: no read
+    assert not audit.events and deferred.width == 1
