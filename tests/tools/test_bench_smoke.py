@@ -110,3 +110,18 @@ def test_bench_shard_smallest_run_table():
 def test_bench_shard_exits_nonzero_when_a_run_fails():
     proc = run_tool_patched("bench_shard", _RAISE + "m.shard_corpus = _boom", "--scale", "0.05", "--repeats", "1")
     assert proc.returncode != 0 and "injected failure" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_bench_optimizer_quick_table():
+    proc = run_tool("bench_optimizer.py", "--quick")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split()[3]: line.split() for line in proc.stdout.splitlines() if line.split()[3:4] in (["decoupled_adamw"], ["adamw"])}
+    assert set(rows) == {"decoupled_adamw", "adamw"}, proc.stdout
+    composer, torch_ = rows["decoupled_adamw"], rows["adamw"]
+    assert finite([float(composer[4]), float(torch_[4])]) and float(torch_[4]) > 0, proc.stdout
+    # Composer: one sync per parameter tensor and ten-odd ops each; torch's fused AdamW: no sync, a few ops.
+    tensors = int(composer[1])
+    assert int(composer[6]) == tensors and int(torch_[6]) == 0, proc.stdout
+    assert int(composer[5]) > 5 * tensors > int(torch_[5]), proc.stdout
+    gap = float(re.search(rf"largest relative difference ({NUMBER})", proc.stdout).group(1))
+    assert gap < 1e-5, proc.stdout  # the same update
