@@ -8,7 +8,7 @@ import string
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PROMPT_TEMPLATES", "resolve_prompt_template", "render_prompt"]
+__all__ = ["CHAT", "PROMPT_TEMPLATES", "chat_prompt_affixes", "resolve_prompt_template", "render_prompt"]
 
 # name -> (template without input, template with input). "alpaca" is Stanford Alpaca's prompt,
 # which MetaMath trains with (the loss covers only what follows "### Response:").
@@ -23,7 +23,11 @@ PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
     ),
     "plain": ("{instruction}\n", "{instruction}\n{input}\n"),
     "none": ("{instruction}", "{instruction}\n\n{input}"),
+    # The tokenizer's own chat template around the user turn (`chat_prompt_affixes`); these strings
+    # are the user message it wraps (the instruction, and the input after a blank line).
+    "chat": ("{instruction}", "{instruction}\n\n{input}"),
 }
+CHAT = "chat"
 _FIELDS = {"instruction", "input"}
 
 
@@ -86,3 +90,34 @@ def _parse(template: str) -> tuple[str, str, bool]:
             f"placeholder and optionally {{input}}; got {template!r} (placeholders: {sorted(fields)})"
         )
     return template, template, "input" in fields
+
+
+def chat_prompt_affixes(tokenizer, *, name: str = "tokenizer") -> tuple[list[int], list[int]]:
+    """The token ids the tokenizer's chat template puts before and after a single user message.
+
+    A prompt in the model's chat template is then ``prefix + ids(message) + suffix``: the template's
+    special tokens (``<|im_start|>``, ...) are real special tokens while the message's text, encoded on
+    its own, can never turn into one. The suffix ends with the generation prompt (the assistant turn's
+    header), so the response follows it directly; a default system prompt the template adds when
+    given none is part of the prefix.
+
+    Args:
+        tokenizer: a transformers tokenizer with a `chat_template`.
+        name: how messages name the tokenizer.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or its template does not render the message
+            exactly once.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"prompt template {CHAT!r} needs a tokenizer with a chat template, and {name} has none; "
+            f"use another --prompt-template ({', '.join(sorted(set(PROMPT_TEMPLATES) - {CHAT}))}) or an instruct model's tokenizer"
+        )
+    marker = "\x00MESSAGE\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+    if text.count(marker) != 1:
+        raise ValueError(f"the chat template of {name} does not render a user message exactly once: {text!r}")
+    before, after = text.split(marker)
+    encode = lambda part: tokenizer(part, add_special_tokens=False)["input_ids"] if part else []  # noqa: E731
+    return list(encode(before)), list(encode(after))

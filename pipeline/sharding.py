@@ -51,7 +51,7 @@ from pipeline.manifest import (
     SplitStats,
     write_manifest,
 )
-from pipeline.prompts import render_prompt, resolve_prompt_template
+from pipeline.prompts import CHAT, chat_prompt_affixes, render_prompt, resolve_prompt_template
 from pipeline.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -303,6 +303,7 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
         backend_json=tokenizer.backend_tokenizer.to_str(),  # type: ignore[attr-defined]
         eos_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
         template=template if spec.is_instruction else None,
+        chat_affixes=_chat_affixes(tokenizer, options.tokenizer) if spec.is_instruction and template == CHAT else None,
         max_seq_len=options.max_seq_len,
         truncation=options.truncation,
         seed=options.seed,
@@ -433,6 +434,8 @@ class _WorkerConfig:
     backend_json: str  # the Rust tokenizer, serialized: rebuilt in each worker without transformers' slow loading
     eos_id: int
     template: str | None
+    # With the `chat` template: the ids the tokenizer's chat template puts around the user message.
+    chat_affixes: tuple[tuple[int, ...], tuple[int, ...]] | None
     max_seq_len: int
     truncation: str
     seed: int
@@ -491,7 +494,8 @@ def _process_chunk(chunk: tuple[str, str, list[RawRecord], bool]) -> list[tuple]
         prompts = [r.text for _, r in parsed]
     hashes = _content_hashes(config, [r for _, r in parsed])
 
-    if config.mode == "pretrain":
+    prefix, suffix = config.chat_affixes or ((), ())  # the chat template's ids around the user message
+    if config.mode == "pretrain" and not config.chat_affixes:
         texts = prompts if not config.spec.is_instruction else [p + r.response for p, (_, r) in zip(prompts, parsed)]
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         for (i, rec), enc, h in zip(parsed, encodings, hashes):
@@ -499,11 +503,17 @@ def _process_chunk(chunk: tuple[str, str, list[RawRecord], bool]) -> list[tuple]
             ids_T[:-1] = enc.ids
             ids_T[-1] = eos
             results[i] = ("ok", raws[i].line, raws[i].loc, rec.domain, h, ids_T, False)
+    elif config.mode == "pretrain":
+        prompt_encs = backend.encode_batch(prompts, add_special_tokens=False)
+        response_encs = backend.encode_batch([r.response for _, r in parsed], add_special_tokens=False)
+        for (i, rec), p_enc, r_enc, h in zip(parsed, prompt_encs, response_encs, hashes):
+            ids_T = np.asarray([*prefix, *p_enc.ids, *suffix, *r_enc.ids, eos], dtype=np.int32)
+            results[i] = ("ok", raws[i].line, raws[i].loc, rec.domain, h, ids_T, False)
     else:
         prompt_encs = backend.encode_batch(prompts, add_special_tokens=False)
         response_encs = backend.encode_batch([r.response for _, r in parsed], add_special_tokens=False)
         for (i, rec), p_enc, r_enc, h in zip(parsed, prompt_encs, response_encs, hashes):
-            prompt_T = np.asarray(p_enc.ids, dtype=np.int32)
+            prompt_T = np.asarray([*prefix, *p_enc.ids, *suffix], dtype=np.int32)
             response_T = np.empty(len(r_enc.ids) + 1, dtype=np.int32)
             response_T[:-1] = r_enc.ids
             response_T[-1] = eos
@@ -519,6 +529,12 @@ def _process_chunk(chunk: tuple[str, str, list[RawRecord], bool]) -> list[tuple]
                 "ok", raws[i].line, raws[i].loc, rec.domain, h, (fitted[0], fitted[1]), fitted[2]
             )  # fmt: skip
     return results  # type: ignore[return-value]
+
+
+def _chat_affixes(tokenizer: Any, name: str | os.PathLike) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`pipeline.prompts.chat_prompt_affixes` as tuples (the worker config is frozen and pickled)."""
+    before, after = chat_prompt_affixes(tokenizer, name=f"tokenizer {str(name)!r}")
+    return tuple(before), tuple(after)
 
 
 def _content_hashes(config: _WorkerConfig, records: list[ParsedRecord]) -> list[int]:
