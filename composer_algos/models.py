@@ -68,7 +68,8 @@ def build_causal_lm(
         pretrained: Load the weights (else only the architecture, randomly initialised).
         config: Inline transformers config with `model_type`.
         config_overrides: Fields patched into the config.
-        lora: `{r, alpha, dropout, target_modules}` to wrap the model with peft LoRA adapters.
+        lora: `{r, alpha, dropout, target_modules, top_blocks}` to wrap the model with peft LoRA adapters
+            (`top_blocks`: only in the last this many blocks, peft's `layers_to_transform`).
         attn_implementation: eager, sdpa or flash_attention_2.
         gradient_checkpointing: Trade compute for activation memory.
         trust_remote_code: Passed to transformers.
@@ -117,11 +118,18 @@ def build_causal_lm(
     if lora is not None:
         from peft import LoraConfig as PeftLoraConfig
 
+        layers = None
+        if lora.get("top_blocks") is not None:
+            depth = int(model.config.num_hidden_layers)
+            if int(lora["top_blocks"]) > depth:
+                raise ValueError(f"model.lora.top_blocks {lora['top_blocks']} exceeds the model's {depth} blocks")
+            layers = list(range(depth - int(lora["top_blocks"]), depth))
         peft_config = PeftLoraConfig(
             r=int(lora["r"]),
             lora_alpha=int(lora["alpha"]),
             lora_dropout=float(lora["dropout"]),
             target_modules=list(lora["target_modules"]),
+            layers_to_transform=layers,
             task_type="CAUSAL_LM",
         )
     metrics = [LanguageCrossEntropy(ignore_index=IGNORE_INDEX), LanguagePerplexity(ignore_index=IGNORE_INDEX)]

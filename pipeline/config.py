@@ -85,11 +85,16 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj"])
+    # Adapters only in the last this many blocks (None: every block). The blocks below then hold no
+    # trainable parameter, so the backward stops at the lowest adapted block.
+    top_blocks: int | None = None
 
     def validate(self) -> list[str]:
         errs = []
         if self.r <= 0:
             errs.append(f"model.lora.r must be > 0, got {self.r}")
+        if self.top_blocks is not None and (isinstance(self.top_blocks, bool) or self.top_blocks < 1):
+            errs.append(f"model.lora.top_blocks must be an integer >= 1 (or null: every block), got {self.top_blocks!r}")
         if not 0 <= self.dropout < 1:
             errs.append(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
