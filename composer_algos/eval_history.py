@@ -27,7 +27,8 @@ class EvalHistory(LoggerDestination):
     """Appends `eval_history.csv` (step, domain, cross-entropy) after each evaluator runs and
     writes `eval_results.json` at the end of training (last per-domain losses, their unweighted
     average, wall-clock time and the selection overhead: the sum of the `selection/time_*_s`
-    metrics `DataSelection` logged, read as a logger destination it adds itself to at `INIT`).
+    metrics `DataSelection` logged, read as a logger destination it adds itself to at `INIT`; with
+    the `answer_accuracy` callback, `answer_accuracy` per domain and `answer_accuracy_mean`).
 
     Only rank 0 writes. The metric values are Composer's (already reduced over ranks).
 
@@ -41,6 +42,7 @@ class EvalHistory(LoggerDestination):
         self.last: dict[str, float] = {}
         self._t0: float | None = None
         self._selection_s = 0.0
+        self.accuracy: dict[str, float] = {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"last": dict(self.last), "selection_s": self._selection_s}
@@ -59,6 +61,9 @@ class EvalHistory(LoggerDestination):
         for key in _SELECTION_TIMES:
             if key in metrics:
                 self._selection_s += float(metrics[key])
+        for key, value in metrics.items():  # `AnswerAccuracy`'s, at the last step (and at the start)
+            if key.startswith(("accuracy/", "accuracy_start/")):
+                self.accuracy[key] = float(value)
 
     def eval_end(self, state: State, logger: Logger) -> None:
         label = state.dataloader_label or ""
@@ -92,5 +97,10 @@ class EvalHistory(LoggerDestination):
             "wall_time_s": wall,
             "selection_time_s": self._selection_s,
         }
+        for prefix, name in (("accuracy/", "answer_accuracy"), ("accuracy_start/", "answer_accuracy_start")):
+            found = {k[len(prefix) :]: v for k, v in self.accuracy.items() if k.startswith(prefix)}
+            if found:
+                out[f"{name}_mean"] = found.pop("average")
+                out[name] = found
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "eval_results.json").write_text(json.dumps(out, indent=2))

@@ -91,10 +91,11 @@ def shard_problems(cfg: TrainConfig) -> list[str]:
     from pipeline.manifest import load_manifest
 
     data = cfg.train_loader.dataset
+    problems = _answer_accuracy_problems(cfg)
     selection = cfg.algorithms.get("data_selection")
     capacities = getattr(selection, "capacities", None) if selection is not None else None
     if capacities is None or not (Path(data.shard_dir) / "manifest.json").is_file():
-        return []
+        return problems
     where = "algorithms.data_selection.capacities"
     try:
         from composer_algos.capacity_policy import parse_capacity_policy
@@ -110,11 +111,35 @@ def shard_problems(cfg: TrainConfig) -> list[str]:
         )
         policy = parse_capacity_policy(capacities, where=where)
     except (ValueError, FileNotFoundError):
-        return []  # reported where it is the subject (the loader, the algorithm's own option check)
+        return problems  # reported where it is the subject (the loader, the algorithm's own option check)
     try:
         policy.bind(names, [names[i] for i, _ in streamed])
     except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def _answer_accuracy_problems(cfg: TrainConfig) -> list[str]:
+    """`callbacks.answer_accuracy` reads the per-domain evaluators' held-out questions of fine-tuning shards."""
+    if "answer_accuracy" not in cfg.callbacks:
+        return []
+    from composer_algos.answer_accuracy import AnswerAccuracy
+
+    try:  # its own value checks (cheap: it builds nothing)
+        AnswerAccuracy(**dict(cfg.callbacks["answer_accuracy"] or {}))
+    except ValueError as e:
         return [str(e)]
+    ev = cfg.eval_loader
+    if ev is None or not ev.per_domain:
+        return ["callbacks.answer_accuracy asks the per-domain evaluators' held-out questions: give an eval_loader with "
+                "per_domain: true (or drop the callback)"]
+    shards = Path(ev.shard_dir or cfg.train_loader.dataset.shard_dir)
+    if (shards / "manifest.json").is_file():
+        from pipeline.manifest import load_manifest
+
+        mode = load_manifest(shards).mode
+        if mode != "finetune":
+            return [f"callbacks.answer_accuracy needs fine-tuning shards (questions and answers); {shards} holds {mode} shards"]
     return []
 
 
@@ -211,12 +236,14 @@ def _project(kind: str) -> dict[str, type]:
 
         return {"data_selection": DataSelection, "doremi": DoReMi}
     if kind == "callback":
+        from composer_algos.answer_accuracy import AnswerAccuracy
         from composer_algos.eval_history import EvalHistory
         from composer_algos.mixture_monitor import MixtureMonitor
         from composer_algos.train_budget import TrainTimeBudget
 
         return {
             "mixture_monitor": MixtureMonitor,
+            "answer_accuracy": AnswerAccuracy,
             "eval_history": EvalHistory,
             "train_budget": TrainTimeBudget,
         }

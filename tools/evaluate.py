@@ -106,7 +106,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batches", type=_positive_int, help="at most this many batches per domain")
     p.add_argument("--out", help="write the per-domain results as JSON here")
     p.set_defaults(func=run_ppl)
+
+    a = sub.add_parser(
+        "answers", parents=[model_args],
+        help="exact-match accuracy of greedy answers to the held-out questions of fine-tuning shards, per domain",
+    )
+    a.add_argument("--shards", required=True, help="fine-tuning shards of tools/shard.py (prompt_ids, response_ids)")
+    a.add_argument("--split", default="val", choices=("train", "val"), help="split to ask (default: val)")
+    a.add_argument(
+        "--guide-fraction", type=float, default=0.5,
+        help="leave out this share of each domain's split, the part that guides selection (default 0.5, as training)",
+    )
+    a.add_argument("--domains", help="comma-separated domains (default: all)")
+    a.add_argument("--per-domain", type=_positive_int, default=10, help="questions per domain (default 10)")
+    a.add_argument("--max-new-tokens", type=_positive_int, default=16, help="default 16")
+    a.add_argument("--out", help="write the accuracy and every question's answer as JSON here")
+    a.set_defaults(func=run_answers)
     return parser
+
+
+def run_answers(args: argparse.Namespace) -> int:
+    """``answers`` subcommand: the metric the `answer_accuracy` callback logs at the end of training."""
+    import json
+
+    from pipeline.evaluation.checkpoint import load_model_and_tokenizer
+    from pipeline.evaluation.heldout_answers import answer_accuracy, heldout_datasets, heldout_questions
+
+    if not args.model:
+        raise SystemExit("answers: --model is required")
+    domains = [d for d in args.domains.split(",") if d] if args.domains else None
+    datasets = heldout_datasets(args.shards, split=args.split, guide_fraction=args.guide_fraction, domains=domains)
+    model, tokenizer = load_model_and_tokenizer(
+        args.model, adapter=args.adapter, tokenizer=args.tokenizer, base_model=args.base_model, device=args.device,
+        dtype=_torch_dtype(args.dtype),
+    )
+    questions = heldout_questions(datasets, tokenizer, per_domain=args.per_domain)
+    result = answer_accuracy(model, tokenizer, questions, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    width = max(len(d) for d in result["per_domain"]) + 2
+    print(f"{'domain':<{width}}{'n':>5}{'accuracy':>10}")
+    for d, acc in result["per_domain"].items():
+        print(f"{d:<{width}}{result['n'][d]:>5}{acc:>10.3f}")
+    print(f"{'average':<{width}}{sum(result['n'].values()):>5}{result['average']:>10.3f}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**result, "run": _run_info(args)}, indent=2))
+        print(f"wrote {args.out}")
+    return 0
 
 
 def run_math(args: argparse.Namespace) -> int:

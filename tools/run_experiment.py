@@ -804,6 +804,15 @@ def report(
         (out / "paired.json").write_text(json.dumps(paired, indent=2))
         table["paired"] = paired
         written += [out / "paired.md", out / "paired.json"]
+        if paired_baseline in table.get("per_seed_accuracy", {}):
+            accuracy = paired_comparison(table["per_seed_accuracy"], baseline=paired_baseline)
+            accuracy_md = format_paired_markdown(accuracy).replace(
+                "final validation log-perplexity", "exact-match answer accuracy"
+            ).replace("negative = lower loss than", "positive = more answers right than")
+            print("\n" + accuracy_md)
+            (out / "paired_accuracy.md").write_text(accuracy_md + "\n")
+            (out / "paired_accuracy.json").write_text(json.dumps(accuracy, indent=2))
+            written += [out / "paired_accuracy.md", out / "paired_accuracy.json"]
         if plan is not None and plan.get("sensitivity"):
             written += write_sensitivity(out, plan, seeds, baseline=paired_baseline)
     selection = selection_report(out, strategies, seeds, reference=reference)
@@ -889,6 +898,15 @@ def collect(out: Path, strategies: list[str], seeds: list[int], *, plan: dict[st
             for seed, r in per_seed.items()
             if r["val_cross_entropy_mean"] is not None
         }
+        # Exact-match accuracy of greedy answers (the answer_accuracy callback), where the runs measured it.
+        accuracy = {
+            seed: {"average": r["answer_accuracy_mean"], "domains": dict(r.get("answer_accuracy") or {})}
+            for seed, r in per_seed.items()
+            if r.get("answer_accuracy_mean") is not None
+        }
+        if accuracy:
+            table.setdefault("per_seed_accuracy", {})[strategy] = accuracy
+            entry["accuracy"] = _mean_std([a["average"] for a in accuracy.values()])
     return table
 
 
@@ -900,7 +918,9 @@ def format_markdown(
     if not strategies:
         return "(no finished runs)"
     domains = list(table["strategies"][strategies[0]]["domains"])
-    head = ["strategy", *domains, "average", "steps", "train s", "wall s", "selection %", "est. FLOPs"]
+    with_accuracy = any("accuracy" in table["strategies"][s] for s in strategies)
+    head = ["strategy", *domains, "average", *(["accuracy"] if with_accuracy else []), "steps", "train s", "wall s",
+            "selection %", "est. FLOPs"]
     if plan is not None:
         costs = ", ".join(f"{k} {v:.3f}" for k, v in plan["step_costs_s"].items())
         unit = "CPU s" if plan.get("clock") == "cpu" else "s"
@@ -925,6 +945,8 @@ def format_markdown(
     for s in strategies:
         e = table["strategies"][s]
         cells = [s] + [_fmt(e["domains"].get(d)) for d in domains] + [_fmt(e["average"])]
+        if with_accuracy:
+            cells.append(_fmt(e.get("accuracy")))
         wall = e["wall_time_s"]["mean"]
         sel = e["selection_time_s"]["mean"]
         train_s = e["train_time_s"]["mean"]
