@@ -1,0 +1,91 @@
+"""tools/study_finetune.py: the study's commands, the linked runs of random's work, and its report tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.common.paths import REPO_ROOT
+
+spec = importlib.util.spec_from_file_location("study_finetune", REPO_ROOT / "tools" / "study_finetune.py")
+assert spec is not None and spec.loader is not None
+study = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(study)
+
+
+def _arg(cmd, flag):
+    return cmd[cmd.index(flag) + 1]
+
+
+def _variants(cmd):
+    return {v.split("=", 1)[0]: v for v, f in zip(cmd[1:], cmd) if f == "--variant"}
+
+
+def test_quick_commands_run_equal_steps_then_equal_compute_paired_against_random(tmp_path):
+    steps, compute = study.study_commands(tmp_path, shards=tmp_path / "s", arms=list(study.QUICK_ARMS), seeds="1,2",
+                                          steps=40, jobs=2)
+    for cmd in (steps, compute):
+        assert _arg(cmd, "--strategies") == "random,random_stratified,partitionsel"
+        assert _arg(cmd, "--paired-baseline") == "random" and _arg(cmd, "--yaml") == str(study.YAML)
+        assert "eval_loader.subset_num_batches=1" in cmd[cmd.index("--") :]
+    assert _arg(steps, "--steps") == "40" and _arg(steps, "--out") == str(tmp_path / "equal_steps")
+    assert _arg(compute, "--compute-budget") == "random=40" and _arg(compute, "--cost-clock") == "cpu"
+    assert _arg(compute, "--out") == str(tmp_path / "equal_compute") and "--steps" not in compute
+
+
+def test_full_profile_names_every_arm_and_the_variants_their_settings(tmp_path):
+    cmd = study.study_commands(tmp_path, shards=tmp_path, arms=list(study.ARMS), seeds="1", steps=40, jobs=2)[0]
+    plain = _arg(cmd, "--strategies").split(",")
+    variants = _variants(cmd)
+    assert set(plain) | set(variants) == set(study.ARMS)
+    assert variants["ps_r4"] == "ps_r4=partitionsel,algorithms.data_selection.oversampling=4"
+    assert variants["full_pool"] == "full_pool=none"
+
+
+def test_runs_of_randoms_work_are_linked_into_equal_compute_only_when_finished_at_the_same_steps(tmp_path):
+    src, dst = tmp_path / "equal_steps", tmp_path / "equal_compute"
+    for label, steps in (("random", 40), ("random_stratified", 40), ("partitionsel", 40)):
+        (src / f"{label}-seed1").mkdir(parents=True)
+        (src / f"{label}-seed1" / "eval_results.json").write_text(json.dumps({"steps": steps}))
+    (src / "random-seed2").mkdir()
+    (src / "random-seed2" / "eval_results.json").write_text(json.dumps({"steps": 39}))
+    made = study.link_same_work_runs(src, dst, seeds="1,2", steps=40)
+    assert sorted(p.name for p in made) == ["random-seed1", "random_stratified-seed1"]
+    assert json.loads((dst / "random-seed1" / "eval_results.json").read_text()) == {"steps": 40}
+
+
+def _comparison(losses, accuracies):
+    """comparison.json of run_experiment: label -> per-seed average loss / accuracy (2 domains each)."""
+    per_seed = {k: {str(s): {"average": v, "domains": {"a": v, "b": v}} for s, v in enumerate(vals, 1)} for k, vals in losses.items()}
+    per_acc = {k: {str(s): {"average": v, "domains": {"a": v, "b": v}} for s, v in enumerate(vals, 1)} for k, vals in accuracies.items()}
+    strategies = {k: {"average": {"mean": sum(v) / len(v), "std": 0.0}, "accuracy": {"mean": sum(accuracies[k]) / 3, "std": 0.0},
+                      "steps": {"mean": 40.0, "std": 0.0}} for k, v in losses.items()}
+    return {"strategies": strategies, "per_seed": per_seed, "per_seed_accuracy": per_acc}
+
+
+def test_report_pairs_loss_and_accuracy_against_random_and_random_stratified(tmp_path):
+    losses = {"random": [1.0, 1.1, 1.2], "random_stratified": [0.9, 1.0, 1.1], "partitionsel": [0.8, 0.9, 1.0]}
+    accuracies = {"random": [0.1, 0.2, 0.3], "random_stratified": [0.1, 0.2, 0.3], "partitionsel": [0.2, 0.3, 0.4]}
+    (tmp_path / "equal_steps").mkdir()
+    (tmp_path / "equal_steps" / "comparison.json").write_text(json.dumps(_comparison(losses, accuracies)))
+    (tmp_path / "floor.json").write_text(json.dumps(
+        {"val_cross_entropy_mean": 1.5, "answer_accuracy_mean": 0.0, "answer_contains_mean": 0.125}))
+    text = study.study_report(tmp_path)
+    assert "held-out loss 1.5000, exact-match accuracy 0.000" in text and "0.125" in text
+    row = next(line for line in text.splitlines() if line.startswith("| partitionsel |"))
+    # Every seed differs by exactly -0.2 / -0.1 in loss and +0.1 / +0.1 in accuracy: zero-width intervals.
+    assert "-0.2000 [-0.2000, -0.2000] (n 3)" in row and "-0.1000 [-0.1000, -0.1000] (n 3)" in row
+    assert "+0.100 [+0.100, +0.100] (n 3)" in row
+    assert "Per domain, loss - random_stratified" in text
+    assert (tmp_path / "study.md").read_text().strip() == text.strip()
+
+
+def test_help_is_fast_and_bad_arms_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        study.main(["--arms", "random,nosuch"])
+    assert "unknown ['nosuch']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        study.main(["--arms", "partitionsel"])
+    assert "random is the budget's reference" in capsys.readouterr().err

@@ -1,0 +1,310 @@
+"""The fine-tuning study (issue 29; docs/results/study_finetune.md): LoRA on a real pretrained LM, dm_math domains.
+
+Does PartitionSel beat random within the domain capacities (`random_stratified`) when it fine-tunes
+a pretrained model, the regime the method was made for? SmolLM2-135M-Instruct (GGUF, converted once
+and cached), the 8 dm_math areas as domains, prompts in the model's chat template, loss on the answer
+only, LoRA on the top blocks (yamls/smollm2-135m_dm_math.yaml). Every arm is compared at equal steps
+and at equal compute (the cost of --steps random steps; tools/run_experiment.py's calibrated cost
+model, every schedule decayed over its own steps), paired by seed against random and against
+random_stratified, on the held-out loss and on the exact-match accuracy of greedy answers.
+
+Parts (each reuses what an earlier, interrupted invocation finished, so a study can span sittings):
+  setup   ../shared/data/dm_math -> OUT/shards (tools/shard.py, the model's chat template)
+  floor   the base model before fine-tuning: held-out loss (tools/evaluate.py ppl) and answer accuracy
+          (tools/evaluate.py answers) on the questions every run is evaluated on -> OUT/floor.json
+  study   tools/run_experiment.py at equal steps (OUT/equal_steps) and equal compute (OUT/equal_compute)
+  report  OUT/study.md: the tables, the induced mixture and the conflict fraction (the docs quote it)
+
+Profiles (--profile):
+  quick  random, random_stratified, partitionsel; the main table
+  full   every arm of ARMS (the paper's baselines, the best earlier setting, and random on the whole
+         pool: what selection approximates at half the memory)
+
+Example:
+    python tools/study_finetune.py --out runs/finetune --parts setup,floor,study,report --profile quick
+    python tools/study_finetune.py --out runs/finetune --parts study,report --profile full --seeds 1,2,3,4,5
+    python tools/study_finetune.py --out runs/finetune_smoke --smoke     # a few steps of everything
+
+Every training process runs with one thread (OMP_NUM_THREADS=1); `--jobs` (default 2) run at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+MODEL = DATA / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+YAML = REPO / "yamls" / "smollm2-135m_dm_math.yaml"
+PARTS = ("setup", "floor", "study", "report")
+SEL = "algorithms.data_selection"
+# label -> (strategy, overrides). `partitionsel` is the library's defaults; `ps_r4` the setting the dm_math
+# study found best at equal steps (pools of 4 x kappa: docs/results/study_dm_math.md, "Larger oversampling
+# helps"); `full_pool` trains on the whole pool of 2 x kappa every step (strategy none).
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "random": ("random", []),
+    "random_stratified": ("random_stratified", []),
+    "partitionsel": ("partitionsel", []),
+    "ps_r4": ("partitionsel", [f"{SEL}.oversampling=4"]),
+    "id": ("id", []),
+    "greats": ("greats", []),
+    "colm": ("colm", []),
+    "gradnorm": ("gradnorm", []),
+    "full_pool": ("none", []),
+}
+QUICK_ARMS = ("random", "random_stratified", "partitionsel")
+# Arms whose step does the work of random's (run_experiment gives them random's steps at equal compute),
+# so their equal-compute runs are their equal-steps runs: linked, not trained twice.
+SAME_WORK_AS_RANDOM = ("random", "random_stratified")
+# Evaluation at the last step only: 16 held-out examples per domain for the loss (the same 16 in every
+# run, so paired differences cancel their sampling), 10 questions per domain for the answers.
+EVAL_OVERRIDES = ["eval_loader.subset_num_batches=1", "eval_loader.device_eval_batch_size=16"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "finetune")
+    p.add_argument("--parts", default="setup,floor,study,report", help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--profile", choices=("quick", "full"), default="quick", help="quick (the main table) or full (every arm)")
+    p.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds (default 1-5)")
+    p.add_argument("--steps", type=int, default=40, help="equal steps, and the equal-compute budget in random steps (default 40)")
+    p.add_argument("--jobs", type=int, default=2, help="training processes at once (default 2)")
+    p.add_argument("--arms", default=None, help=f"instead of the profile's arms, a subset of {','.join(ARMS)}")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (a test of the pipeline, not a study)")
+    args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    bad = [x for x in parts if x not in PARTS]
+    if bad:
+        p.error(f"--parts: unknown {bad}; allowed: {', '.join(PARTS)}")
+    arms = [a for a in (args.arms or ",".join(QUICK_ARMS if args.profile == "quick" else ARMS)).split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        p.error(f"--arms: unknown {unknown}; allowed: {', '.join(ARMS)}")
+    if "random" not in arms:
+        p.error("--arms: random is the budget's reference and every pairing's baseline; keep it")
+    for path, what in ((DATA / "dm_math" / "train.json", "the dm_math corpus"), (MODEL, "the SmolLM2 GGUF file")):
+        if not path.exists():
+            p.error(f"{what} is not at {path} (it ships in ../shared/data)")
+    if args.steps < 2 or args.jobs < 1:
+        p.error(f"--steps must be >= 2 and --jobs >= 1, got {args.steps} and {args.jobs}")
+    if args.smoke:
+        args.steps, args.seeds = 3, "1,2"
+    out = args.out.resolve()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    shards = out / "shards"
+    t0 = time.perf_counter()
+    if "setup" in parts:
+        setup(shards, env, smoke=args.smoke)
+    if "floor" in parts:
+        floor(out, shards, env, smoke=args.smoke)
+    if "study" in parts:
+        for cmd in study_commands(out, shards=shards, arms=arms, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
+                                  smoke=args.smoke):
+            if "--steps" not in cmd:  # equal compute: random's (and random_stratified's) runs are the equal-steps ones
+                link_same_work_runs(out / "equal_steps", out / "equal_compute", seeds=args.seeds, steps=args.steps)
+            _run(cmd, env)
+    if "report" in parts:
+        print(study_report(out))
+    print(f"study_finetune: {', '.join(parts)} took {time.perf_counter() - t0:.0f} s of wall time in this invocation "
+          f"(load average {_loadavg()})", flush=True)
+    return 0
+
+
+def setup(shards: Path, env: dict[str, str], *, smoke: bool = False) -> None:
+    """The dm_math shards in the model's chat template (kept when they exist)."""
+    if (shards / "manifest.json").exists():
+        return
+    cmd = [
+        sys.executable, "tools/shard.py", "metamathqa", str(DATA / "dm_math" / "train.json"),
+        "--val-file", str(DATA / "dm_math" / "val.json"), "--out", str(shards), "--tokenizer", str(MODEL),
+        "--prompt-template", "chat", "--max-seq-len", "160", "--no-progress",
+    ]
+    _run(cmd, env)
+
+
+def floor(out: Path, shards: Path, env: dict[str, str], *, smoke: bool = False) -> None:
+    """The base model's held-out loss and answer accuracy: what fine-tuning starts from (OUT/floor.json)."""
+    path = out / "floor.json"
+    if path.exists():
+        return
+    common = ["--model", str(MODEL), "--shards", str(shards), "--no-progress", "--batch-size", "16"]
+    ppl, answers = out / "floor_ppl.json", out / "floor_answers.json"
+    _run([sys.executable, "tools/evaluate.py", "ppl", *common, "--max-batches", "1", "--out", str(ppl)], env)
+    per_domain = "2" if smoke else "10"
+    _run([sys.executable, "tools/evaluate.py", "answers", *common, "--per-domain", per_domain, "--out", str(answers)], env)
+    loss = json.loads(ppl.read_text())["domains"]
+    acc = json.loads(answers.read_text())
+    summary = {
+        "val_cross_entropy": {d: v["cross_entropy"] if isinstance(v, dict) else v for d, v in loss.items()},
+        "answer_accuracy": acc["per_domain"],
+        "answer_accuracy_mean": acc["average"],
+        "answer_contains_mean": acc.get("contains_average"),
+    }
+    values = list(summary["val_cross_entropy"].values())
+    summary["val_cross_entropy_mean"] = sum(values) / len(values)
+    path.write_text(json.dumps(summary, indent=2))
+
+
+def study_commands(
+    out: Path, *, shards: Path, arms: list[str], seeds: str, steps: int, jobs: int, smoke: bool = False
+) -> list[list[str]]:
+    """run_experiment's command lines: equal steps, then equal compute (the cost of `steps` random steps)."""
+    plain = [a for a in arms if ARMS[a][0] == a and not ARMS[a][1]]
+    base = [
+        sys.executable, "tools/run_experiment.py", "--yaml", str(YAML), "--shard-dir", str(shards),
+        "--strategies", ",".join(plain), "--seeds", seeds, "--paired-baseline", "random", "--jobs", str(jobs),
+        "--eval-interval", "1000000",  # the last step only (train_budget evaluates there)
+    ]
+    for label in arms:
+        if label not in plain:
+            strategy, overrides = ARMS[label]
+            base += ["--variant", ",".join([f"{label}={strategy}", *overrides])]
+    tail = ["--", *EVAL_OVERRIDES] + (["callbacks.answer_accuracy.per_domain=2"] if smoke else [])
+    calibration = ["--calibration-steps", "2", "--calibration-warmup", "1", "--calibration-rounds", "2"] if smoke else []
+    return [
+        base + ["--steps", str(steps), "--out", str(out / "equal_steps"), *tail],
+        base + ["--compute-budget", f"random={steps}", "--cost-clock", "cpu", *calibration,
+                "--out", str(out / "equal_compute"), *tail],
+    ]
+
+
+def link_same_work_runs(steps_dir: Path, compute_dir: Path, *, seeds: str, steps: int) -> list[Path]:
+    """Link the equal-steps runs of SAME_WORK_AS_RANDOM into the equal-compute folder (they train `steps` there too).
+
+    Only finished runs of exactly `steps` steps are linked; run_experiment trains the rest.
+    """
+    made = []
+    for label in SAME_WORK_AS_RANDOM:
+        for seed in [s for s in seeds.split(",") if s]:
+            src, dst = steps_dir / f"{label}-seed{seed}", compute_dir / f"{label}-seed{seed}"
+            result = src / "eval_results.json"
+            if dst.exists() or dst.is_symlink() or not result.exists():
+                continue
+            if json.loads(result.read_text()).get("steps") != steps:
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.symlink_to(os.path.relpath(src, dst.parent), target_is_directory=True)
+            made.append(dst)
+    return made
+
+
+def study_report(out: Path) -> str:
+    """OUT/study.md: per budget, each arm's loss and accuracy, paired against random and random_stratified."""
+    sys.path.insert(0, str(REPO))
+    from composer_algos.experiment_stats import paired_comparison
+
+    lines = [f"# Fine-tuning study tables ({out})", ""]
+    floor_path = out / "floor.json"
+    if floor_path.exists():
+        f = json.loads(floor_path.read_text())
+        lines += [
+            f"Base model before fine-tuning (the floor): held-out loss {f['val_cross_entropy_mean']:.4f}, exact-match "
+            f"accuracy {f['answer_accuracy_mean']:.3f}"
+            + (f" (the reference number anywhere in its answer: {f['answer_contains_mean']:.3f})" if f.get("answer_contains_mean") is not None else "")
+            + ".",
+            "",
+        ]
+    for name, title in (("equal_steps", "Equal steps"), ("equal_compute", "Equal compute")):
+        cmp_path = out / name / "comparison.json"
+        if not cmp_path.exists():
+            continue
+        comparison = json.loads(cmp_path.read_text())
+        plan = json.loads((out / name / "plan.json").read_text()) if (out / name / "plan.json").exists() else None
+        lines += [f"## {title}", ""]
+        if plan is not None:
+            lines += [_plan_line(plan), ""]
+        per_seed = {k: {int(s): v for s, v in runs.items()} for k, runs in comparison["per_seed"].items()}
+        acc_seed = {k: {int(s): v for s, v in runs.items()} for k, runs in comparison.get("per_seed_accuracy", {}).items()}
+        pairs = {
+            (metric, base): paired_comparison(data, baseline=base)["strategies"] if base in data else {}
+            for metric, data in (("loss", per_seed), ("accuracy", acc_seed))
+            for base in ("random", "random_stratified")
+        }
+        lines += [
+            "| arm | steps | loss (mean +- std) | accuracy | loss - random | loss - random_stratified "
+            "| accuracy - random | accuracy - random_stratified |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for label, entry in comparison["strategies"].items():
+            steps = plan["steps"].get(label) if plan else entry.get("steps", {}).get("mean")
+            cells = [
+                label, _int(steps), _ms(entry.get("average")), _ms(entry.get("accuracy"), 3),
+                *(_ci(pairs[(m, b)].get(label, {}).get("average"), 4 if m == "loss" else 3)
+                  for m in ("loss", "accuracy") for b in ("random", "random_stratified")),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        lines += _domain_table("Per domain, loss - random_stratified", pairs[("loss", "random_stratified")], 3)
+        lines += _domain_table("Per domain, accuracy - random_stratified", pairs[("accuracy", "random_stratified")], 2)
+        for extra in ("sensitivity.md", "selection.md"):
+            if (out / name / extra).exists():
+                lines += [(out / name / extra).read_text().strip(), ""]
+    text = "\n".join(lines)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.md").write_text(text + "\n")
+    return text
+
+
+def _plan_line(plan: dict) -> str:
+    spread = plan.get("spread") or {}
+    costs = ", ".join(
+        f"{k} {v:.2f}" + (f" +- {100 * spread[k]:.1f}%" if spread.get(k) else "") for k, v in plan["step_costs_s"].items()
+    )
+    calibration = plan.get("calibration") or {}
+    rounds = f"; {calibration['rounds']} calibration rounds" if calibration else ""
+    return f"Budget: {plan['budget']}; step costs (CPU s): {costs}{rounds}."
+
+
+def _domain_table(title: str, paired: dict, digits: int) -> list[str]:
+    domains = sorted({d for v in paired.values() for d in v.get("domains", {})})
+    if not domains:
+        return []
+    lines = [f"{title} (mean [95% CI] over paired seeds):", "", "| arm | " + " | ".join(domains) + " |",
+             "|---|" + "---:|" * len(domains)]
+    for label, v in paired.items():
+        lines.append(f"| {label} | " + " | ".join(_ci(v["domains"].get(d), digits) for d in domains) + " |")
+    return lines + [""]
+
+
+def _ci(summary: dict | None, digits: int) -> str:
+    import math
+
+    if not summary or summary.get("n", 0) == 0 or not math.isfinite(summary["mean"]):
+        return "-"
+    if not math.isfinite(summary["ci_low"]):
+        return f"{summary['mean']:+.{digits}f} (n {summary['n']})"
+    return f"{summary['mean']:+.{digits}f} [{summary['ci_low']:+.{digits}f}, {summary['ci_high']:+.{digits}f}] (n {summary['n']})"
+
+
+def _ms(entry: dict | None, digits: int = 4) -> str:
+    import math
+
+    if not entry or not math.isfinite(entry.get("mean", math.nan)):
+        return "-"
+    return f"{entry['mean']:.{digits}f} +- {entry['std']:.{digits}f}"
+
+
+def _int(value) -> str:
+    return "-" if value is None else str(int(round(float(value))))
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> None:
+    print("+ " + " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, env=env, check=True)
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
