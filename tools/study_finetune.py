@@ -135,13 +135,15 @@ def floor(out: Path, shards: Path, env: dict[str, str], *, smoke: bool = False) 
         return
     common = ["--model", str(MODEL), "--shards", str(shards), "--no-progress", "--batch-size", "16"]
     ppl, answers = out / "floor_ppl.json", out / "floor_answers.json"
-    _run([sys.executable, "tools/evaluate.py", "ppl", *common, "--max-batches", "1", "--out", str(ppl)], env)
-    per_domain = "2" if smoke else "10"
-    _run([sys.executable, "tools/evaluate.py", "answers", *common, "--per-domain", per_domain, "--out", str(answers)], env)
+    if not ppl.exists():  # the first batch of 16 held-out examples per domain, as the runs' evaluators
+        _run([sys.executable, "tools/evaluate.py", "ppl", *common, "--max-batches", "1", "--out", str(ppl)], env)
+    if not answers.exists():
+        per_domain = "2" if smoke else "10"
+        _run([sys.executable, "tools/evaluate.py", "answers", *common, "--per-domain", per_domain, "--out", str(answers)], env)
     loss = json.loads(ppl.read_text())["domains"]
     acc = json.loads(answers.read_text())
     summary = {
-        "val_cross_entropy": {d: v["cross_entropy"] if isinstance(v, dict) else v for d, v in loss.items()},
+        "val_cross_entropy": {d: v["log_ppl"] for d, v in loss.items()},
         "answer_accuracy": acc["per_domain"],
         "answer_accuracy_mean": acc["average"],
         "answer_contains_mean": acc.get("contains_average"),
