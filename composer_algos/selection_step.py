@@ -393,9 +393,16 @@ def _fetch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         groups.setdefault(t.device, []).append(i)
     out = list(tensors)
     for members in groups.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in members]).cpu()
-        offset = 0
+        # One concatenation and one conversion per dtype, then one copy (few kernels for many fields).
+        by_dtype: dict[torch.dtype, list[int]] = {}
         for i in members:
+            by_dtype.setdefault(tensors[i].dtype, []).append(i)
+        order = [i for idx in by_dtype.values() for i in idx]
+        flat = torch.cat(
+            [torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(torch.float64) for idx in by_dtype.values()]
+        ).cpu()
+        offset = 0
+        for i in order:
             n = tensors[i].numel()
             out[i] = flat[offset : offset + n].reshape(tensors[i].shape)
             offset += n

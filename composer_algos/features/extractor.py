@@ -19,6 +19,7 @@ from composer_algos.features.capture import capture_layer_signals, scoring_mode
 from composer_algos.features.normalize import (
     NORMALIZATIONS,
     SimulatedAdam,
+    batched_factored_scales,
     exact_adam_scale,
     factored_adam_scales,
     optimizer_second_moments,
@@ -34,7 +35,12 @@ from composer_algos.features.projection import (
     stack_fjlt_plans,
 )
 from composer_algos.features.score_tokens import first_target_tokens, score_tokens_problem
-from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
+from composer_algos.features.sketch import (
+    exact_layer_grads,
+    sketch_layer_grads,
+    sketch_matrices,
+    sketched_layer_products,
+)
 from composer_algos.features.targets import (
     TargetLayer,
     choose_cut_module,
@@ -101,6 +107,7 @@ def feature_option_problems(
     score_tokens: int | None = None,
     score_window: int | None = None,
     score_window_position: str = "start",
+    compile: bool = False,
 ) -> list[str]:
     """Every invalid value among `GradFeatureExtractor`'s options, one message each (none: valid).
 
@@ -129,6 +136,8 @@ def feature_option_problems(
     if score_tokens_error:
         problems.append(score_tokens_error)
     problems.extend(score_window_problems(score_window, score_window_position, score_tokens))
+    if not isinstance(compile, bool):
+        problems.append(f"`compile` must be true or false, got {compile!r}")
     return problems
 
 
@@ -198,6 +207,10 @@ class GradFeatureExtractor:
             value at least the sequence length changes nothing. Exclusive with `score_tokens`.
         score_window_position: `start` (each row's first t tokens) or `random` (a start drawn per
             row and step from `(seed, step)` alone: the same on every rank, the same on resume).
+        compile: compile the per-layer products of sketched targets with `torch.compile` (default
+            False: eager). On CUDA in mode `reduce-overhead`, so their kernels replay as one CUDA
+            graph; the shapes are static within a run (pool, windows and targets are fixed). The
+            forward and backward stay eager.
 
     Raises:
         ValueError: for bad options or targets (the message lists the candidate modules).
@@ -223,6 +236,7 @@ class GradFeatureExtractor:
         score_tokens: int | None = None,
         score_window: int | None = None,
         score_window_position: str = "start",
+        compile: bool = False,
     ) -> None:
         problems = feature_option_problems(
             normalization=normalization,
@@ -235,6 +249,7 @@ class GradFeatureExtractor:
             score_tokens=score_tokens,
             score_window=score_window,
             score_window_position=score_window_position,
+            compile=compile,
         )
         if problems:
             raise ValueError("; ".join(problems))
@@ -307,6 +322,15 @@ class GradFeatureExtractor:
         self._all_sketched = all(t.sketched for t in self.targets)
         self._fjlt_stack_cache: dict[tuple, FJLTStack] = {}
         self._call_cache: dict[tuple, Any] = {}  # per compute() call: projections scaled by that call's Adam scales
+        # `compile`: the batched products compiled once (static shapes: the pool, window and targets
+        # are fixed for a run); on CUDA in mode reduce-overhead, i.e. replayed as a CUDA graph.
+        self.compile = compile
+        self._products: Callable[..., torch.Tensor] = sketched_layer_products
+        if compile:
+            on_cuda = next(self.model.parameters()).is_cuda
+            self._products = torch.compile(
+                sketched_layer_products, dynamic=False, mode="reduce-overhead" if on_cuda else None
+            )
         self._fjlt_cache: dict[tuple, FJLTPlan] = {}
 
     @property
@@ -616,30 +640,23 @@ class GradFeatureExtractor:
         inputs, up to the floating-point order of the grouped kernels).
         """
         projections = self._scaled_sketches(preconditioners, signals[0][0], step)
-        w_by_layer: list[torch.Tensor | None] = [None] * len(self.targets)
         # The hooks detach each call's input, so layers reading one tensor hold distinct views of
         # the same memory: grouped by where their data lives.
         groups: dict[tuple, list[int]] = {}
         for pos, (a_nTI, _) in enumerate(signals):
             key = (a_nTI.data_ptr(), tuple(a_nTI.shape), a_nTI.stride(), a_nTI.dtype)
             groups.setdefault(key, []).append(pos)
+        inputs = [signals[positions[0]][0] for positions in groups.values()]
+        in_projections = [
+            self._stacked_inputs(projections, positions, a.shape[-1], preconditioners)
+            for a, positions in zip(inputs, groups.values())
+        ]
+        biases = [projections[pos][1][:, a.shape[-1]] if t.has_bias else None for pos, (t, (a, _)) in enumerate(zip(self.targets, signals))]
         with record_function("features/products"):
-            for positions in groups.values():
-                a_nTI = signals[positions[0]][0]
-                a_nTI = a_nTI.to(torch.promote_types(a_nTI.dtype, torch.float32))
-                P_in_GI = self._stacked_inputs(projections, positions, a_nTI.shape[-1], preconditioners)
-                w_nTG = a_nTI @ P_in_GI.T
-                for i, pos in enumerate(positions):
-                    w = w_nTG[..., i * self.k_in : (i + 1) * self.k_in]
-                    t = self.targets[pos]
-                    if t.has_bias:
-                        w = w + projections[pos][1][:, a_nTI.shape[-1]]
-                    w_by_layer[pos] = w
-            u = [
-                delta.to(torch.promote_types(delta.dtype, torch.float32)) @ projections[pos][0].T
-                for pos, (_, delta) in enumerate(signals)
-            ]
-            x_LnD = torch.einsum("lntk,lntj->lnkj", torch.stack(u), torch.stack(w_by_layer)).flatten(2)  # type: ignore[arg-type]
+            x_LnD = self._products(
+                inputs, in_projections, tuple(tuple(p) for p in groups.values()),
+                [d for _, d in signals], [P_out for P_out, _ in projections], biases, self.k_in,
+            )
         if self.normalization == "adam_simulated":
             filtered = []
             for t, x_nD in zip(self.targets, x_LnD):
@@ -780,8 +797,13 @@ class GradFeatureExtractor:
             layers = [(t.params, t.d_out, t.d_in, t.sketched) for t in self.targets]
             pre = sharded_adam_scales(optimizer, layers, self._shards, self.adam_eps, torch.distributed.all_reduce)
         else:
-            pre = []
-            for t in self.targets:
+            params_of = [self._state_params[t.index] if self._state_params else t.params for t in self.targets]
+            # Every target a sketched bias-free matrix (the pretraining recipes): all layers' scales at once.
+            batched = None
+            if self._all_sketched and all(len(params) == 1 for params in params_of):
+                batched = batched_factored_scales(optimizer, [params[0] for params in params_of], self.adam_eps)
+            pre = list(batched) if batched is not None else []
+            for t in self.targets if batched is None else ():
                 params = self._state_params[t.index] if self._state_params else t.params
                 v = optimizer_second_moments(optimizer, params)
                 if v is None:

@@ -19,6 +19,7 @@ __all__ = [
     "optimizer_second_moments",
     "exact_adam_scale",
     "factored_adam_scales",
+    "batched_factored_scales",
     "sharded_adam_scales",
     "SimulatedAdam",
     "unit_rows",
@@ -101,6 +102,65 @@ def factored_adam_scales(v_hats: Sequence[torch.Tensor], eps: float) -> tuple[to
         v_OI = torch.cat([v_OI, v_hats[1].reshape(-1, 1)], dim=1)
     v_OI = v_OI.float() if v_OI.dtype in (torch.float16, torch.bfloat16) else v_OI
     return _factored_scales(v_OI.mean(dim=1), v_OI.mean(dim=0), v_OI.mean(), eps)
+
+
+def batched_factored_scales(
+    optimizer: torch.optim.Optimizer | None, weights: Sequence[torch.nn.Parameter], eps: float
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """`factored_adam_scales` of several bias-free layers at once, in a few kernels instead of ~20 a layer.
+
+    The rank-one fit needs only the row means, column means and overall mean of each layer's
+    `v_hat = exp_avg_sq / (1 - beta2**step)`: they are taken of `exp_avg_sq` (no full-size
+    division), divided by each layer's correction, and the arithmetic of `_factored_scales` runs on
+    the layers' concatenated rows and columns, each with its layer's scalars (a segment index).
+    The same values as layer by layer, to the rounding of the reordered operations.
+
+    Args:
+        optimizer: the training optimizer.
+        weights: each layer's (O, I) weight.
+        eps: Adam's epsilon.
+
+    Returns:
+        `[(s_out_O, s_in_I)]` per layer, or None when some weight has no Adam state (the caller then
+        goes layer by layer, which handles that) or is not a matrix.
+    """
+    if optimizer is None or not weights:
+        return None
+    beta2_of = {id(p): g.get("betas", (0.9, 0.999))[1] for g in optimizer.param_groups for p in g["params"]}
+    states = [optimizer.state.get(p) for p in weights]
+    if any(not st or "exp_avg_sq" not in st or id(p) not in beta2_of for p, st in zip(weights, states)):
+        return None
+    v = [st["exp_avg_sq"] for st in states]  # type: ignore[index]
+    if any(x.dim() != 2 for x in v):
+        return None
+    device = v[0].device
+    dtype = torch.float32 if v[0].dtype in (torch.float16, torch.bfloat16) else v[0].dtype
+    steps = [st.get("step", 1) for st in states]  # type: ignore[union-attr]
+    # The correction in the step's own dtype, as `optimizer_second_moments` computes it.
+    if all(isinstance(t, torch.Tensor) for t in steps):
+        step_L = torch.stack([t.reshape(()).to(device, non_blocking=True) for t in steps])
+    else:
+        step_L = torch.tensor([float(t) for t in steps], dtype=torch.float64).to(device, non_blocking=True)
+    beta2_L = torch.tensor([beta2_of[id(p)] for p in weights], dtype=step_L.dtype).to(device, non_blocking=True)
+    correction_L = 1.0 - beta2_L**step_L
+    rows_O, cols_I = [x.shape[0] for x in v], [x.shape[1] for x in v]
+    layers = torch.arange(len(v))
+    seg_rows = layers.repeat_interleave(torch.tensor(rows_O)).to(device, non_blocking=True)
+    seg_cols = layers.repeat_interleave(torch.tensor(cols_I)).to(device, non_blocking=True)
+    n_rows_L = torch.tensor(rows_O, dtype=dtype).to(device, non_blocking=True)
+    n_cols_L = torch.tensor(cols_I, dtype=dtype).to(device, non_blocking=True)
+    row_mean = torch.cat([x.to(dtype).mean(dim=1) for x in v]) / correction_L.index_select(0, seg_rows)
+    col_mean = torch.cat([x.to(dtype).mean(dim=0) for x in v]) / correction_L.index_select(0, seg_cols)
+    mean_L = row_mean.new_zeros(len(v)).index_add_(0, seg_rows, row_mean) / n_rows_L
+    root_mean_L = mean_L.clamp_min(torch.finfo(dtype).tiny).sqrt()
+    A = (row_mean / root_mean_L.index_select(0, seg_rows)).sqrt()
+    B = (col_mean / root_mean_L.index_select(0, seg_cols)).sqrt()
+    floor = eps**0.5
+    mean_A_L = A.new_zeros(len(v)).index_add_(0, seg_rows, A) / n_rows_L
+    mean_B_L = B.new_zeros(len(v)).index_add_(0, seg_cols, B) / n_cols_L
+    s_out = (A + (eps / (2 * mean_B_L.clamp_min(floor))).index_select(0, seg_rows)).reciprocal()
+    s_in = (B + (eps / (2 * mean_A_L.clamp_min(floor))).index_select(0, seg_cols)).reciprocal()
+    return list(zip(s_out.split(rows_O), s_in.split(cols_I)))
 
 
 def sharded_adam_scales(

@@ -75,9 +75,10 @@ def make_fjlt_plan(
     if dim_in < 1 or dim_out < 1:
         raise ValueError(f"FJLT dimensions must be >= 1, got dim_in={dim_in}, dim_out={dim_out}")
     gen = make_generator(derive_seed(seed, layer_index, PURPOSE_FJLT, step))
-    signs_D = (torch.randint(0, 2, (dim_in,), generator=gen, dtype=torch.int8) * 2 - 1).to(device, dtype)
+    # Drawn on the host (the same plan on every device) and copied without making the host wait.
+    signs_D = (torch.randint(0, 2, (dim_in,), generator=gen, dtype=torch.int8) * 2 - 1).to(device, dtype, non_blocking=True)
     if dim_out >= dim_in:
-        index_d = torch.randperm(dim_out, generator=gen)[:dim_in].to(device)
+        index_d = torch.randperm(dim_out, generator=gen)[:dim_in].to(device, non_blocking=True)
         return FJLTPlan(dim_in, dim_out, signs_D, index_d, None, 0)
 
     fft_len = next_fast_len(dim_in)
@@ -89,8 +90,8 @@ def make_fjlt_plan(
         scale.append(1.0)
     assert len(valid) == fft_len
     keep = torch.randperm(fft_len, generator=gen)[:dim_out].sort().values
-    index_d = torch.tensor(valid, dtype=torch.long)[keep].to(device)
-    scale_d = (torch.tensor(scale, dtype=torch.float64)[keep] * math.sqrt(fft_len / dim_out)).to(device, dtype)
+    index_d = torch.tensor(valid, dtype=torch.long)[keep].to(device, non_blocking=True)
+    scale_d = (torch.tensor(scale, dtype=torch.float64)[keep] * math.sqrt(fft_len / dim_out)).to(device, dtype, non_blocking=True)
     return FJLTPlan(dim_in, dim_out, signs_D, index_d, scale_d, fft_len)
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "sketch_matrices",
     "exact_layer_grads",
     "sketch_layer_grads",
+    "sketched_layer_products",
 ]
 
 # Purposes folded into the seeds so that different random objects of one layer are independent.
@@ -81,7 +82,7 @@ def sketch_matrices(
     for purpose, k, d in ((PURPOSE_SKETCH_OUT, k_out, d_out), (PURPOSE_SKETCH_IN, k_in, d_in)):
         gen = make_generator(derive_seed(seed, layer_index, purpose, step))
         signs = torch.randint(0, 2, (k, d), generator=gen, dtype=torch.int8).to(torch.float64) * 2 - 1
-        out.append((signs / k**0.5).to(device=device, dtype=dtype))
+        out.append((signs / k**0.5).to(device=device, dtype=dtype, non_blocking=True))  # drawn on the host
     return out[0], out[1]
 
 
@@ -133,3 +134,36 @@ def sketch_layer_grads(
     else:
         assert P_in_JI.shape[1] == d_in, "P_in must have d_in or d_in + 1 columns"
     return torch.einsum("ntk,ntj->nkj", u_nTK, w_nTJ).reshape(n, -1)
+
+
+def sketched_layer_products(
+    inputs: list[torch.Tensor],
+    in_projections: list[torch.Tensor],
+    layer_groups: tuple[tuple[int, ...], ...],
+    deltas: list[torch.Tensor],
+    out_projections: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    k_in: int,
+) -> torch.Tensor:
+    """`sketch_layer_grads` of L layers in a few kernels: the (L, n, K J) sketches, stacked.
+
+    Layers that read one input share its projection (one matmul for q, k and v, one for gate and
+    up): `inputs[g]` (n, T, I_g) is read by the layers `layer_groups[g]`, whose input-side
+    projections are stacked in `in_projections[g]` (len_g J, I_g). Each layer's output side is
+    `deltas[l] @ out_projections[l].T`; `biases[l]` is its projection's bias column (or None). The
+    inputs and output gradients are upcast to at least float32 first. A pure function of its
+    tensors, so `torch.compile` can capture it (`GradFeatureExtractor(compile=True)`).
+
+    Returns:
+        (L, n, K J), layer l's row i the flattened `P_out G_i P_in^T` of `sketch_layer_grads`.
+    """
+    w_by_layer: list[torch.Tensor] = [deltas[0]] * len(deltas)  # placeholders, each replaced below
+    for a_nTI, P_in_GI, positions in zip(inputs, in_projections, layer_groups):
+        a_nTI = a_nTI.to(torch.promote_types(a_nTI.dtype, torch.float32))
+        w_nTG = a_nTI @ P_in_GI.T
+        for i, pos in enumerate(positions):
+            w = w_nTG[..., i * k_in : (i + 1) * k_in]
+            bias = biases[pos]
+            w_by_layer[pos] = w if bias is None else w + bias
+    u = [d.to(torch.promote_types(d.dtype, torch.float32)) @ P_out.T for d, P_out in zip(deltas, out_projections)]
+    return torch.einsum("lntk,lntj->lnkj", torch.stack(u), torch.stack(w_by_layer)).flatten(2)

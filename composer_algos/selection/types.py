@@ -61,7 +61,7 @@ class DeferredChecks:
 
     def add(self, values: torch.Tensor, judge: Callable[[list[float]], None]) -> None:
         """Record `values` (any shape, numbers) and the function that raises when they are bad."""
-        flat = values.detach().reshape(-1).to(torch.float64)
+        flat = values.detach().reshape(-1)  # converted to float64 by whoever transfers them (one op for all)
         self._parts.append(flat)
         self._judges.append((int(flat.numel()), judge))
 
@@ -71,7 +71,7 @@ class DeferredChecks:
         return sum(n for n, _ in self._judges)
 
     def packed(self) -> list[torch.Tensor]:
-        """The recorded values, float64, in order (for the caller's one transfer)."""
+        """The recorded values (flat, in their dtypes), in order (for the caller's one transfer)."""
         return list(self._parts)
 
     def judge(self, host_values: Sequence[float]) -> None:

@@ -108,3 +108,52 @@ def test_windows_in_forwards_of_a_microbatch_of_tokens_each():
     ex = GradFeatureExtractor(model, score_window=8, normalization="none", proj_dim=40, chunk_size=1)
     ex.compute(_batch(9, 32, seed=3), _batch(2, 32, seed=4))
     assert forwards == [4, 4, 3]  # 1 row of 32 tokens a forward: 4 windows of 8
+
+
+@pytest.mark.slow  # inductor compiles C++ on the CPU: 1-3 minutes on a loaded 2-core machine
+@pytest.mark.timeout(900)
+def test_compiled_products_give_the_eager_features():
+    model = tiny_llama(seed=3, dtype=torch.float32)
+    pool, val = _batch(6, 16, seed=1), _batch(2, 16, seed=2)
+    kw = dict(exact_max_numel=0, last_n_blocks=1, sketch_dim=4, normalization="none", proj_dim=24, score_window=8)
+    eager = GradFeatureExtractor(model, **kw)
+    compiled = GradFeatureExtractor(model, compile=True, **kw)
+    G_e, g_e = eager.compute(pool, val, step=3)
+    try:
+        G_c, g_c = compiled.compute(pool, val, step=3)
+    except Exception as e:  # noqa: BLE001  (no C++ toolchain for inductor here: say so, do not pass)
+        if "compiler" in str(e).lower() or "InvalidCxxCompiler" in type(e).__name__:
+            pytest.skip(f"torch.compile cannot build CPU kernels on this machine: {e}")
+        raise
+    torch.testing.assert_close(G_c, G_e, rtol=1e-4, atol=1e-6 * float(G_e.abs().max()))
+    torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-6 * float(g_e.abs().max()))
+    assert compiled.compile and not eager.compile
+
+
+def test_compile_must_be_a_bool():
+    with pytest.raises(ValueError, match="`compile` must be true or false, got 'yes'"):
+        GradFeatureExtractor(tiny_llama(seed=0), compile="yes")
+
+
+def test_batched_factored_scales_are_the_layer_by_layer_ones():
+    from composer_algos.features.normalize import (
+        batched_factored_scales,
+        factored_adam_scales,
+        optimizer_second_moments,
+    )
+
+    layers = [torch.nn.Parameter(torch.zeros(o, i, dtype=torch.float64)) for o, i in ((6, 4), (3, 4), (4, 7))]
+    opt = torch.optim.AdamW(layers, lr=1e-3, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # a few steps: second moments that differ by row and column
+        for p in layers:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64) * torch.rand(p.shape[0], 1, generator=gen, dtype=torch.float64)
+        opt.step()
+    batched = batched_factored_scales(opt, layers, 1e-8)
+    assert batched is not None
+    for p, (s_out, s_in) in zip(layers, batched):
+        ref_out, ref_in = factored_adam_scales(optimizer_second_moments(opt, [p]), 1e-8)
+        torch.testing.assert_close(s_out, ref_out, rtol=1e-12, atol=0)
+        torch.testing.assert_close(s_in, ref_in, rtol=1e-12, atol=0)
+    fresh = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))
+    assert batched_factored_scales(opt, [*layers, fresh], 1e-8) is None  # no state: layer by layer
