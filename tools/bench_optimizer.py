@@ -77,7 +77,8 @@ def _counts(opt, params, device: str) -> tuple[int, int]:
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     on_device_step = type(opt).__name__ == "DecoupledAdamW" or any(g.get("fused") for g in opt.param_groups)
     device_tensors = list(params) + [t for t in state if t.dim() > 0 or on_device_step]
-    with ops, SyncAudit(device_tensors, pause=ops.pause) as audit:
+    audit = SyncAudit(device_tensors, pause=ops.pause)
+    with ops, audit:
         opt.step()
     return ops.ops, sum(n for (kind, _s, _c), n in {**audit.events, **audit.other}.items() if kind in ("sync", "h2d"))
 

@@ -23,6 +23,11 @@ Example:
     .venv/bin/python tools/bench_selection.py --threads 1 --cases small --repeats 9
     .venv/bin/python tools/bench_selection.py --cpu-single-thread
     .venv/bin/python tools/bench_selection.py --quick     # smoke run: the small case, one timed run each
+    .venv/bin/python tools/bench_selection.py --device cuda --cases large --skip-pool   # on a GPU
+
+Beside the times, one exact solve's aten ops and host syncs, in total and per pick (tools/step_audit.py;
+on a CPU the syncs a CUDA run would make are emulated): the exact refit's active set is driven from the
+host, one sync a pick.
 """
 
 from __future__ import annotations
@@ -30,7 +35,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/step_audit.py
 
 # torch and the selection core load in the functions that use them, so --help is fast.
 
@@ -80,6 +89,45 @@ def _fmt(wall: float, cpu: float) -> str:
     return f"{wall * 1e3:10.2f} ms wall {cpu * 1e3:10.2f} ms cpu"
 
 
+def _synchronized(fn):
+    """`fn` bracketed by CUDA synchronizes (so the time is the device's work, not its launch)."""
+    import torch
+
+    def run():
+        torch.cuda.synchronize()
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+
+    return run
+
+
+def per_solve_counts(fn, device_tensors) -> tuple[int, int, int]:
+    """`(aten ops, kernel launches, host syncs)` of one call (tools/step_audit.py; torch's syncs on CUDA)."""
+    import warnings
+
+    import torch
+    from step_audit import OpCount, SyncAudit
+
+    if any(t.is_cuda for t in device_tensors):
+        ops = OpCount()
+        with warnings.catch_warnings(record=True) as caught, ops:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return ops.ops, ops.kernels, sum("synchroniz" in str(w.message) for w in caught)
+    audit = SyncAudit(device_tensors)
+    ops = OpCount(on_device=lambda: audit.device_call)
+    audit._pause = ops.pause
+    with ops, audit:
+        fn()
+    syncs = sum(n for (kind, _site, _call), n in audit.events.items() if kind in ("sync", "h2d"))
+    return ops.ops, ops.kernels, syncs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of exact and exact+swap (median)")
@@ -102,6 +150,10 @@ def main() -> int:
         "--quick", action="store_true",
         help="smoke run, not a measurement: --cases small with one timed run of every variant (overrides those)",
     )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="where the features live and the solver runs (cuda: every call bracketed by a synchronize)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.cases, args.repeats, args.apga_repeats, args.pool_repeats = ["small"], 1, 1, 1
@@ -109,14 +161,19 @@ def main() -> int:
 
     from composer_algos.selection import compute_gram, select_partitionsel
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     torch.set_num_threads(args.threads)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"threads {torch.get_num_threads()}"
     print(
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, float32, eta={ETA},"
+        f"torch {torch.__version__}, {args.device} ({where}), float32, eta={ETA},"
         f" cpu_single_thread={args.cpu_single_thread}, load average {os.getloadavg()[0]:.2f}"
     )
     for name in args.cases:
         case = CASES[name]
         features, val_feature, domain_ids = make_instance(case["n"], case["dim"], case["num_domains"])
+        # The selection step hands the solver device features and host domain ids (the loader's).
+        features, val_feature = features.to(args.device), val_feature.to(args.device)
         common = dict(
             features=features,
             val_feature=val_feature,
@@ -146,6 +203,8 @@ def main() -> int:
             fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)
             repeats["pool"] = args.pool_repeats if args.pool_repeats is not None else (3 if small else 1)
             warmup["pool"] = small
+        if args.device == "cuda":
+            fns = {key: _synchronized(fn) for key, fn in fns.items()}
         timed = time_interleaved(fns, repeats, warmup)
         w_gram, c_gram, _ = timed["gram"]
         w_ex, c_ex, res_ex = timed["exact"]
@@ -174,6 +233,13 @@ def main() -> int:
                 f"  {label:<23} {_fmt(wall, cpu)}   f(S) = {f:.6f}  (exact - this) / |this| ="
                 f" {(f_ex - f) / abs(f):+.2e}{extra}"
             )
+        ops, kernels, syncs = per_solve_counts(lambda: select_partitionsel(**common, refit="exact"), [features, val_feature])
+        k = case["kappa"]
+        print(
+            f"  exact, one solve: {ops} aten ops ({kernels} kernel launches), {syncs} host syncs"
+            f" ({'torch' if args.device == 'cuda' else 'emulated'}); per pick {ops / k:.1f} ops,"
+            f" {kernels / k:.1f} launches, {syncs / k:.2f} syncs"
+        )
         gain = (float(res_sw.objective) - f_ex) / abs(f_ex)
         print(f"  swap extra              {_fmt(w_sw - w_ex, c_sw - c_ex)}   f(S) gain {gain:+.3%}")
         for label, wall, cpu, res in rows[1:-1]:

@@ -98,6 +98,25 @@ LLAMA_1B = {
     "vocab_size": 128256,
 }
 LLAMA_1B_SEQ = 2048
+# Llama-3.2-1B's structure at a CPU's size, for the op and sync counts of its selection step (they
+# depend on the structure, not the widths): 16 blocks, 32 query / 8 key-value heads, every target
+# layer sketched (exact_max_numel 0, as the 1B's large layers are) and projected to 2048 (the 1B's
+# hidden size: each 32 x 32 sketch embedded, as there), 8 rows trained a step (the recipe's per GPU).
+LLAMA_1B_CPU = {
+    "hidden_size": 64,
+    "num_hidden_layers": 16,
+    "intermediate_size": 256,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 2,
+    "vocab_size": 4096,
+}
+LLAMA_1B_CPU_OVERRIDES = [
+    "algorithms.data_selection.features.exact_max_numel=0",
+    "algorithms.data_selection.features.proj_dim=2048",
+    "global_train_batch_size=8",
+    "device_train_microbatch_size=8",
+]
 
 # Issue 15's targets, proportioned config at r = 2.
 TARGET_CONFIG, TARGET_RATIO = "proportioned", 2.0
@@ -183,10 +202,13 @@ def format_table(
         shares: config name -> lm_head share of forward FLOPs (printed in the header).
         floors: label -> `scoring_flop_floor` (printed under the shares).
     """
-    lines = ["median ms per step (r = pool / kappa; none = plain train step on kappa, r = 1):"]
+    lines = [
+        "median ms per step (r = pool / kappa; none = plain train step on kappa, r = 1); ps ops, ps syncs: one",
+        "partitionsel selection step's aten ops and host syncs (tools/step_audit.py; emulated on a CPU):",
+    ]
     head = ["config", "r", "none", "random", "greats", "ps", "fwd(pool)", "features", "solve",
-            "ps/random", "(ps-rand)/fwd", "feat/fwd", "rest/fwd"]
-    widths = [13, 3] + [10] * 7 + [10, 14, 9, 9]
+            "ps/random", "(ps-rand)/fwd", "feat/fwd", "rest/fwd", "ps ops", "ps syncs"]
+    widths = [13, 3] + [10] * 7 + [10, 14, 9, 9, 8, 9]
     lines.append("".join(f"{h:>{w}}" for h, w in zip(head, widths)))
     for name, config_rows in rows.items():
         for row in config_rows:
@@ -199,6 +221,7 @@ def format_table(
                 f"{s['(ps-random)/fwd']:.2f}",
                 f"{s['features/fwd']:.2f}",
                 f"{s['rest/fwd']:.2f}",
+                *(str(x) for x in _ps_counts(row)),
             ]
             lines.append("".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     if shares:
@@ -229,6 +252,12 @@ def format_table(
                 f"(target <= 1) -> {'PASS' if ratio <= 1 else 'FAIL'}"
             )
     return "\n".join(lines)
+
+
+def _ps_counts(row: Mapping[str, Any]) -> tuple[int | str, int | str]:
+    """`(aten ops, host syncs)` of the row's partitionsel selection step ("-" when not counted)."""
+    counted = row.get("counts", {}).get("partitionsel")
+    return (counted[0], counted[2]) if counted else ("-", "-")
 
 
 def make_step_timer():
@@ -298,9 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--long-steps", type=int, default=6, help="steps per arm of the long rows, 2 warm-up (default: 6)")
     parser.add_argument(
-        "--long-model", choices=("proportioned", "llama1b"), default="proportioned",
+        "--long-model", choices=("proportioned", "llama1b", "llama1b_cpu"), default="proportioned",
         help="proportioned: yamls/testing/long_proportioned.yaml (CPU-sized, Llama-3.2-1B's cost structure); "
-        "llama1b: the real Llama-3.2-1B shape, random weights (for --device cuda)",
+        "llama1b: the real Llama-3.2-1B shape, random weights (for --device cuda); llama1b_cpu: its structure "
+        "(16 blocks, heads, sketched targets, proj_dim 2048, 8 rows a step) at a CPU's widths, for the op and "
+        "sync counts of the 1B's selection step",
     )
     args = parser.parse_args(argv)
     if args.solver_threads:
@@ -400,7 +431,12 @@ def long_table(root: Path, args: argparse.Namespace, seqs, ratios, windows, head
 
     from pipeline.config import load_config
 
-    overrides = wc.llama_1b_overrides(LLAMA_1B) if args.long_model == "llama1b" else []
+    if args.long_model == "llama1b":
+        overrides = wc.llama_1b_overrides(LLAMA_1B)
+    elif args.long_model == "llama1b_cpu":
+        overrides = [f"model.config.{k}={v}" for k, v in LLAMA_1B_CPU.items()] + LLAMA_1B_CPU_OVERRIDES
+    else:
+        overrides = []
     if args.long_batch is not None:
         overrides = [*overrides, f"global_train_batch_size={args.long_batch}"]
     cfg = load_config(wc.LONG_YAML, overrides)
@@ -482,10 +518,10 @@ def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, a
         prepare_for_stepping(trainer)
         trainer.state.callbacks.append(timer)
         runs[strategy] = (trainer, timer)
-    for _ in range(args.steps):
-        for trainer, _timer in runs.values():
-            trainer.fit(duration="1ba")
-    out: dict = {"r": r}
+    import window_cost as wc
+
+    counts = wc.step_counts_while_warming_up(runs, args.steps, args.warmup)
+    out: dict = {"r": r, "counts": counts}
     for strategy, (_trainer, timer) in runs.items():
         out[strategy] = statistics.median(timer.times[args.warmup :])
     trainer = runs["partitionsel"][0]
@@ -495,9 +531,11 @@ def bench_ratio(name: str, yaml: Path, shards: Path, run_root: Path, r: float, a
     for trainer, _timer in runs.values():
         trainer.close()
     s = summarize(out)
+    ops, syncs = _ps_counts(out)
     print(
         f"  {name} r={r:g}: " + ", ".join(f"{k} {1000 * out[k]:.1f}" for k in (*STRATEGIES, "forward", "features", "solve"))
-        + f" ms; ps/random {s['ps/random']:.2f}, (ps-random)/fwd {s['(ps-random)/fwd']:.2f}",
+        + f" ms; ps/random {s['ps/random']:.2f}, (ps-random)/fwd {s['(ps-random)/fwd']:.2f}; "
+        f"ps selection step: {ops} aten ops, {syncs} host syncs",
         flush=True,
     )
     return out

@@ -186,17 +186,19 @@ def _instrument(trainer) -> None:
     alg_mod.DataSelection._select = _ranged(alg_mod.DataSelection._select, "selection")
     alg_mod.DataSelection._features = _ranged(alg_mod.DataSelection._features, "selection/features")
     ValidationSource.batch_for_step = _ranged(ValidationSource.batch_for_step, "selection/validation_draw")
-    features = GradFeatureExtractor._features
+    features = GradFeatureExtractor._features_of
     calls = {"n": 0}
 
-    def labelled_features(self, *a, **kw):  # compute() scores the pool first, then the validation batch
+    def labelled_features(self, parts, *a, **kw):
+        # compute() scores the pool first, then the validation batch; windows of both share their
+        # forwards (one call of two parts), counted under features/pool.
         from torch.profiler import record_function
 
-        calls["n"] += 1
-        with record_function("features/pool" if calls["n"] % 2 == 1 else "features/validation"):
-            return features(self, *a, **kw)
+        calls["n"] += 1 if len(parts) == 1 else 2
+        with record_function("features/pool" if len(parts) > 1 or calls["n"] % 2 == 1 else "features/validation"):
+            return features(self, parts, *a, **kw)
 
-    GradFeatureExtractor._features = labelled_features
+    GradFeatureExtractor._features_of = labelled_features
 
     composer_model = trainer.state.model
     composer_model.forward = _ranged(composer_model.forward, "train/forward")

@@ -5,11 +5,12 @@ are deterministic counts a CPU run can take, so `tools/bench_step.py` prints the
 ratios and `tests/training/test_step_syncs.py` bounds them:
 
 - **aten ops** (`OpCount`, a `TorchDispatchMode`): every aten op the step dispatches below
-  autograd (forward, `autograd.grad`'s backward, products, solver), and of them the non-view ones
-  (`kernels`: on a GPU each is a kernel launch, or an allocation). A view costs no launch.
+  autograd (forward, `autograd.grad`'s backward, products, solver), and of them the kernel
+  launches (`kernels`): ops that are not views (nor allocations, dtype queries or profiler marks)
+  and that run on the device (on a CPU run, as the emulation below places them).
 - **host syncs** (`SyncAudit`, a `TorchFunctionMode`): the calls made by the project's own code
   (`composer_algos/`, `pipeline/`, `train.py`: the innermost frame outside torch) that would make
-  the host wait for the GPU. On CUDA `count_step` reads them from torch itself
+  the host wait for the GPU. On CUDA `StepAuditor` reads them from torch itself
   (`torch.cuda.set_sync_debug_mode`); on a CPU run every tensor is on the host, so the audit
   EMULATES which tensors a CUDA run would hold on the device and flags the calls that would sync:
 
@@ -35,7 +36,7 @@ ratios and `tests/training/test_step_syncs.py` bounds them:
   dimensions (an error on CUDA).
 
 The emulation follows the project's conventions (a host move is spelled `.cpu()`; a factory that
-means the host passes no device), and `count_step` on CUDA is the ground truth it models.
+means the host passes no device), and `StepAuditor` on CUDA is the ground truth it models.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ def _name(func: Callable) -> str:
     return name
 
 
+_WARNINGS_FILE = warnings.__file__
+
+
 def _call_site(limit: int = 60) -> tuple[str, bool]:
     """`(file:line function, whether it is project code)` of the innermost frame outside torch and this file."""
     frame = sys._getframe(2)
@@ -106,7 +110,7 @@ def _call_site(limit: int = 60) -> tuple[str, bool]:
         if frame is None:
             break
         filename = frame.f_code.co_filename
-        if not filename.startswith(_TORCH_DIR) and filename != _HERE:
+        if not filename.startswith(_TORCH_DIR) and filename not in (_HERE, _WARNINGS_FILE):
             project = filename.startswith(PROJECT_ROOTS)
             where = os.path.relpath(filename, REPO) if project else filename.rsplit("site-packages/", 1)[-1]
             return f"{where}:{frame.f_lineno} {frame.f_code.co_name}", project
@@ -132,6 +136,8 @@ class SyncAudit(TorchFunctionMode):
         self._dev: dict[int, weakref.ref] = {}
         self._devices: dict[int, tuple[Any, bool]] = {}  # id(torch.device) -> (device, on the device side)
         self._pause = pause or (lambda flag: None)
+        # Whether the call being run computes on the device (read by OpCount for each aten op).
+        self.device_call = False
         self.events: collections.Counter = collections.Counter()
         self.other: collections.Counter = collections.Counter()
         for t in device_tensors:
@@ -175,7 +181,11 @@ class SyncAudit(TorchFunctionMode):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         dev_in = [self.on_device(t) for t in tensors]
         kind, result_side = self._classify(name, func, args, kwargs, tensors, dev_in)
-        out = func(*args, **kwargs)
+        outer, self.device_call = self.device_call, bool(any(dev_in) if result_side is None else result_side)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.device_call = outer
         if kind is not None:
             site, project = _call_site()
             # Outside the project a "mixed" call is this emulation's blind spot (a tensor made
@@ -304,26 +314,49 @@ class SyncAudit(TorchFunctionMode):
         return out
 
 
-class OpCount(TorchDispatchMode):
-    """Count the aten ops dispatched below autograd (`ops`) and the non-view ones (`kernels`), by name."""
+# Ops that launch no kernel: views in all but name, dtype queries, allocations, profiler marks.
+_NO_KERNEL = {
+    "aten._unsafe_view", "aten.promote_types", "aten.empty", "aten.empty_strided", "aten.empty_like",
+    "aten.lift_fresh", "aten.detach", "aten.alias", "aten._local_scalar_dense", "aten.result_type",
+}
 
-    def __init__(self) -> None:
+
+class OpCount(TorchDispatchMode):
+    """Count the aten ops dispatched below autograd (`ops`) and the kernel launches among them (`kernels`).
+
+    A kernel is an op that is not a view (nor a view in all but name, an allocation or a profiler
+    mark) and that runs on the accelerator: on CUDA an op with a CUDA tensor; on a CPU run, with
+    `on_device`, an op inside a call the emulation puts on the device (`SyncAudit.device_call`),
+    so the host's own work (the loader's batch, capacities, generator draws) is not counted.
+    """
+
+    def __init__(self, on_device: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self.ops = 0
         self.kernels = 0
         self.by_name: collections.Counter = collections.Counter()
         self.paused = False
+        self.on_device = on_device
 
     def pause(self, flag: bool) -> None:
         self.paused = flag
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if not self.paused:
             self.ops += 1
-            if not func.is_view:
-                self.kernels += 1
-                self.by_name[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+            name = str(func.overloadpacket)
+            if not func.is_view and name not in _NO_KERNEL and not name.startswith("profiler."):
+                if self.on_device is not None:
+                    device = self.on_device()
+                else:
+                    leaves, _ = tree_flatten((args, kwargs, out))
+                    device = any(isinstance(t, torch.Tensor) and t.is_cuda for t in leaves)
+                if device:
+                    self.kernels += 1
+                    self.by_name[name] += 1
+        return out
 
 
 def device_tensors_of(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> list[torch.Tensor]:
@@ -341,7 +374,7 @@ def device_tensors_of(model: torch.nn.Module, optimizers: Iterable[torch.optim.O
 
 
 class StepCounts(dict):
-    """`ops`, `kernels`, `sync`, `h2d`, `mixed` of one step, with `sites` (Counter) and `how` (emulated | cuda)."""
+    """`ops` (aten ops), `kernels` (launches among them), `sync`, `h2d`, `mixed` of one step, with `sites` and `how`."""
 
 
 class StepAuditor:
@@ -363,7 +396,8 @@ class StepAuditor:
         self._ops: OpCount | None = None
         self._audit = SyncAudit(pause=self._pause) if not self.cuda else None
         self._counting = False
-        self._caught: list = []
+        self._cuda_events: collections.Counter = collections.Counter()
+        self._cuda_other: collections.Counter = collections.Counter()
         algo = find_data_selection(trainer.state)
         if algo is None:
             raise ValueError("the trainer has no DataSelection algorithm")
@@ -389,17 +423,28 @@ class StepAuditor:
         stack = contextlib.ExitStack()
         with stack:
             if self._counting:
-                self._ops = OpCount()
+                audit = self._audit
+                self._ops = OpCount(on_device=(lambda: audit.device_call) if audit is not None else None)
                 stack.enter_context(self._ops)
                 if self._audit is not None:
                     self._audit.events.clear()
                     self._audit.other.clear()
                 else:
-                    caught = stack.enter_context(warnings.catch_warnings(record=True))
+                    # torch warns inside the op that syncs: the Python stack then shows who called it.
+                    stack.enter_context(warnings.catch_warnings())
                     warnings.simplefilter("always")
+                    self._cuda_events, self._cuda_other = collections.Counter(), collections.Counter()
+                    show = warnings.showwarning
+
+                    def record(message, category, filename, lineno, file=None, line=None):
+                        if "synchroniz" not in str(message):
+                            return show(message, category, filename, lineno, file, line)
+                        site, project = _call_site()
+                        (self._cuda_events if project else self._cuda_other)[("sync", site, "cuda")] += 1
+
+                    warnings.showwarning = record
                     torch.cuda.set_sync_debug_mode("warn")
                     stack.callback(torch.cuda.set_sync_debug_mode, "default")
-                    self._caught = caught
             if self._audit is not None:
                 stack.enter_context(self._audit)
             return call()
@@ -416,11 +461,7 @@ class StepAuditor:
         if self._audit is not None:
             events, other, how = collections.Counter(self._audit.events), collections.Counter(self._audit.other), "emulated"
         else:
-            events = collections.Counter(
-                ("sync", f"{os.path.relpath(w.filename, REPO)}:{w.lineno}", "cuda")
-                for w in self._caught if "synchroniz" in str(w.message)
-            )
-            other, how = collections.Counter(), "cuda"
+            events, other, how = self._cuda_events, self._cuda_other, "cuda"
         counts = StepCounts(ops=ops.ops, kernels=ops.kernels, sync=0, h2d=0, mixed=0)
         for (kind, _site, _call), n in events.items():
             counts[kind] += n
@@ -436,7 +477,7 @@ class StepAuditor:
 def format_counts(counts: StepCounts, top: int = 12) -> str:
     """A few lines: the totals, then the call sites of the syncs."""
     lines = [
-        f"aten ops {counts['ops']} ({counts['kernels']} non-view); host syncs {counts['sync'] + counts['h2d']} "
+        f"aten ops {counts['ops']} ({counts['kernels']} kernel launches); host syncs {counts['sync'] + counts['h2d']} "
         f"({counts['sync']} reads, {counts['h2d']} blocking copies to the device; {counts['how']})"
         + (f"; {counts['mixed']} device-mixing calls" if counts.get("mixed") else "")
     ]

@@ -122,17 +122,23 @@ def format_long_table(
     """
     lines = [
         f"long sequences (kappa {kappa} rows trained a step, {val_rows} validation row(s) scored, "
-        "random window positions; median ms per step):",
-        f"{'S':>6}{'r':>4}{'t':>9}{'random':>10}{'ps':>10}{'ps/random':>11}{'floor':>8}",
+        "random window positions; median ms per step; ops, launches, syncs: one selection step's aten ops,",
+        "the kernel launches among them (on a CPU: those the GPU would run) and host syncs, tools/step_audit.py):",
+        f"{'S':>6}{'r':>4}{'t':>9}{'random':>10}{'ps':>10}{'ps/random':>11}{'floor':>8}{'ops':>8}{'launches':>10}{'syncs':>7}",
     ]
     for row in rows:
         S, r = int(row["S"]), float(row["r"])
+        counts = row.get("counts", {})
         for label, (window, blocks, ps) in row["ps"].items():
             floor = window_step_floor(config, S, window, r, kappa=kappa, val_rows=val_rows, last_n_blocks=blocks)
+            ops, kernels, syncs = counts.get(label, ("-", "-", "-"))
             lines.append(
                 f"{S:>6}{r:>4g}{label:>9}{1000 * row['random']:>10.1f}{1000 * ps:>10.1f}"
-                f"{ps / row['random']:>11.3f}{floor:>8.3f}"
+                f"{ps / row['random']:>11.3f}{floor:>8.3f}{ops:>8}{kernels:>10}{syncs:>7}"
             )
+        if "random" in counts:
+            ops, kernels, syncs = counts["random"]
+            lines.append(f"{S:>6}{r:>4g}{'random':>9}{'':>10}{'':>10}{'':>11}{'':>8}{ops:>8}{kernels:>10}{syncs:>7}")
     if reference is not None:
         lines.append("")
         lines.append(
@@ -245,20 +251,41 @@ def bench_long(
             prepare_for_stepping(trainer)
             trainer.state.callbacks.append(timer)
             runs[key] = (trainer, timer)
-        for _ in range(steps):
-            for trainer, _timer in runs.values():
-                trainer.fit(duration="1ba")
+        counts = step_counts_while_warming_up(runs, steps, WARMUP_STEPS)
         medians = {k: statistics.median(timer.times[WARMUP_STEPS:]) for k, (_t, timer) in runs.items()}
         for trainer, _timer in runs.values():
             trainer.close()
         random_s = medians.pop("random")
-        row = {"S": seq_len, "r": float(r), "random": random_s, "ps": {k: (*shape[k], s) for k, s in medians.items()}}
+        row = {"S": seq_len, "r": float(r), "random": random_s, "ps": {k: (*shape[k], s) for k, s in medians.items()},
+               "counts": counts}
         log(
             f"  S={seq_len} r={r:g}: random {1000 * random_s:.0f} ms; "
             + ", ".join(f"t={k} {1000 * s:.0f} ms ({s / random_s:.3f})" for k, s in medians.items()),
         )
         out.append(row)
     return out
+
+
+def step_counts_while_warming_up(runs: Mapping[str, tuple], steps: int, warmup: int) -> dict[str, tuple[int, int, int]]:
+    """Step the trainers round robin `steps` times; the last warm-up step of each is counted.
+
+    Returns `{arm: (aten ops, kernel launches, host syncs)}` of one selection step (tools/step_audit.py:
+    emulated syncs on a CPU, torch's own on CUDA). The audit watches every step until the counted
+    one (what a step caches must be seen being made) and is gone before the timed steps.
+    """
+    from step_audit import StepAuditor
+
+    auditors = {key: StepAuditor(trainer) for key, (trainer, _timer) in runs.items()}
+    counts: dict[str, tuple[int, int, int]] = {}
+    for i in range(steps):
+        for key, (trainer, _timer) in runs.items():
+            if i == warmup - 1:
+                c = auditors[key].count()
+                auditors[key].close()
+                counts[key] = (c["ops"], c["kernels"], c["sync"] + c["h2d"])
+            else:
+                trainer.fit(duration="1ba")
+    return counts
 
 
 def llama_1b_overrides(llama: Mapping[str, Any]) -> list[str]:

@@ -51,7 +51,10 @@ def test_table_prints_milliseconds_and_memory_verdicts():
     row.update(microbatch=16, score_peak=3 * 2**20, train_peak=4 * 2**20)
     line = next(x for x in bench_step.format_table({"tiny": [row]}).splitlines() if x.strip().startswith("tiny"))
     assert line.split() == ["tiny", "2", "100.0", "200.0", "250.0", "300.0", "80.0", "60.0", "12.0",
-                            "1.50", "1.25", "0.75", "0.35"]
+                            "1.50", "1.25", "0.75", "0.35", "-", "-"]  # no step counted: no counts
+    row["counts"] = {"partitionsel": (900, 500, 3), "random": (20, 15, 0)}  # (aten ops, non-view, syncs)
+    line = next(x for x in bench_step.format_table({"tiny": [row]}).splitlines() if x.strip().startswith("tiny"))
+    assert line.split()[-2:] == ["900", "3"]
     assert "scoring 3.0 MB, training step 4.0 MB, scoring/training 0.75 (target <= 1) -> PASS" in (
         bench_step.format_table({"tiny": [row]})
     )
@@ -120,10 +123,12 @@ def test_quick_run_prints_a_complete_finite_table():
     head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["config", "r", "none"])
     end = lines.index("", head)  # the table ends at the first blank line
     rows = [line.split() for line in lines[head + 1 : end]]
-    assert len(rows) == 1 and len(rows[0]) == 13, out
+    assert len(rows) == 1 and len(rows[0]) == 15, out
     r, *cells = (float(x) for x in rows[0][1:])
     assert r == 2
-    times, ratios = cells[:7], cells[7:]  # none random greats ps fwd features solve (ms); 4 ratios
+    times, ratios, counts = cells[:7], cells[7:11], cells[11:]  # (ms); 4 ratios; ps ops, ps syncs
+    # A forward's ops; the step's syncs: one transfer, and the exact OMP's 16 picks + 2 (+ one per weight drop).
+    assert counts[0] > 100 and 1 <= counts[1] <= 1 + 2 + 2 * 16, rows
     assert finite(times) and min(times) > 0, rows
     assert finite(ratios) and ratios[0] > 0 and ratios[2] > 0, rows  # ps/random, feat/fwd; the others may be < 0
     floors = [line for line in out.splitlines() if line.startswith("  tiny r=2 (pool ")]

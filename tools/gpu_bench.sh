@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Issue 31's GPU figures in one command, for a session that is lent a GPU (H100/H200; about 7 minutes):
+#
+#   OUT=/tmp/gpu31 bash tools/gpu_bench.sh        # from the project root
+#
+# then paste $OUT/bench_gpu_figures.md into docs/results/bench_gpu.md (its "GPU figures" section) and
+# compare with the CPU figures there. On the lent machines (no network, their own torch; see
+# ../shared/gpu/README.md) build the wheel bundle on the CPU machine first, as that README says, into
+# .gpu/whl (git-ignored; `run` it along with `carry: [".gpu"]`): this script installs it into
+# /tmp/site and puts it first on PYTHONPATH. Without .gpu/whl it uses the python it finds.
+#
+# Steps, each under its own timeout and within a global deadline (GPU_BUDGET_S, default 540 s),
+# each logged to $OUT; a failed step does not stop the next:
+#   1 syncs   pytest tests/gpu/test_syncs_cuda.py: a selection step's host syncs counted by torch
+#             (set_sync_debug_mode) for every strategy, against the CPU emulation's budget
+#   2 step    bench_step.py: Llama-3.2-1B shape (random weights), S = 2048, 8 rows a step, r = 2,
+#             64-token windows, amp_bf16: ps/random beside its FLOP floor (1.026 for the recipe), the
+#             selection step's aten ops and syncs (target: ps/random <= 1.05)
+#   3 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
+#             ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms)
+#   4 optim   bench_optimizer.py: Composer's DecoupledAdamW against torch's fused AdamW, the same
+#             update, on Llama-3.2-1B's 146 tensors
+set -u
+
+T_START=$(date +%s)
+DEADLINE=$(( T_START + ${GPU_BUDGET_S:-540} ))
+if [ -z "${OUT:-}" ]; then
+  echo "OUT is not set: OUT=/path/to/logs bash tools/gpu_bench.sh" >&2
+  exit 2
+fi
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+PY=${PYTHON:-python3}
+if [ -d .gpu/whl ]; then
+  rm -rf /tmp/site
+  timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
+    > "$OUT/0_setup.log" 2>&1
+  echo "### wheels from .gpu/whl: pip rc=$?" | tee -a "$OUT/0_setup.log"
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no nvidia-smi"
+  "$PY" -c "import torch, composer, transformers; print('torch', torch.__version__, 'composer', composer.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee -a "$OUT/0_setup.log"
+
+SUMMARY=()
+run_step() {  # NAME CAP_S LOGFILE CMD...
+  local name=$1 cap=$2 log=$3 left t rc
+  shift 3
+  left=$(( DEADLINE - $(date +%s) ))
+  (( left < cap )) && cap=$left
+  if (( cap < 20 )); then
+    echo "### $name: SKIPPED (${left}s left)" | tee -a "$OUT/$log"
+    SUMMARY+=("$name|skipped|0"); return 0
+  fi
+  echo "### $name (timeout ${cap}s): $*" | tee -a "$OUT/$log"
+  t=$(date +%s)
+  timeout -s INT -k 15 "$cap" "$@" 2>&1 | tee -a "$OUT/$log"
+  rc=${PIPESTATUS[0]}
+  echo "### $name: rc=$rc in $(( $(date +%s) - t ))s" | tee -a "$OUT/$log"
+  SUMMARY+=("$name|$rc|$(( $(date +%s) - t ))")
+}
+
+run_step "1 syncs (pytest, torch's count)" 150 1_syncs.log \
+  "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_syncs_cuda.py
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "2 step (llama1b, S=2048, 8 rows, t=64)" 240 2_step.log \
+  "$PY" tools/bench_step.py --device cuda --long only --long-model llama1b --long-seqs 2048 --long-ratios 2 \
+  --windows 64 --head-windows "" --long-batch 8 --long-steps 12
+run_step "3 solver (n=2048, kappa=512, D=4096)" 120 3_solver.log \
+  "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1
+run_step "4 optimizer (146 tensors)" 90 4_optimizer.log "$PY" tools/bench_optimizer.py --device cuda
+
+{
+  echo "## GPU figures ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null))"
+  echo
+  echo "Produced by \`OUT=... bash tools/gpu_bench.sh\` (total $(( $(date +%s) - T_START )) s)."
+  echo
+  echo '```'
+  for row in "${SUMMARY[@]}"; do IFS='|' read -r name rc secs <<<"$row"; printf '%-45s rc %-8s %5s s\n' "$name" "$rc" "$secs"; done
+  echo '```'
+  echo
+  echo "### 1. Host syncs of one selection step (torch's count)"
+  echo '```'; grep -E "passed|failed|PASSED|FAILED|Error" "$OUT/1_syncs.log" | tail -15; echo '```'
+  echo "### 2. Step cost at the recipe's shape"
+  echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/2_step.log"; echo '```'
+  echo "### 3. The exact OMP solve"
+  echo '```'; grep -E "^\[large\]|gram alone|^  exact" "$OUT/3_solver.log"; echo '```'
+  echo "### 4. Optimizer step"
+  echo '```'; grep -E "hidden|adamw|relative difference" "$OUT/4_optimizer.log"; echo '```'
+} > "$OUT/bench_gpu_figures.md"
+echo
+echo "=== tools/gpu_bench.sh: $(( $(date +%s) - T_START )) s; figures in $OUT/bench_gpu_figures.md ==="
+cat "$OUT/bench_gpu_figures.md"
