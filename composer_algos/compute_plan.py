@@ -40,7 +40,7 @@ __all__ = [
     "StepWork",
     "cost_spread",
     "fit_cost_model",
-    "sensitivity_offset",
+    "sensitivity_counts",
     "step_work",
     "estimate_run_flops",
     "forward_flops_per_token",
@@ -493,11 +493,19 @@ def read_step_samples(run_dir: Path, clock: str = "wall") -> tuple[StepSamples, 
     return samples, budget.get("model")
 
 
-def sensitivity_offset(steps: int, spread: float) -> int:
-    """Steps on either side of a planned count that the calibration's spread could move it: 0 when exact, else >= 1."""
+def sensitivity_counts(budget_seconds: float, cost: float, spread: float) -> list[int]:
+    """The step counts other than the plan's that a cost within one spread of its estimate would buy.
+
+    The plan trains ``floor(budget / cost)`` steps; with the cost at ``cost (1 - spread)`` and
+    ``cost (1 + spread)`` the budget buys these counts, so a verdict that changes between them is
+    inside the calibration's noise. Empty when both give the plan's own count (the noise cannot
+    move it a step) or the spread is 0 (the arm's work is the reference's).
+    """
     if not spread > 0:
-        return 0
-    return max(1, math.ceil(steps * spread - 1e-9))
+        return []
+    planned = math.floor(budget_seconds / cost * (1 + 1e-9))
+    edges = {math.floor(budget_seconds / (cost * (1 + sign * spread)) * (1 + 1e-9)) for sign in (1, -1)}
+    return sorted(n for n in edges if n != planned and n >= 1)
 
 
 def flops_per_token_parts(shape: Mapping[str, Any], seq_len: float) -> dict[str, float]:

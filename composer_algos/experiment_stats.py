@@ -210,26 +210,32 @@ def sensitivity(
         paired = paired_comparison({**subset, baseline: per_seed[baseline]}, baseline=baseline)["strategies"]
         averages = [paired[names[n]]["average"] for n in steps]
         verdicts = [verdict_of(a) for a in averages]
-        out[arm] = {"steps": steps, "average": averages, "verdicts": verdicts, "flips": len(set(verdicts)) > 1}
+        out[arm] = {
+            "steps": steps, "planned": planned[arm], "average": averages, "verdicts": verdicts,
+            "flips": len(set(verdicts)) > 1,
+        }
     return out
 
 
 def format_sensitivity_markdown(result: Mapping[str, Any], *, baseline: str) -> str:
-    """The `sensitivity` result as a markdown table (one row per arm, the planned count in the middle)."""
+    """The `sensitivity` result as a markdown table (one row per arm, its step counts in increasing order)."""
     if not result:
-        return f"(no arm's steps carry calibration noise against {baseline}: no sensitivity runs)"
+        return (
+            f"(no arm's step count moves within its calibration spread against {baseline}: no sensitivity runs)"
+        )
     lines = [
         f"Sensitivity to the calibration: each arm minus {baseline} (average, mean [95% t interval]) at its "
-        "planned steps and one calibrated spread's worth of steps either side; 'flips' marks a verdict that "
-        "changes inside the calibration's noise",
+        "planned steps (bold) and at the step counts a cost one calibration spread lower or higher would buy; "
+        "'flips' marks a verdict that changes among them, inside the calibration's noise",
         "",
-        "| arm | steps | fewer | planned | more | verdict |",
-        "|---|---|---:|---:|---:|---|",
+        "| arm | steps | arm - baseline at each | verdict |",
+        "|---|---|---|---|",
     ]
     for arm, e in result.items():
-        cells = [_fmt_ci(a) for a in e["average"]]
+        steps = " / ".join(f"**{n}**" if n == e["planned"] else str(n) for n in e["steps"])
+        cells = " / ".join(_fmt_ci(a) for a in e["average"])
         verdict = "flips (" + " / ".join(e["verdicts"]) + ")" if e["flips"] else e["verdicts"][0]
-        lines.append(f"| {arm} | {' / '.join(str(n) for n in e['steps'])} | " + " | ".join(cells) + f" | {verdict} |")
+        lines.append(f"| {arm} | {steps} | {cells} | {verdict} |")
     return "\n".join(lines)
 
 

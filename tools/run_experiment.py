@@ -39,9 +39,9 @@ Budgets (one of):
   (`t_warmup: 0.03dur`, the selection's `start`/`end`) are fractions of its own steps. A plan
   with a run that would not leave a warm-up given in `ba` is rejected before training.
   OUT/plan.json holds the costs, their spreads and the steps. With `--sensitivity` (default) an
-  arm whose cost carries calibration noise is also trained at its steps minus and plus that
-  noise's worth (runs `<label>@<steps>-seed<s>`), and OUT/sensitivity.md says whether its paired
-  verdict holds across them.
+  arm is also trained at the step counts its cost one calibration spread lower or higher would
+  buy, where they differ from its plan (runs `<label>@<steps>-seed<s>`), and OUT/sensitivity.md
+  says whether its paired verdict holds across them.
 - `--budget-seconds S --steps N`: every run stops once it has trained S seconds (same account),
   so a slower strategy trains fewer steps. N is the step cap and the schedule's horizon: a run the
   budget stops ends wherever its schedule then is (not decayed; the runs stop at different points
@@ -279,7 +279,7 @@ def plan_compute(
             nothing, a budget below one step, or a planned run that would end inside a warm-up
             given in `ba`. All before any comparison run starts.
     """
-    from composer_algos.compute_plan import plan_steps, sensitivity_offset
+    from composer_algos.compute_plan import plan_steps, sensitivity_counts
 
     warmups = {label: _warmup_of(args.yaml, extra + runs_of[label][1]) for label in labels}  # config errors first
     calibration: dict[str, Any] = {}
@@ -293,11 +293,12 @@ def plan_compute(
         steps = plan_steps(costs, budget, labels)
     except ValueError as e:
         raise PlanError(f"--compute-budget {args.compute_budget}: {e}") from None
+    reference = budget.steps * costs[budget.reference] if budget.reference is not None else budget.seconds
     sensitivity = {}
     for label, n in steps.items():
-        offset = sensitivity_offset(n, spread.get(label, 0.0)) if args.sensitivity else 0
-        if offset and n - offset >= 1:
-            sensitivity[label] = [n - offset, n + offset]
+        counts = sensitivity_counts(reference, costs[label], spread.get(label, 0.0)) if args.sensitivity else []
+        if counts and label != budget.reference:
+            sensitivity[label] = counts
         for count in [n, *sensitivity.get(label, [])]:
             warmup = warmups[label]
             if warmup.endswith("ba") and int(float(warmup[:-2])) >= count:
@@ -306,7 +307,6 @@ def plan_compute(
                     f"scheduler.t_warmup {warmup} (the rate would never decay); raise the budget or give the "
                     "warm-up in dur (a fraction of each run's own steps)"
                 )
-    reference = budget.steps * costs[budget.reference] if budget.reference is not None else budget.seconds
     plan = {
         "budget": budget.describe(unit),
         "budget_seconds": reference,

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="setup,floor,study,report", help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--profile", choices=("quick", "full"), default="quick", help="quick (the main table) or full (every arm)")
     p.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds (default 1-5)")
-    p.add_argument("--steps", type=int, default=40, help="equal steps, and the equal-compute budget in random steps (default 40)")
+    p.add_argument("--steps", type=int, default=20, help="equal steps, and the equal-compute budget in random steps (default 20)")
     p.add_argument("--jobs", type=int, default=2, help="training processes at once (default 2)")
     p.add_argument("--arms", default=None, help=f"instead of the profile's arms, a subset of {','.join(ARMS)}")
     p.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (a test of the pipeline, not a study)")

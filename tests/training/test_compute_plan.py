@@ -370,3 +370,13 @@ def test_step_samples_of_a_real_run_align_the_selection_log(dolma_shards, tmp_pa
         assert 0 < feat <= sel <= step
     for c, w, cf, wf in zip(cpu.step_s, wall.step_s, cpu.features_s, wall.features_s):
         assert cf == pytest.approx(wf * c / w)
+
+
+def test_sensitivity_counts_are_what_a_cost_one_spread_off_would_buy():
+    from composer_algos.compute_plan import sensitivity_counts
+
+    # 100 s buys 10 steps at 10 s; at 10.5 s (spread 5%) 9, at 9.5 s 10: only 9 differs.
+    assert sensitivity_counts(100.0, 10.0, 0.05) == [9]
+    assert sensitivity_counts(100.0, 10.0, 0.15) == [8, 11]  # 100 / 11.5 = 8.7, 100 / 8.5 = 11.8
+    assert sensitivity_counts(100.0, 9.0, 0.001) == []  # 11.1 steps: a 0.1% spread cannot move it a step
+    assert sensitivity_counts(100.0, 10.0, 0.0) == []  # the reference's work: exact

@@ -332,13 +332,16 @@ def test_sensitivity_runs_train_each_noisy_arm_either_side_of_its_plan(fake_trai
     plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
     n = plan["steps"]["partitionsel"]
     low, high = plan["sensitivity"]["partitionsel"]
-    assert low < n < high and high - n == n - low >= 1 and "random" not in plan["sensitivity"]
+    # The counts the budget buys at the cost -/+ one spread (hand-computed from the plan's own numbers).
+    cost, s, budget = plan["step_costs_s"]["partitionsel"], plan["spread"]["partitionsel"], plan["budget_seconds"]
+    assert (low, high) == (int(budget / (cost * (1 + s))), int(budget / (cost * (1 - s))))
+    assert low < n < high and "random" not in plan["sensitivity"]
     trained = {(_arg(c, "save_folder").rsplit("/", 1)[1], _arg(c, "max_duration")) for c, _ in launched}
     for seed in (1, 2):
         assert (f"partitionsel@{low}-seed{seed}", f"{low}ba") in trained
         assert (f"partitionsel@{high}-seed{seed}", f"{high}ba") in trained
     md = (tmp_path / "exp" / "sensitivity.md").read_text()
-    assert f"| partitionsel | {low} / {n} / {high} |" in md
+    assert f"| partitionsel | {low} / **{n}** / {high} |" in md
 
 
 def test_sensitivity_marks_a_verdict_that_flips_inside_the_noise():
@@ -358,6 +361,7 @@ def test_sensitivity_marks_a_verdict_that_flips_inside_the_noise():
     }
     out = sensitivity(per_seed, {"a": [9, 11], "b": [9, 11]}, {"a": 10, "b": 10}, baseline="random",
                       label_at=lambda arm, n: f"{arm}@{n}")
+    assert out["a"]["steps"] == [9, 10, 11] and out["a"]["planned"] == 10
     assert out["a"]["verdicts"] == ["level", "lower", "lower"] and out["a"]["flips"]
     assert out["b"]["verdicts"] == ["higher"] * 3 and not out["b"]["flips"]
 
