@@ -210,11 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         strategy, variant_overrides = runs_of[label]
         run_dir = args.out / f"{label}-seed{seed}"
         steps = steps_of[label]
-        if (run_dir / "eval_results.json").exists() and not args.rerun:
-            done = json.loads((run_dir / "eval_results.json").read_text()).get("steps")
-            note = "" if done in (None, steps) else f" (it trained {done} steps, {steps} now; --rerun to redo it)"
-            print(f"{run_dir.name}: already done, reusing{note}", flush=True)
-            continue
         cmd = train_command(
             yaml=args.yaml,
             shard_dir=args.shard_dir,
@@ -228,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
             log_selected_ids=args.log_selected_ids,
             extra=extra + variant_overrides,
         )
+        if not args.rerun and not run_dir.exists() and args.reuse_from:
+            reuse_finished_run(run_dir, args.reuse_from, steps=steps, command=cmd)
+        if (run_dir / "eval_results.json").exists() and not args.rerun:
+            done = json.loads((run_dir / "eval_results.json").read_text()).get("steps")
+            note = "" if done in (None, steps) else f" (it trained {done} steps, {steps} now; --rerun to redo it)"
+            print(f"{run_dir.name}: already done, reusing{note}", flush=True)
+            continue
         todo.append((run_dir, cmd))
     if args.report_only:
         if todo:
@@ -247,6 +249,56 @@ def main(argv: list[str] | None = None) -> int:
         plan=plan,
     )
     return 0
+
+
+# What may differ between two runs of one configuration: where and under which name they are saved,
+# and how often they evaluate (every run evaluates at its last step, where its results are taken).
+_RUN_ONLY_KEYS = ("run_name", "save_folder", "save_interval", "save_overwrite", "save_num_checkpoints_to_keep", "eval_interval")
+
+
+def reuse_finished_run(run_dir: Path, sources: list[Path], *, steps: int, command: list[str]) -> Path | None:
+    """Link `run_dir` to the same run finished in another experiment's folder, instead of training it again.
+
+    A run of `sources` qualifies when it has the same name (`<label>-seed<s>`), finished (its
+    `eval_results.json`) exactly `steps` steps, and its saved `config.yaml` is the configuration
+    `command` (run_dir's `train.py` command) resolves to, but for `_RUN_ONLY_KEYS`. The first that
+    does is linked (a relative symlink) and returned. E.g. the random runs of an equal-steps
+    experiment are its equal-compute runs too when the budget is their steps.
+    """
+    wanted = None
+    for source in sources:
+        src = source / run_dir.name
+        result = src / "eval_results.json"
+        if not result.exists() or json.loads(result.read_text()).get("steps") != steps:
+            continue
+        if not (src / "config.yaml").exists():
+            continue
+        if wanted is None:
+            wanted = _run_config(Path(command[2]), command[3:])
+        if _run_config(None, [], saved=src / "config.yaml") != wanted:
+            print(f"{run_dir.name}: {src} finished with other settings; training it here", flush=True)
+            continue
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.symlink_to(os.path.relpath(src.resolve(), run_dir.parent.resolve()), target_is_directory=True)
+        print(f"{run_dir.name}: reusing the finished run {src} ({steps} steps)", flush=True)
+        return src
+    return None
+
+
+def _run_config(yaml: Path | None, overrides: list[str], *, saved: Path | None = None) -> dict[str, Any]:
+    """A run's resolved configuration without `_RUN_ONLY_KEYS`: from its yaml and overrides, or its saved config.yaml."""
+    from omegaconf import OmegaConf
+
+    from composer_algos.registry import load_run_config
+    from pipeline.config import config_to_dict
+
+    if saved is not None:
+        data = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
+    else:
+        assert yaml is not None
+        data = config_to_dict(load_run_config(yaml, overrides))
+    assert isinstance(data, dict)
+    return {k: v for k, v in data.items() if k not in _RUN_ONLY_KEYS}
 
 
 def sensitivity_label(label: str, steps: int) -> str:
@@ -664,6 +716,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--rerun", action="store_true", help="rerun runs that already have results")
+    parser.add_argument(
+        "--reuse-from",
+        type=Path,
+        action="append",
+        default=[],
+        help="another experiment's output folder (repeatable): a run finished there under the same name and "
+        "with the steps planned here is linked instead of trained again (e.g. random's equal-steps runs, "
+        "which are its equal-compute runs when the budget is their steps)",
+    )
     parser.add_argument(
         "--report-only",
         action="store_true",

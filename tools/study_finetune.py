@@ -59,9 +59,6 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "full_pool": ("none", []),
 }
 QUICK_ARMS = ("random", "random_stratified", "partitionsel")
-# Arms whose step does the work of random's (run_experiment gives them random's steps at equal compute),
-# so their equal-compute runs are their equal-steps runs: linked, not trained twice.
-SAME_WORK_AS_RANDOM = ("random", "random_stratified")
 # Evaluation at the last step only: 16 held-out examples per domain for the loss (the same 16 in every
 # run, so paired differences cancel their sampling), 10 questions per domain for the answers.
 EVAL_OVERRIDES = ["eval_loader.subset_num_batches=1", "eval_loader.device_eval_batch_size=16"]
@@ -106,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     if "study" in parts:
         for cmd in study_commands(out, shards=shards, arms=arms, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
                                   smoke=args.smoke):
-            if "--steps" not in cmd:  # equal compute: random's (and random_stratified's) runs are the equal-steps ones
-                link_same_work_runs(out / "equal_steps", out / "equal_compute", seeds=args.seeds, steps=args.steps)
             _run(cmd, env)
     if "report" in parts:
         print(study_report(out))
@@ -171,29 +166,11 @@ def study_commands(
     calibration = ["--calibration-steps", "2", "--calibration-warmup", "1", "--calibration-rounds", "2"] if smoke else []
     return [
         base + ["--steps", str(steps), "--out", str(out / "equal_steps"), *tail],
+        # Arms of random's work (random_stratified) train random's steps at equal compute: their equal-steps
+        # runs are reused, not trained twice.
         base + ["--compute-budget", f"random={steps}", "--cost-clock", "cpu", *calibration,
-                "--out", str(out / "equal_compute"), *tail],
+                "--reuse-from", str(out / "equal_steps"), "--out", str(out / "equal_compute"), *tail],
     ]
-
-
-def link_same_work_runs(steps_dir: Path, compute_dir: Path, *, seeds: str, steps: int) -> list[Path]:
-    """Link the equal-steps runs of SAME_WORK_AS_RANDOM into the equal-compute folder (they train `steps` there too).
-
-    Only finished runs of exactly `steps` steps are linked; run_experiment trains the rest.
-    """
-    made = []
-    for label in SAME_WORK_AS_RANDOM:
-        for seed in [s for s in seeds.split(",") if s]:
-            src, dst = steps_dir / f"{label}-seed{seed}", compute_dir / f"{label}-seed{seed}"
-            result = src / "eval_results.json"
-            if dst.exists() or dst.is_symlink() or not result.exists():
-                continue
-            if json.loads(result.read_text()).get("steps") != steps:
-                continue
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.symlink_to(os.path.relpath(src, dst.parent), target_is_directory=True)
-            made.append(dst)
-    return made
 
 
 def study_report(out: Path) -> str:

@@ -240,9 +240,6 @@ def main(argv: list[str] | None = None) -> int:
             study_dir, shards=shards, seq_len=args.seq_len, seeds=args.more_seeds, jobs=args.jobs,
             budget_steps=args.budget_steps,
         )
-        if study_calibration(study_dir) is not None:  # the study's runs were planned with the same costs
-            for label in MORE_ARMS:
-                link_runs(study_dir / "equal_compute", study_dir / "equal_compute_more", label=label, seeds=args.more_seeds)
         _run(cmd, env)
     if "report" in parts:
         print(study_report(study_dir))
@@ -279,8 +276,9 @@ def study_commands(
         base + ["--compute-budget", f"random={budget_steps}", "--cost-clock", "cpu", *calibration,
                 "--out", str(dest / "equal_compute"), *tail]
     ]
-    if profile == "full":
-        cmds.append(base + ["--steps", str(budget_steps), "--out", str(dest / "equal_steps"), *tail])
+    if profile == "full":  # random's equal-compute runs are its equal-steps runs: reused, not trained twice
+        cmds.append(base + ["--steps", str(budget_steps), "--reuse-from", str(dest / "equal_compute"),
+                            "--out", str(dest / "equal_steps"), *tail])
     return cmds
 
 
@@ -296,8 +294,6 @@ def study(
         dest, shards=shards, seq_len=seq_len, profile=profile, seeds=seeds, budget_steps=budget_steps, jobs=jobs,
         quick=quick,
     ):
-        if "--steps" in cmd:
-            link_baseline_runs(dest / "equal_compute", dest / "equal_steps", seeds=seeds, steps=budget_steps)
         _run(cmd, env)
     print(f"study ({profile}) took {time.perf_counter() - t0:.0f} s of wall time in this invocation", flush=True)
 
@@ -315,7 +311,7 @@ def more_seeds_command(
 
     The study's calibration file (`study_calibration`) holds the measured steps of every
     configuration, so the added seeds train the steps the study's seeds did (and the study's runs are
-    linked, not retrained); without one (a fresh directory, or a study calibrated by an older
+    reused, not retrained: `--reuse-from`); without one (a fresh directory, or a study calibrated by an older
     version) run_experiment calibrates MORE_ARMS itself, in DEST/equal_compute_more.
     """
     calibration = study_calibration(dest)
@@ -323,42 +319,10 @@ def more_seeds_command(
     return cmd + [
         "--compute-budget", f"random={budget_steps}", "--cost-clock", "cpu",
         *(["--calibration", str(calibration)] if calibration is not None else []),
+        # The study's finished seeds of these arms, where they trained the steps planned here.
+        "--reuse-from", str(dest / "equal_compute"),
         "--out", str(dest / "equal_compute_more"), "--", f"variables.max_seq_len={seq_len}", *STUDY_OVERRIDES,
     ]
-
-
-def link_runs(src_dir: Path, dst_dir: Path, *, label: str, seeds: str) -> list[Path]:
-    """Link `label`'s finished runs of `seeds` from src_dir into dst_dir (the same command's runs); returns the links made."""
-    made = []
-    for seed in [s for s in seeds.split(",") if s]:
-        src, dst = src_dir / f"{label}-seed{seed}", dst_dir / f"{label}-seed{seed}"
-        if dst.exists() or dst.is_symlink() or not (src / "eval_results.json").exists():
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.symlink_to(os.path.relpath(src, dst.parent), target_is_directory=True)
-        made.append(dst)
-    return made
-
-
-def link_baseline_runs(compute: Path, steps_dir: Path, *, seeds: str, steps: int, label: str = "random") -> list[Path]:
-    """Reuse the baseline's equal-compute runs as its equal-steps runs (links); returns the links made.
-
-    The budget is `steps` steps of the baseline, so its equal-compute runs are the equal-steps
-    command but for the output folder: a link saves training them twice. Only finished runs of
-    exactly `steps` steps are linked; run_experiment trains whatever is not linked.
-    """
-    made = []
-    for seed in [s for s in seeds.split(",") if s]:
-        src, dst = compute / f"{label}-seed{seed}", steps_dir / f"{label}-seed{seed}"
-        result = src / "eval_results.json"
-        if dst.exists() or dst.is_symlink() or not result.exists():
-            continue
-        if json.loads(result.read_text()).get("steps") != steps:
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.symlink_to(os.path.relpath(src, dst.parent), target_is_directory=True)
-        made.append(dst)
-    return made
 
 
 def study_report(dest: Path) -> str:

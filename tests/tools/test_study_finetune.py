@@ -33,6 +33,7 @@ def test_quick_commands_run_equal_steps_then_equal_compute_paired_against_random
     assert _arg(steps, "--steps") == "40" and _arg(steps, "--out") == str(tmp_path / "equal_steps")
     assert _arg(compute, "--compute-budget") == "random=40" and _arg(compute, "--cost-clock") == "cpu"
     assert _arg(compute, "--out") == str(tmp_path / "equal_compute") and "--steps" not in compute
+    assert _arg(compute, "--reuse-from") == str(tmp_path / "equal_steps")  # random's runs are the same runs
 
 
 def test_full_profile_names_every_arm_and_the_variants_their_settings(tmp_path):
@@ -42,18 +43,6 @@ def test_full_profile_names_every_arm_and_the_variants_their_settings(tmp_path):
     assert set(plain) | set(variants) == set(study.ARMS)
     assert variants["ps_r4"] == "ps_r4=partitionsel,algorithms.data_selection.oversampling=4"
     assert variants["full_pool"] == "full_pool=none"
-
-
-def test_runs_of_randoms_work_are_linked_into_equal_compute_only_when_finished_at_the_same_steps(tmp_path):
-    src, dst = tmp_path / "equal_steps", tmp_path / "equal_compute"
-    for label, steps in (("random", 40), ("random_stratified", 40), ("partitionsel", 40)):
-        (src / f"{label}-seed1").mkdir(parents=True)
-        (src / f"{label}-seed1" / "eval_results.json").write_text(json.dumps({"steps": steps}))
-    (src / "random-seed2").mkdir()
-    (src / "random-seed2" / "eval_results.json").write_text(json.dumps({"steps": 39}))
-    made = study.link_same_work_runs(src, dst, seeds="1,2", steps=40)
-    assert sorted(p.name for p in made) == ["random-seed1", "random_stratified-seed1"]
-    assert json.loads((dst / "random-seed1" / "eval_results.json").read_text()) == {"steps": 40}
 
 
 def _comparison(losses, accuracies):

@@ -114,16 +114,12 @@ def test_report_tables_and_frontier_from_run_experiment_files(tmp_path):
     assert "Equal steps" not in text  # an experiment that has not run is left out, not invented
 
 
-def test_the_baselines_equal_compute_runs_are_linked_as_its_equal_steps_runs_only_when_finished_at_that_length(tmp_path):
-    compute, steps = tmp_path / "equal_compute", tmp_path / "equal_steps"
-    _write(compute / "random-seed1" / "eval_results.json", {"steps": 80})
-    _write(compute / "random-seed2" / "eval_results.json", {"steps": 79})  # another budget: not the same run
-    (compute / "random-seed3").mkdir()  # unfinished
-    made = study_ghpile.link_baseline_runs(compute, steps, seeds="1,2,3", steps=80)
-    assert made == [steps / "random-seed1"]
-    assert json.loads((steps / "random-seed1" / "eval_results.json").read_text()) == {"steps": 80}
-    assert not (steps / "random-seed2").exists() and not (steps / "random-seed3").exists()
-    assert study_ghpile.link_baseline_runs(compute, steps, seeds="1,2,3", steps=80) == []  # idempotent
+def test_the_full_profiles_equal_steps_experiment_reuses_the_equal_compute_runs_of_the_same_length(tmp_path):
+    compute, steps = study_ghpile.study_commands(
+        tmp_path, shards=tmp_path / "s", seq_len=512, profile="full", seeds="1", budget_steps=80, jobs=2
+    )
+    assert "--reuse-from" not in compute
+    assert steps[steps.index("--reuse-from") + 1] == str(tmp_path / "equal_compute")  # run_experiment checks steps and settings
 
 
 def test_report_pairs_partitionsel_arms_with_random_stratified_too(tmp_path):
@@ -151,6 +147,7 @@ def test_more_seeds_reuse_the_study_calibration_so_every_seed_trains_the_studys_
     assert set(_arms_of(cmd)) == set(study_ghpile.MORE_ARMS)
     assert _arms_of(cmd)["ps_w64"] == study_ghpile.STUDY_ARMS["ps_w64"]
     assert cmd[cmd.index("--calibration") + 1] == str(calibration) and "--step-costs" not in cmd
+    assert cmd[cmd.index("--reuse-from") + 1] == str(tmp_path / "equal_compute")  # the study's finished seeds
     assert cmd[cmd.index("--compute-budget") + 1] == "random=80"
     assert cmd[cmd.index("--out") + 1] == str(tmp_path / "equal_compute_more")
     assert cmd[cmd.index("--cost-clock") + 1] == "cpu"
@@ -161,13 +158,3 @@ def test_more_seeds_calibrate_anew_without_a_study_calibration_of_this_format(tm
     assert "--calibration" not in cmd and cmd[cmd.index("--compute-budget") + 1] == "random=40"
     _write(tmp_path / "equal_compute" / "calibration.json", {"random": {"step_cpu_s": 2.0}})  # the old format
     assert "--calibration" not in study_ghpile.more_seeds_command(tmp_path, shards=tmp_path, seq_len=512, seeds="1", jobs=1)
-
-
-def test_link_runs_links_only_finished_runs_of_the_named_arm(tmp_path):
-    src, dst = tmp_path / "a", tmp_path / "b"
-    _write(src / "ps_w64-seed1" / "eval_results.json", {"steps": 72})
-    (src / "ps_w64-seed2").mkdir()  # unfinished
-    _write(src / "random-seed1" / "eval_results.json", {"steps": 80})
-    assert study_ghpile.link_runs(src, dst, label="ps_w64", seeds="1,2,4") == [dst / "ps_w64-seed1"]
-    assert json.loads((dst / "ps_w64-seed1" / "eval_results.json").read_text()) == {"steps": 72}
-    assert not (dst / "random-seed1").exists()

@@ -626,3 +626,28 @@ def test_a_finished_run_of_another_plan_is_reused_with_a_note(fake_training, tmp
     assert "partitionsel-seed1: already done, reusing (it trained 20 steps, 25 now; --rerun to redo it)" in (
         capsys.readouterr().out
     )
+
+
+def test_a_run_finished_elsewhere_with_the_same_settings_is_linked_not_retrained(dolma_shards, tmp_path):
+    import train
+    from tests.training.conftest import tiny_overrides
+
+    tool = _tool()
+    src = tmp_path / "steps" / "random-seed1"
+
+    def command(run_dir, *extra):
+        return tool.train_command(
+            yaml=TINY, shard_dir=str(dolma_shards), strategy="random", seed=1, steps=3, eval_interval=3, run_dir=run_dir,
+            run_name=run_dir.parent.name, extra=[*tiny_overrides(dolma_shards, run_dir)[1:], *extra],
+        )
+
+    finished = command(src)
+    train.main(finished[2:])  # a real run of the tiny config: config.yaml, eval_results.json
+    dst = tmp_path / "compute" / "random-seed1"
+    assert tool.reuse_finished_run(dst, [tmp_path / "steps"], steps=3, command=command(dst)) == src
+    assert dst.is_symlink() and (dst / "eval_results.json").exists()
+    other = tmp_path / "other" / "random-seed1"
+    # Another learning rate, or another step count, is another run.
+    assert tool.reuse_finished_run(other, [tmp_path / "steps"], steps=3, command=command(other, "optimizer.lr=0.5")) is None
+    assert tool.reuse_finished_run(other, [tmp_path / "steps"], steps=4, command=command(other)) is None
+    assert not other.exists()
