@@ -395,7 +395,7 @@ def _omp_rounds(
         state.finalize()
     sel_S = state.sel_M if isinstance(state, ActiveSetState) else state.sel_M[:k].clone()
     v_S = state.weights_on(sel_S)
-    info: dict[str, torch.Tensor] = {}
+    info: dict[str, torch.Tensor | int] = {}
     # Counters of the host-side bookkeeping, as Python numbers (nothing to copy to or from a device).
     if isinstance(state, ActiveSetState):
         info["slow_refits"] = state.slow_refits

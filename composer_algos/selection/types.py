@@ -230,7 +230,7 @@ class SelectionInputs:
         *,
         weights_S: torch.Tensor | None = None,
         objective: torch.Tensor | None = None,
-        info: dict[str, torch.Tensor] | None = None,
+        info: dict[str, torch.Tensor | int | float] | None = None,
     ) -> SelectionResult:
         """The result for the selected pool positions (``finish_result`` with this pool's domains)."""
         return finish_result(
@@ -571,7 +571,7 @@ def finish_result(
     *,
     weights_S: torch.Tensor | None = None,
     objective: torch.Tensor | None = None,
-    info: dict[str, torch.Tensor] | None = None,
+    info: dict[str, torch.Tensor | int | float] | None = None,
 ) -> SelectionResult:
     """Sort the selection ascending (weights follow) and count it per domain."""
     order_S = torch.argsort(indices_S)
