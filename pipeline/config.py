@@ -120,9 +120,14 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # `targets`: the vocabulary projection only at positions whose next token has a loss (answer-only
+    # fine-tuning; `composer_algos.models.DomainCausalLM`), `all`: at every position.
+    logits_at: str = "all"
 
     def validate(self) -> list[str]:
         errs = []
+        if self.logits_at not in ("all", "targets"):
+            errs.append(f"model.logits_at must be 'all' or 'targets', got {self.logits_at!r}")
         if (self.pretrained_model_name_or_path is None) == (self.config is None):
             errs.append("model: give exactly one of `pretrained_model_name_or_path` or `config`")
         if self.config is not None and "model_type" not in self.config:

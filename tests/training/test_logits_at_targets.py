@@ -1,0 +1,124 @@
+"""`model.logits_at: targets`: the vocabulary projection only where a next token has a loss, with the same results."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from composer_algos.models import build_causal_lm
+from pipeline.collators import IGNORE_INDEX
+from pipeline.tokenizer import load_tokenizer
+from tests.common.paths import REPO_ROOT
+
+CONFIG = {
+    "model_type": "llama", "vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
+}
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def _pair(lora):
+    tok = load_tokenizer(REPO_ROOT / "assets" / "tokenizer")
+    torch.manual_seed(0)
+    full = build_causal_lm(tokenizer=tok, config=CONFIG, lora=lora)
+    targets = build_causal_lm(tokenizer=tok, config=CONFIG, lora=lora, logits_at="targets")
+    targets.load_state_dict(full.state_dict())
+    return full, targets
+
+
+def _batch():
+    torch.manual_seed(1)
+    ids = torch.randint(0, 4096, (3, 12))
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[0, 8:12] = ids[0, 8:12]  # answers at different places, one row right-padded
+    labels[1, 5:9] = ids[1, 5:9]
+    labels[2, 10:12] = ids[2, 10:12]
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "domain_id": torch.tensor([0, 1, 0])}
+
+
+@pytest.mark.parametrize("lora", [None, LORA])
+def test_loss_metrics_and_gradients_equal_the_full_projection(lora):
+    full, targets = _pair(lora)
+    out_f, out_t = full(_batch()), targets(_batch())
+    loss_f, loss_t = full.loss(out_f, _batch()), targets.loss(out_t, _batch())
+    assert loss_t.item() == pytest.approx(loss_f.item(), rel=1e-6)
+    assert out_t["logits"].shape == (4 + 4 + 2, 4096)  # the target positions only: each label is predicted from the position before it
+    loss_f.backward()
+    loss_t.backward()
+    grads_f = {n: p.grad for n, p in full.named_parameters() if p.grad is not None}
+    grads_t = {n: p.grad for n, p in targets.named_parameters() if p.grad is not None}
+    assert grads_f.keys() == grads_t.keys() and grads_f
+    for name in grads_f:
+        torch.testing.assert_close(grads_t[name], grads_f[name], rtol=1e-4, atol=1e-7)
+    # The evaluation metric (token cross-entropy) through Composer's eval_forward / update_metric.
+    values = []
+    for model in (full, targets):
+        model.eval()
+        metric = model.get_metrics(is_train=False)["LanguageCrossEntropy"]
+        metric.reset()
+        with torch.no_grad():
+            logits = model.eval_forward(_batch())
+        model.update_metric(_batch(), logits, metric)
+        values.append(float(metric.compute()))
+    assert values[1] == pytest.approx(values[0], rel=1e-6)
+
+
+def test_weighted_loss_uses_each_examples_own_target_mean():
+    full, targets = _pair(None)
+    batch = {**_batch(), "loss_weight": torch.tensor([0.5, 2.0, 0.5])}
+    loss_f = full.loss(full(dict(batch)), batch)
+    loss_t = targets.loss(targets(dict(batch)), batch)
+    assert loss_t.item() == pytest.approx(loss_f.item(), rel=1e-6)
+
+
+def test_a_bad_logits_at_is_refused():
+    with pytest.raises(ValueError, match="logits_at must be 'all' or 'targets'"):
+        build_causal_lm(tokenizer=load_tokenizer(REPO_ROOT / "assets" / "tokenizer"), config=CONFIG, logits_at="some")
+
+
+def test_a_fine_tuning_run_trains_and_selects_as_with_the_full_projection(math_shards, tmp_path):
+    from composer.loggers import InMemoryLogger
+
+    import train
+    from composer_algos.registry import load_run_config
+
+    def run(name, *extra):
+        cfg = load_run_config(REPO_ROOT / "yamls" / "testing" / "tiny_finetune.yaml", [
+            f"variables.shard_dir={math_shards}", f"save_folder={tmp_path / name}", "max_duration=3ba",
+            "eval_interval=3ba", "global_train_batch_size=4", "eval_loader.subset_num_batches=1",
+            "loggers.in_memory={}", "python_log_level=warning", *extra,
+        ])
+        trainer = train.build_trainer(cfg)
+        trainer.fit()
+        mem = next(d for d in trainer.logger.destinations if isinstance(d, InMemoryLogger))
+        series = {k: [float(v) for _, v in mem.data[k]] for k in ("loss/train/total", "selection/selected_hash")}
+        evals = {k: float(v[-1][1]) for k, v in mem.data.items() if k.startswith("metrics/val")}
+        trainer.close()
+        return series, evals
+
+    full, full_eval = run("full")
+    targets, targets_eval = run("targets", "model.logits_at=targets")
+    assert targets["selection/selected_hash"] == full["selection/selected_hash"]
+    assert targets["loss/train/total"] == pytest.approx(full["loss/train/total"], rel=1e-4)
+    assert targets_eval.keys() == full_eval.keys() and full_eval
+    for key, value in full_eval.items():
+        assert targets_eval[key] == pytest.approx(value, rel=1e-4), key
+
+
+def test_bench_logits_at_runs_and_finds_the_same_losses(math_shards, capsys):
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    import bench_logits_at
+
+    rc = bench_logits_at.main([
+        str(REPO_ROOT / "yamls" / "testing" / "tiny_finetune.yaml"), f"variables.shard_dir={math_shards}", "--steps", "2",
+    ])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    ratios = {line.split()[0]: float(line.split()[-1]) for line in out.splitlines() if line.split()[:1] in (["train"], ["eval"])}
+    assert set(ratios) == {"train", "eval"} and all(r > 0 for r in ratios.values())
+    gap = float(out.rsplit("largest relative loss difference:", 1)[1].split()[0])
+    assert gap <= 1e-4
