@@ -53,6 +53,15 @@ def per_token_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> tuple
     return loss_M.view(n, t), targets_nT != IGNORE_INDEX
 
 
+def target_token_losses(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of `(N, V)` logits at their `(N,)` targets, in float32, one value each.
+
+    The loss of `model.logits_at: targets` (`composer_algos.models.DomainCausalLM`), which projects
+    only the positions that have a target, so there is nothing to mask or shift here.
+    """
+    return F.cross_entropy(logits_NV.float(), targets_N, reduction="none")
+
+
 class _TokenCrossEntropy(torch.autograd.Function):
     """`F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")` with a lighter backward.
 

@@ -14,7 +14,7 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from composer_algos.losses import IGNORE_INDEX, per_example_losses
+from composer_algos.losses import IGNORE_INDEX, per_example_losses, target_token_losses
 from pipeline.gguf import resolve_pretrained
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class DomainCausalLM(HuggingFaceModel):
         rows_N, cols_N = (targets_BT != IGNORE_INDEX).nonzero(as_tuple=True)
         logits_NV = base.get_output_embeddings()(hidden_BTH[rows_N, cols_N])
         targets_N = targets_BT[rows_N, cols_N]
-        token_losses_N = torch.nn.functional.cross_entropy(logits_NV.float(), targets_N, reduction="none")
+        token_losses_N = target_token_losses(logits_NV, targets_N)
         loss = token_losses_N.sum() / max(int(targets_N.numel()), 1)
         return {"loss": loss, "logits": logits_NV, "targets": targets_N, "target_rows": rows_N, "token_losses": token_losses_N}
 
