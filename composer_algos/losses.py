@@ -62,6 +62,56 @@ def target_token_losses(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> tor
     return F.cross_entropy(logits_NV.float(), targets_N, reduction="none")
 
 
+def projects_at_targets(causal_lm: torch.nn.Module) -> bool:
+    """Whether `target_position_logits` computes `causal_lm`'s logits: a decoder, then a linear output embedding.
+
+    False for models that transform the projection (e.g. a final logit soft-cap) or have no
+    `get_decoder` / linear `get_output_embeddings`; their logits come from the model's own forward.
+    """
+    base = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
+    if not (hasattr(base, "get_decoder") and hasattr(base, "get_output_embeddings")):
+        return False
+    config = getattr(base, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+        return False
+    return isinstance(base.get_output_embeddings(), torch.nn.Linear)
+
+
+def target_position_logits(
+    causal_lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoder on every position, the vocabulary projection only where a next token has a loss.
+
+    With a loss on the answer only, the prompt's positions need the decoder's hidden states (the
+    answer attends to them) but not their logits, which for a large vocabulary are a large share of a
+    small model's forward and as much again of its backward. Position t predicts `labels[t + 1]`, as
+    in Hugging Face's loss. The positions are found with one `nonzero` (a host sync on CUDA).
+
+    Args:
+        causal_lm: a transformers causal LM or a peft model around one (`projects_at_targets` true).
+        input_ids, attention_mask: `(B, T)`.
+        labels_BT: `(B, T)` unshifted labels, `IGNORE_INDEX` where there is no loss.
+
+    Returns:
+        `(logits_NV, targets_N, rows_N)`: the logits of the N target positions, their next tokens and
+        the row each belongs to.
+    """
+    base = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
+    hidden_BTH = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    ignore = labels_BT.new_full((labels_BT.shape[0], 1), IGNORE_INDEX)
+    targets_BT = torch.cat([labels_BT[:, 1:], ignore], dim=1)
+    rows_N, cols_N = (targets_BT != IGNORE_INDEX).nonzero(as_tuple=True)
+    logits_NV = base.get_output_embeddings()(hidden_BTH[rows_N, cols_N])
+    return logits_NV, targets_BT[rows_N, cols_N], rows_N
+
+
+def row_means(values_N: torch.Tensor, rows_N: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """The mean of `values_N` per row index (0 for a row with none), as `per_example_losses` gives per example."""
+    sums_B = values_N.new_zeros(n_rows).index_add(0, rows_N, values_N)
+    counts_B = values_N.new_zeros(n_rows).index_add(0, rows_N, torch.ones_like(values_N))
+    return sums_B / counts_B.clamp_min(1)
+
+
 class _TokenCrossEntropy(torch.autograd.Function):
     """`F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")` with a lighter backward.
 

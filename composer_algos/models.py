@@ -14,7 +14,14 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from composer_algos.losses import IGNORE_INDEX, per_example_losses, target_token_losses
+from composer_algos.losses import (
+    IGNORE_INDEX,
+    per_example_losses,
+    projects_at_targets,
+    row_means,
+    target_position_logits,
+    target_token_losses,
+)
 from pipeline.gguf import resolve_pretrained
 
 log = logging.getLogger(__name__)
@@ -48,7 +55,7 @@ class DomainCausalLM(HuggingFaceModel):
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
         if isinstance(batch, dict) and "loss_weight" in batch:
             if "target_rows" in outputs:  # the `targets` forward: per-example means from its (N,) losses
-                losses_B = _row_means(outputs["token_losses"], outputs["target_rows"], batch["labels"].shape[0])
+                losses_B = row_means(outputs["token_losses"], outputs["target_rows"], batch["labels"].shape[0])
             else:
                 losses_B = per_example_losses(outputs["logits"], batch["labels"])
             w_B = batch["loss_weight"].to(device=losses_B.device, dtype=losses_B.dtype)
@@ -66,33 +73,15 @@ class DomainCausalLM(HuggingFaceModel):
     def _target_forward(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The decoder on every position, the vocabulary projection only where a next token has a loss.
 
-        With a loss on the answer only, the prompt's positions need the decoder's hidden states (the
-        answer attends to them) but not the projection onto the vocabulary, which for a 49k-token
-        vocabulary is a fifth of a 135M model's forward and as much again in its backward. Position t
-        predicts `labels[t + 1]`, as in Hugging Face's loss; the loss is the mean over the target tokens
-        in float32, as Hugging Face's. The positions are found with one `nonzero` (a host sync on
-        CUDA per microbatch, for a projection over the prompt that is not computed).
+        `composer_algos.losses.target_position_logits`; the loss is the mean over the target tokens in
+        float32, as Hugging Face's.
         """
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        hidden_BTH = base.get_decoder()(
-            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False
-        ).last_hidden_state
-        labels_BT = batch["labels"]
-        ignore = labels_BT.new_full((labels_BT.shape[0], 1), IGNORE_INDEX)
-        targets_BT = torch.cat([labels_BT[:, 1:], ignore], dim=1)
-        rows_N, cols_N = (targets_BT != IGNORE_INDEX).nonzero(as_tuple=True)
-        logits_NV = base.get_output_embeddings()(hidden_BTH[rows_N, cols_N])
-        targets_N = targets_BT[rows_N, cols_N]
+        logits_NV, targets_N, rows_N = target_position_logits(
+            self.model, batch["input_ids"], batch.get("attention_mask"), batch["labels"]
+        )
         token_losses_N = target_token_losses(logits_NV, targets_N)
         loss = token_losses_N.sum() / max(int(targets_N.numel()), 1)
         return {"loss": loss, "logits": logits_NV, "targets": targets_N, "target_rows": rows_N, "token_losses": token_losses_N}
-
-
-def _row_means(values_N: torch.Tensor, rows_N: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """The mean of `values_N` per row index (0 for a row with none), as `per_example_losses` gives per example."""
-    sums_B = values_N.new_zeros(n_rows).index_add(0, rows_N, values_N)
-    counts_B = values_N.new_zeros(n_rows).index_add(0, rows_N, torch.ones_like(values_N))
-    return sums_B / counts_B.clamp_min(1)
 
 
 def build_causal_lm(
@@ -190,6 +179,11 @@ def build_causal_lm(
         )
     if logits_at not in ("all", "targets"):
         raise ValueError(f"model.logits_at must be 'all' or 'targets', got {logits_at!r}")
+    if logits_at == "targets" and not projects_at_targets(model):
+        raise ValueError(
+            f"model.logits_at: targets needs a decoder followed by a linear output embedding; "
+            f"{type(model).__name__} transforms its logits (or has no get_decoder): use logits_at: all"
+        )
     metrics = [LanguageCrossEntropy(ignore_index=IGNORE_INDEX), LanguagePerplexity(ignore_index=IGNORE_INDEX)]
     wrapped = DomainCausalLM(
         model,

@@ -560,7 +560,10 @@ class DataSelection(Algorithm):
         from composer_algos.features import GradFeatureExtractor
 
         model = state.model.module if isinstance(state.model, DistributedDataParallel) else state.model
-        self.extractor = GradFeatureExtractor(model, seed=self.seed, **self.feature_cfg)
+        # The model's `logits_at: targets` (answer-only fine-tuning) applies to the scoring forward too.
+        self.extractor = GradFeatureExtractor(
+            model, seed=self.seed, logits_at=getattr(model, "logits_at", "all"), **self.feature_cfg
+        )
         if self._extractor_state is not None:
             self.extractor.load_state_dict(self._extractor_state)
 

@@ -3,8 +3,8 @@
 `model.logits_at: targets` projects onto the vocabulary only where the next token has a loss (the
 answer, with an answer-only loss), instead of at every position of prompt and answer. This bench
 builds the yaml's model twice (the same weights), draws batches from its shards, and times a
-training step (forward, loss, backward) and an evaluation forward of each mode, interleaved, in one
-process. It prints the median of each, their ratio, and the largest loss difference between the
+training step (forward, loss, backward), an evaluation forward and selection's scoring pass (the
+gradient features' forward and truncated backward) of each mode, interleaved, in one process. It prints the median of each, their ratio, and the largest loss difference between the
 two (they compute the same loss).
 
 Example:
@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# train: forward, loss and backward of the batch; eval: an evaluation forward; score: selection's scoring
+# pass over the batch (the features' forward and truncated backward, last block's targets).
+KINDS = ("train", "eval", "score")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from composer_algos.features.capture import capture_layer_signals, scoring_mode
+    from composer_algos.features.targets import choose_cut_module, resolve_targets, unwrap_model
     from composer_algos.models import build_causal_lm
     from composer_algos.registry import load_run_config
     from pipeline.loaders import build_train_dataloader
@@ -59,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         batches.append(batch)
         if len(batches) == args.steps + 1:
             break
-    times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in models for k in ("train", "eval")}
+    times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in models for k in KINDS}
+    targets = {mode: resolve_targets(unwrap_model(model), last_n_blocks=1) for mode, model in models.items()}
+    cuts = {mode: choose_cut_module(unwrap_model(model), targets[mode]) for mode, model in models.items()}
     gap = 0.0
     for i in range(len(batches)):
         losses = {}
@@ -77,17 +84,24 @@ def main(argv: list[str] | None = None) -> int:
             with torch.no_grad():
                 model.eval_forward(batch)
             eval_s = time.perf_counter() - t0
+            # Selection's scoring pass (forward and truncated backward of the per-example signals).
+            hf = unwrap_model(model)
+            with scoring_mode(hf):
+                t0 = time.perf_counter()
+                capture_layer_signals(hf, batch, targets[mode], cuts[mode], logits_at=mode)
+            score_s = time.perf_counter() - t0
             losses[mode] = float(loss)
             if i:  # the first batch builds lazy state: untimed
                 times[(mode, "train")].append(train_s)
                 times[(mode, "eval")].append(eval_s)
+                times[(mode, "score")].append(score_s)
         gap = max(gap, abs(losses["targets"] - losses["all"]) / max(abs(losses["all"]), 1e-12))
     tokens = statistics.mean(float(b["attention_mask"].sum()) for b in batches[1:])
     targets = statistics.mean(float((b["labels"] != -100).sum()) for b in batches[1:])
     print(f"{args.yaml.name}: {len(batches) - 1} batches of {cfg.global_train_batch_size} rows, "
           f"{tokens:.0f} tokens and {targets:.0f} target tokens each (median s)")
     print(f"{'':>8}{'all':>10}{'targets':>10}{'ratio':>8}")
-    for kind in ("train", "eval"):
+    for kind in KINDS:
         a, t = statistics.median(times[("all", kind)]), statistics.median(times[("targets", kind)])
         print(f"{kind:>8}{a:>10.3f}{t:>10.3f}{t / a:>8.3f}")
     print(f"largest relative loss difference: {gap:.2e}")

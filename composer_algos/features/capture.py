@@ -20,7 +20,13 @@ from composer_algos.features.targets import (
     resolve_targets,
     unwrap_model,
 )
-from composer_algos.losses import IGNORE_INDEX, per_example_losses
+from composer_algos.losses import (
+    IGNORE_INDEX,
+    per_example_losses,
+    row_means,
+    target_position_logits,
+    target_token_losses,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,7 @@ def capture_layer_signals(
     targets: list[TargetLayer],
     cut_module: nn.Module,
     precision_context: Callable[[], AbstractContextManager] | None = None,
+    logits_at: str = "all",
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """One truncated forward + backward: per target, its inputs `a` and per-example output-gradients `delta`.
 
@@ -111,6 +118,10 @@ def capture_layer_signals(
             training run's autocast (`composer.core.precision.get_precision_context`); None runs
             them as the model is. The backward runs outside it, as autocast's recipe asks: its
             ops take the dtypes the forward recorded.
+        logits_at: "all": the model's own forward (logits at every position); "targets": the
+            vocabulary projection only at the positions with a target
+            (`losses.target_position_logits`; the same per-example losses, for a model
+            `losses.projects_at_targets` accepts and no output-embedding target).
 
     Returns:
         ([(a_nTI, delta_nTO) per target, detached, in the dtypes the forward produced (bfloat16
@@ -138,13 +149,20 @@ def capture_layer_signals(
     try:
         with truncated_graph(cut_module) as status:
             with (precision_context or nullcontext)():
-                with record_function("features/forward"):
-                    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-                with record_function("features/loss"):
-                    losses_n = per_example_losses(out.logits, labels)
-            # The loss's backward needs its own saved tensors, not the logits: dropping them here
-            # keeps the n x T x V logits out of the backward's peak.
-            del out
+                if logits_at == "targets":
+                    with record_function("features/forward"):
+                        logits_NV, targets_N, rows_N = target_position_logits(model, input_ids, attention_mask, labels)
+                    with record_function("features/loss"):
+                        losses_n = row_means(target_token_losses(logits_NV, targets_N), rows_N, n)
+                    del logits_NV
+                else:
+                    with record_function("features/forward"):
+                        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                    with record_function("features/loss"):
+                        losses_n = per_example_losses(out.logits, labels)
+                    # The loss's backward needs its own saved tensors, not the logits: dropping them
+                    # here keeps the n x T x V logits out of the backward's peak.
+                    del out
             if not status["fired"]:
                 raise ValueError(f"the cut module {type(cut_module).__name__} did not run in the forward")
             missing = [t.name for t in targets if not records[t.index]]

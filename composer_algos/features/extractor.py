@@ -58,7 +58,7 @@ from composer_algos.features.windows import (
     score_window_problems,
     window_batch,
 )
-from composer_algos.losses import mask_and_labels
+from composer_algos.losses import mask_and_labels, projects_at_targets
 from composer_algos.selection.types import check_or_defer
 
 log = logging.getLogger(__name__)
@@ -237,6 +237,7 @@ class GradFeatureExtractor:
         score_window: int | None = None,
         score_window_position: str = "start",
         compile: bool = False,
+        logits_at: str = "all",
     ) -> None:
         problems = feature_option_problems(
             normalization=normalization,
@@ -271,6 +272,19 @@ class GradFeatureExtractor:
             exact_max_numel=exact_max_numel,
         )
         self._cut = choose_cut_module(self.model, self.targets)
+        # The model's `logits_at` (composer_algos.models): with `targets` the scoring forward projects
+        # only the positions with a loss too, where its logits are the decoder's output through a linear
+        # output embedding that is not itself a target, and outside FSDP (whose outermost wrapper's
+        # forward must run); the same per-example losses either way.
+        self.logits_at = "all"
+        if logits_at == "targets":
+            lm_head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+            if self._forward_model is not self.model:
+                log.info("model.logits_at=targets: the scoring forward projects every position under FSDP")
+            elif not projects_at_targets(self.model) or any(t.module is lm_head for t in self.targets):
+                log.info("model.logits_at=targets: the scoring forward projects every position (output embedding targeted or transformed)")
+            else:
+                self.logits_at = "targets"
         # What the optimizer keys each target's state by under such units (FSDP's flat parameters
         # with use_orig_params false); None: the targets' own parameters.
         self._state_params = (
@@ -570,7 +584,9 @@ class GradFeatureExtractor:
             part = {k: v.to(device, non_blocking=True) for k, v in part.items()}
             longest = max(longest, int(part["input_ids"].shape[1]))
             self._attempt_rows = stop - start
-            signals, _ = capture_layer_signals(self._forward_model, part, self.targets, self._cut, precision_context)
+            signals, _ = capture_layer_signals(
+                self._forward_model, part, self.targets, self._cut, precision_context, logits_at=self.logits_at
+            )
             if self._whole_units:
                 settle_fsdp_units(self._whole_units)
             for i, (lo, hi) in enumerate(bounds):

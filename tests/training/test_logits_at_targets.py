@@ -118,7 +118,39 @@ def test_bench_logits_at_runs_and_finds_the_same_losses(math_shards, capsys):
     ])
     out = capsys.readouterr().out
     assert rc == 0, out
-    ratios = {line.split()[0]: float(line.split()[-1]) for line in out.splitlines() if line.split()[:1] in (["train"], ["eval"])}
-    assert set(ratios) == {"train", "eval"} and all(r > 0 for r in ratios.values())
+    ratios = {line.split()[0]: float(line.split()[-1]) for line in out.splitlines() if line.split()[:1] in (["train"], ["eval"], ["score"])}
+    assert set(ratios) == {"train", "eval", "score"} and all(r > 0 for r in ratios.values())
     gap = float(out.rsplit("largest relative loss difference:", 1)[1].split()[0])
     assert gap <= 1e-4
+
+
+@pytest.mark.parametrize("lora", [None, LORA])
+def test_scoring_pass_at_targets_captures_the_full_projections_signals(lora):
+    from composer_algos.features.capture import capture_layer_signals, scoring_mode
+    from composer_algos.features.targets import choose_cut_module, resolve_targets, unwrap_model
+
+    full, _ = _pair(lora)
+    hf = unwrap_model(full)
+    targets = resolve_targets(hf, last_n_blocks=1)
+    cut = choose_cut_module(hf, targets)
+    batch = _batch()
+    with scoring_mode(hf):
+        sig_all, loss_all = capture_layer_signals(hf, batch, targets, cut)
+        sig_tgt, loss_tgt = capture_layer_signals(hf, batch, targets, cut, logits_at="targets")
+    torch.testing.assert_close(loss_tgt, loss_all, rtol=1e-5, atol=1e-6)
+    assert len(sig_tgt) == len(sig_all) == len(targets)
+    for (a1, d1), (a2, d2) in zip(sig_all, sig_tgt):
+        torch.testing.assert_close(a2, a1)
+        torch.testing.assert_close(d2, d1, rtol=1e-4, atol=1e-7)
+    # Some output gradient is not zero: the signals are not trivially equal.
+    assert any(float(d.abs().sum()) > 0 for _, d in sig_all)
+
+
+def test_the_extractor_scores_at_targets_where_the_model_trains_so():
+    from composer_algos.features import GradFeatureExtractor
+
+    full, targets_model = _pair(LORA)
+    assert GradFeatureExtractor(targets_model, logits_at=targets_model.logits_at).logits_at == "targets"
+    assert GradFeatureExtractor(full, logits_at=full.logits_at).logits_at == "all"
+    # A target on the output embedding sees every position: the scoring forward keeps the full projection.
+    assert GradFeatureExtractor(targets_model, logits_at="targets", include_lm_head=True).logits_at == "all"
