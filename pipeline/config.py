@@ -393,7 +393,8 @@ def load_config(
 
     Args:
         yaml_path: the run yaml.
-        overrides: `a.b=value` strings applied on top.
+        overrides: `a.b=value` strings applied on top; `~a.b` removes the key `a.b` (and what is
+            under it) first, an error when the yaml has no such key.
         parse_component: types each `algorithms`/`callbacks`/`loggers` entry (see `ComponentParser`);
             None keeps them as the yaml's mappings (`composer_algos.registry.load_run_config` passes
             the registry's, and `train.build_trainer` parses untyped ones before building anything).
@@ -406,11 +407,19 @@ def load_config(
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     cfg = OmegaConf.load(path)
-    bad = [o for o in overrides if "=" not in o]
+    bad = [o for o in overrides if "=" not in o and not o.startswith("~")]
     if bad:
-        raise ConfigError(f"overrides must look like key=value, got {bad}")
-    if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        raise ConfigError(f"overrides must look like key=value (or ~key to remove a key), got {bad}")
+    for o in overrides:
+        if o.startswith("~"):  # ~callbacks.answer_accuracy: the key and what is under it removed
+            parent, _, key = o[1:].rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            if not isinstance(node, DictConfig) or key not in node:
+                raise ConfigError(f"{path}: override {o}: the yaml has no key {o[1:]!r} to remove")
+            del node[key]
+    settings = [o for o in overrides if not o.startswith("~")]
+    if settings:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(settings))
     assert isinstance(cfg, DictConfig)
     return parse_config(cfg, source=str(path), parse_component=parse_component)
 

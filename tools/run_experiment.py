@@ -507,6 +507,18 @@ def _read_calibration(path: Path, machine: dict[str, Any], *, fresh: bool) -> di
     return data
 
 
+# Callbacks that evaluate and so need the eval_loader, which calibration runs drop (they time training only).
+_EVALUATION_CALLBACKS = ("answer_accuracy",)
+
+
+def _without_evaluation_callbacks(yaml_path: Path) -> list[str]:
+    """`~callbacks.<name>` overrides removing the yaml's evaluation callbacks from a calibration run."""
+    from omegaconf import OmegaConf
+
+    callbacks = OmegaConf.load(yaml_path).get("callbacks") or {}
+    return [f"~callbacks.{name}" for name in _EVALUATION_CALLBACKS if name in callbacks]
+
+
 def _calibration_round(
     args: argparse.Namespace,
     todo: list[str],
@@ -536,7 +548,8 @@ def _calibration_round(
             eval_interval=total,
             run_dir=run_dir,
             run_name=f"{args.out.name}-calibration-{label}-{index}",
-            extra=extra + variant_overrides + ["eval_loader=null", f"callbacks.train_budget.warmup_steps={args.calibration_warmup}"],
+            extra=extra + variant_overrides + ["eval_loader=null", *_without_evaluation_callbacks(args.yaml),
+                                                 f"callbacks.train_budget.warmup_steps={args.calibration_warmup}"],
         )
         queue.append((run_dir, cmd))
     print(

@@ -63,3 +63,22 @@ def test_answer_accuracy_on_pretraining_shards_is_refused_before_anything_is_bui
     tiny = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
     with pytest.raises(ConfigError, match="needs fine-tuning shards"):
         load_run_config(tiny, [f"variables.shard_dir={dolma_shards}", "callbacks.answer_accuracy.per_domain=2"])
+
+
+def test_calibration_runs_drop_the_evaluation_callbacks_with_the_eval_loader(math_shards, tmp_path):
+    """run_experiment's calibration runs drop the eval_loader; a yaml with answer_accuracy must still be valid there."""
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    import run_experiment
+
+    yaml = tmp_path / "ft.yaml"
+    yaml.write_text(TINY_FT.read_text() + "\ncallbacks:\n  answer_accuracy:\n    per_domain: 2\n")
+    base = [f"variables.shard_dir={math_shards}", f"save_folder={tmp_path / 'run'}", "eval_loader=null"]
+    with pytest.raises(ConfigError, match="answer_accuracy"):  # what the calibration runs hit before
+        load_run_config(yaml, base)
+    drop = run_experiment._without_evaluation_callbacks(yaml)
+    assert drop == ["~callbacks.answer_accuracy"]
+    cfg = load_run_config(yaml, base + drop)
+    assert "answer_accuracy" not in cfg.callbacks and cfg.eval_loader is None
+    assert run_experiment._without_evaluation_callbacks(TINY_FT) == []

@@ -221,3 +221,19 @@ def test_average_beta_with_a_preconditioned_validation_side_is_reported_with_bot
     msg = str(info.value)
     assert f"{SEL}: validation.average_beta 0.9" in msg and "features.precondition 'both'" in msg
     load_run_config(TINY, [f"{SEL}.validation.average_beta=0.9", f"{SEL}.features.precondition=pool"])
+
+
+def test_a_tilde_override_removes_a_key_and_a_missing_one_is_an_error(tmp_path):
+    from omegaconf import OmegaConf
+
+    yaml = tmp_path / "run.yaml"
+    data = OmegaConf.to_container(OmegaConf.load(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"))
+    data.setdefault("callbacks", {})["speed_monitor"] = {"window_size": 5}
+    OmegaConf.save(OmegaConf.create(data), yaml)
+    assert "speed_monitor" in load_config(yaml).callbacks
+    cfg = load_config(yaml, ["~callbacks.speed_monitor", "max_duration=3ba"])
+    assert "speed_monitor" not in cfg.callbacks and cfg.max_duration == "3ba"
+    with pytest.raises(ConfigError, match="no key 'callbacks.nosuch'"):
+        load_config(yaml, ["~callbacks.nosuch"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(yaml, ["max_duration"])
