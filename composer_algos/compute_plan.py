@@ -431,6 +431,29 @@ def config_work(cfg: Any, world_size: int = 1) -> WorkShape:
     )
 
 
+def _settings(value: Any) -> Any:
+    """`pipeline.config.config_to_dict` of a config without the dataclass fields at their defaults."""
+    from pipeline.config import ConfigSection
+
+    if isinstance(value, ConfigSection):  # holds only the keys the yaml gave
+        return {k: _settings(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {}
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            if f.default is not dataclasses.MISSING and v == f.default:
+                continue
+            if f.default_factory is not dataclasses.MISSING and v == f.default_factory():
+                continue
+            out[f.name] = _settings(v)
+        return out
+    if isinstance(value, Mapping):
+        return {k: _settings(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_settings(v) for v in value]
+    return value
+
+
 def work_key(cfg: Any, work: WorkShape) -> str:
     """A digest that two configurations share exactly when their steps do the same work.
 
@@ -438,12 +461,12 @@ def work_key(cfg: Any, work: WorkShape) -> str:
     duration) and without `algorithms.data_selection`, plus the step's sizes (`config_work`); a
     strategy with a model pass adds its whole `data_selection` section (its options change its
     solve). So random and random_stratified share a key: their selections run no model pass.
+    Settings at their defaults are left out, so a setting added later with a default that keeps
+    today's behaviour leaves the keys of saved calibrations as they were.
     """
     import hashlib
 
-    from pipeline.config import config_to_dict
-
-    data = config_to_dict(cfg)
+    data = _settings(cfg)
     for key in _WORK_NEUTRAL:
         data.pop(key, None)
     algorithms = dict(data.get("algorithms") or {})

@@ -349,6 +349,15 @@ def test_work_of_a_config_and_its_key():
     assert none.train_rows == ps.pool_rows  # strategy none trains the whole pool
     _, k_lr = work("algorithms.data_selection.strategy=random", "optimizer.lr=0.5")
     assert k_lr != k_random  # anything else in the config may change the work: its own calibration
+    # A setting given at its default is the same work, so a setting added later with a default keeps saved keys.
+    _, k_default = work("algorithms.data_selection.strategy=random", "model.logits_at=all")
+    assert k_default == k_random
+    _, k_targets = work("algorithms.data_selection.strategy=random", "model.logits_at=targets")
+    assert k_targets != k_random
+    from composer_algos.compute_plan import _settings
+
+    settings = _settings(load_run_config(TINY, ["algorithms.data_selection.strategy=random"]))
+    assert "logits_at" not in settings["model"] and "config" in settings["model"]  # defaults out, given values in
 
 
 def test_step_samples_of_a_real_run_align_the_selection_log(dolma_shards, tmp_path):
