@@ -18,6 +18,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # 22 s idle; kept out of the default suite's 15 minutes (the option checks below run by default)
 @pytest.mark.timeout(240)  # two fresh processes importing torch and transformers: measured 16 s at load 4-7 on 2 cores
 def test_start_method_comparison_prints_a_row_per_method():
     proc = _bench("--scale", "0.02", "--repeats", "1", "--start-methods", "fork,forkserver", "--workers", "2")

@@ -32,7 +32,8 @@ def _run(cmd: list[str]) -> None:
 
 
 @pytest.mark.timeout(600)  # measured 102-115 s on the loaded 2-core machine (issue 20.3)
-@pytest.mark.parametrize("microbatch", [6, 3])
+# Microbatches of 3 (the split path) run by default; 6 (one microbatch a rank) with -m slow: the suite's 15 minutes.
+@pytest.mark.parametrize("microbatch", [pytest.param(6, marks=pytest.mark.slow), 3])
 def test_two_ranks_match_one_process(tmp_path, microbatch):
     single, double = tmp_path / "single.json", tmp_path / "double.json"
     _run([sys.executable, str(WORKER), str(single), "--device-batch", "12", "--microbatch", "12"])

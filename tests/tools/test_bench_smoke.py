@@ -21,6 +21,8 @@ def _markdown_rows(out: str, first_cell: str) -> list[list[str]]:
     ]
 
 
+# Slow (24 s idle): test_bench_features_exits_nonzero_when_a_method_fails runs the bench by default.
+@pytest.mark.slow
 @pytest.mark.timeout(240)  # measured 15-30 s at load 3-11 on 2 cores (subprocesses importing torch, transformers)
 def test_bench_features_quick_table_has_every_method():
     proc = run_tool("bench_features.py", "--quick")
