@@ -431,29 +431,6 @@ def config_work(cfg: Any, world_size: int = 1) -> WorkShape:
     )
 
 
-def _settings(value: Any) -> Any:
-    """`pipeline.config.config_to_dict` of a config without the dataclass fields at their defaults."""
-    from pipeline.config import ConfigSection
-
-    if isinstance(value, ConfigSection):  # holds only the keys the yaml gave
-        return {k: _settings(v) for k, v in value.items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = {}
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            if f.default is not dataclasses.MISSING and v == f.default:
-                continue
-            if f.default_factory is not dataclasses.MISSING and v == f.default_factory():
-                continue
-            out[f.name] = _settings(v)
-        return out
-    if isinstance(value, Mapping):
-        return {k: _settings(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_settings(v) for v in value]
-    return value
-
-
 def work_key(cfg: Any, work: WorkShape) -> str:
     """A digest that two configurations share exactly when their steps do the same work.
 
@@ -466,7 +443,9 @@ def work_key(cfg: Any, work: WorkShape) -> str:
     """
     import hashlib
 
-    data = _settings(cfg)
+    from pipeline.config import config_to_dict
+
+    data = config_to_dict(cfg, skip_defaults=True)
     for key in _WORK_NEUTRAL:
         data.pop(key, None)
     algorithms = dict(data.get("algorithms") or {})

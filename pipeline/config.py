@@ -463,17 +463,32 @@ def build_section(cls: type, data: Any, prefix: str, problems: list[str]) -> Any
     return _build(cls, data, prefix, problems)
 
 
-def config_to_dict(value: Any) -> Any:
-    """The plain-container form of a config (for saving): sections keep only the keys the yaml gave."""
+def config_to_dict(value: Any, *, skip_defaults: bool = False) -> Any:
+    """The plain-container form of a config (for saving): sections keep only the keys the yaml gave.
+
+    With `skip_defaults`, the fields of the plain dataclasses (`TrainConfig`, `ModelConfig`, ...) that
+    are at their defaults are left out too, so a field added later with a default leaves the result
+    of an older config unchanged (`compute_plan.work_key`).
+    """
     if isinstance(value, ConfigSection):
-        return {k: config_to_dict(v) for k, v in value.items()}
+        return {k: config_to_dict(v, skip_defaults=skip_defaults) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: config_to_dict(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            f.name: config_to_dict(getattr(value, f.name), skip_defaults=skip_defaults)
+            for f in dataclasses.fields(value)
+            if not (skip_defaults and _at_default(f, getattr(value, f.name)))
+        }
     if isinstance(value, Mapping):
-        return {k: config_to_dict(v) for k, v in value.items()}
+        return {k: config_to_dict(v, skip_defaults=skip_defaults) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [config_to_dict(v) for v in value]
+        return [config_to_dict(v, skip_defaults=skip_defaults) for v in value]
     return value
+
+
+def _at_default(f: dataclasses.Field, value: Any) -> bool:
+    if f.default is not dataclasses.MISSING:
+        return value == f.default
+    return f.default_factory is not dataclasses.MISSING and value == f.default_factory()
 
 
 def parse_components(

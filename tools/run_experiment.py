@@ -534,6 +534,7 @@ def _calibration_round(
     """One chunk of each group in `todo` (in that order, `--jobs` at a time); its samples appended to `path`."""
     total = args.calibration_warmup + args.calibration_steps
     queue = []
+    no_evaluation_callbacks = _without_evaluation_callbacks(args.yaml)  # the yaml, read once a round
     for key in todo:
         label = groups[key]
         strategy, variant_overrides = runs_of[label]
@@ -548,7 +549,7 @@ def _calibration_round(
             eval_interval=total,
             run_dir=run_dir,
             run_name=f"{args.out.name}-calibration-{label}-{index}",
-            extra=extra + variant_overrides + ["eval_loader=null", *_without_evaluation_callbacks(args.yaml),
+            extra=extra + variant_overrides + ["eval_loader=null", *no_evaluation_callbacks,
                                                  f"callbacks.train_budget.warmup_steps={args.calibration_warmup}"],
         )
         queue.append((run_dir, cmd))

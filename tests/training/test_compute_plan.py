@@ -354,9 +354,9 @@ def test_work_of_a_config_and_its_key():
     assert k_default == k_random
     _, k_targets = work("algorithms.data_selection.strategy=random", "model.logits_at=targets")
     assert k_targets != k_random
-    from composer_algos.compute_plan import _settings
+    from pipeline.config import config_to_dict
 
-    settings = _settings(load_run_config(TINY, ["algorithms.data_selection.strategy=random"]))
+    settings = config_to_dict(load_run_config(TINY, ["algorithms.data_selection.strategy=random"]), skip_defaults=True)
     assert "logits_at" not in settings["model"] and "config" in settings["model"]  # defaults out, given values in
 
 
