@@ -17,8 +17,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
+# Two pytest-xdist workers: the suite is mostly single-threaded Python (imports, small models), so on
+# the 2-core machine CI runs on it takes about half the wall time of one process. TEST_WORKERS=0 runs it
+# in this process (pytest's own -n 0), e.g. to debug one test.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 test-dist: $(STAMP)
 	$(PY) -m pytest -q -m world_size
