@@ -6,7 +6,7 @@ Example:
 
 Offline from end to end: the corpus is synthetic (tools/make_sample_corpus.py), the tokenizer is
 the committed assets/tokenizer, and the model is built from a config (`yamls/testing/demo_dolma.yaml`,
-200 steps, selection scoring each row's first 64 tokens). Training shows a progress
+150 steps, selection scoring each row's first 64 tokens). Training shows a progress
 bar; Composer's per-step metrics and warnings go to `console.log` in the run directory (every
 metric is also in `log-rank0.txt`, `selection_log.csv`, `eval_history.csv`). At the end it prints
 the per-domain validation loss, the domain mixture PartitionSel induced next to the mixture of the
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=REPO / "demo_out", help="working directory (default: demo_out/)"
     )
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
+    parser.add_argument("--steps", type=int, default=150, help="training steps (default: 150)")
     parser.add_argument(
         "--strategy",
         default="partitionsel",
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             f"algorithms.data_selection.strategy={args.strategy}",
             # Score the first 64 of each row's 128 tokens, as the pretraining recipe does: the
             # features took 0.55 s a step against 0.92 s on whole rows (20 steps each, side by
-            # side), which with 200 steps keeps the demo under 3 minutes on 2 cores.
+            # side), which with 150 steps keeps the demo under 3 minutes on 2 cores.
             "algorithms.data_selection.features.score_window=64",
         ],
         console_log,
