@@ -234,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         if todo:
             print(f"--report-only: {len(todo)} runs not finished, left out: {', '.join(d.name for d, _ in todo)}")
+        base = args.paired_baseline
+        if base is not None and not any((args.out / f"{base}-seed{s}" / "eval_results.json").exists() for s in seeds):
+            print(
+                f"--report-only: no finished run of the paired baseline {base!r} in {args.out}; nothing to pair "
+                "against (run without --report-only to train it, or give another --paired-baseline)",
+                file=sys.stderr,
+            )
+            return 2
         todo = []
     failed = _run_queue(todo, jobs=args.jobs, gpus=gpus, budget_seconds=args.budget_seconds)
     if failed:

@@ -596,6 +596,22 @@ def test_report_only_trains_nothing_and_reports_the_finished_runs(fake_training,
     assert summary["strategies"]["random"]["average"]["mean"] == pytest.approx(2.2)
 
 
+def test_report_only_without_the_baselines_runs_ends_with_one_line(fake_training, tmp_path, capsys):
+    """--report-only on an OUT where the paired baseline has no finished run: exit 2 and why, not a traceback."""
+    tool, launched = fake_training
+    out = tmp_path / "exp"
+    _fake_run(out, "partitionsel", 1, 2.0, [1.5, 2.5], [0.25, 0.75], [([0, 1], [0])])
+    rc = tool.main(
+        [
+            "--yaml", str(TINY), "--shard-dir", str(tmp_path), "--strategies", "random,partitionsel",
+            "--seeds", "1,2", "--steps", "4", "--out", str(out), "--report-only", "--paired-baseline", "random",
+        ]
+    )
+    assert rc == 2 and launched == []
+    err = capsys.readouterr().err
+    assert f"--report-only: no finished run of the paired baseline 'random' in {out}" in err
+
+
 def test_calibration_on_the_cpu_clock_plans_in_cpu_seconds(fake_training, tmp_path):
     """--cost-clock cpu: 1.0 and 3.0 CPU s a step (the fake's); a budget of 9 CPU s buys 9 and 3 steps."""
     tool, launched = fake_training
