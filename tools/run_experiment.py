@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if todo:
             print(f"--report-only: {len(todo)} runs not finished, left out: {', '.join(d.name for d, _ in todo)}")
         base = args.paired_baseline
-        if base is not None and not any((args.out / f"{base}-seed{s}" / "eval_results.json").exists() for s in seeds):
+        if base is not None and base not in collect(args.out, [base], seeds)["per_seed"]:
             print(
                 f"--report-only: no finished run of the paired baseline {base!r} in {args.out}; nothing to pair "
                 "against (run without --report-only to train it, or give another --paired-baseline)",
