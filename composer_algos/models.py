@@ -14,6 +14,7 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from composer_algos.frozen_prefix import install_frozen_prefix_cache
 from composer_algos.losses import (
     IGNORE_INDEX,
     per_example_losses,
@@ -96,6 +97,7 @@ def build_causal_lm(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
     logits_at: str = "all",
+    eval_prefix_cache: str | None = None,
 ) -> DomainCausalLM:
     """Build the model described by a `ModelConfig` (fields passed as plain keyword arguments).
 
@@ -118,6 +120,9 @@ def build_causal_lm(
         logits_at: `all` (the model's own forward) or `targets`: the vocabulary projection only at the
             positions whose next token has a loss (`DomainCausalLM._target_forward`); the same loss
             and metrics, for fine-tuning with a loss on the answer only.
+        eval_prefix_cache: A directory where evaluation forwards keep the outputs of the frozen blocks
+            below `lora["top_blocks"]`' adapters and skip those blocks when the same inputs come again
+            (`composer_algos.frozen_prefix`); needs `top_blocks`.
 
     Returns:
         The Composer model, with per-token cross-entropy and perplexity as eval metrics.
@@ -196,4 +201,9 @@ def build_causal_lm(
         should_save_peft_only=False,
     )
     wrapped.logits_at = logits_at
+    if eval_prefix_cache is not None:
+        if lora is None or lora.get("top_blocks") is None:
+            raise ValueError("model.eval_prefix_cache needs model.lora.top_blocks (the frozen blocks it caches lie below them)")
+        depth = int(wrapped.model.config.num_hidden_layers)
+        install_frozen_prefix_cache(wrapped.model, depth - int(lora["top_blocks"]), eval_prefix_cache)
     return wrapped

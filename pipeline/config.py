@@ -123,9 +123,18 @@ class ModelConfig:
     # `targets`: the vocabulary projection only at positions whose next token has a loss (answer-only
     # fine-tuning; `composer_algos.models.DomainCausalLM`), `all`: at every position.
     logits_at: str = "all"
+    # A directory where evaluation keeps the outputs of the frozen blocks below `lora.top_blocks`'
+    # adapters, so later evaluations of the same inputs (in this run or another) skip those blocks
+    # (`composer_algos.frozen_prefix`); null: evaluate through every block.
+    eval_prefix_cache: str | None = None
 
     def validate(self) -> list[str]:
         errs = []
+        if self.eval_prefix_cache is not None and (self.lora is None or self.lora.top_blocks is None):
+            errs.append(
+                f"model.eval_prefix_cache ({self.eval_prefix_cache!r}) needs model.lora.top_blocks: only the blocks "
+                "below the adapters are frozen and can be cached; set lora.top_blocks or drop eval_prefix_cache"
+            )
         if self.logits_at not in ("all", "targets"):
             errs.append(f"model.logits_at must be 'all' or 'targets', got {self.logits_at!r}")
         if (self.pretrained_model_name_or_path is None) == (self.config is None):

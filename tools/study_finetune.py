@@ -162,7 +162,11 @@ def study_commands(
         if label not in plain:
             strategy, overrides = ARMS[label]
             base += ["--variant", ",".join([f"{label}={strategy}", *overrides])]
-    tail = ["--", *EVAL_OVERRIDES] + (["callbacks.answer_accuracy.per_domain=2"] if smoke else [])
+    # Every run evaluates the same held-out examples and questions with the same frozen blocks below the
+    # adapters: the first evaluation records those blocks' outputs, the others skip them
+    # (composer_algos/frozen_prefix.py; the same results bit for bit).
+    tail = ["--", *EVAL_OVERRIDES, f"model.eval_prefix_cache={out / 'prefix_cache'}"]
+    tail += ["callbacks.answer_accuracy.per_domain=2"] if smoke else []
     # At most 2 interleaved calibration rounds: PartitionSel's step is about 27 CPU s here (3.2x random's),
     # so a round of 12 steps takes about 6 minutes; the sensitivity runs show what the spread left moves.
     calibration = (["--calibration-steps", "2", "--calibration-warmup", "1", "--calibration-rounds", "2"] if smoke
