@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if "setup" in parts:
         setup(shards, env, smoke=args.smoke)
     if "floor" in parts:
-        floor(out, shards, env, smoke=args.smoke)
+        # The floor runs alone before the trainings: it may use every core the jobs will (one thread each).
+        floor(out, shards, dict(env, OMP_NUM_THREADS=str(args.jobs)), smoke=args.smoke)
     if "study" in parts:
         for cmd in study_commands(out, shards=shards, arms=arms, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
                                   smoke=args.smoke):
