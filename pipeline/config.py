@@ -178,6 +178,13 @@ class DatasetConfig:
             errs.append(f"{where}.dataset: give `domain_weights` or `domain_weights_file`, not both")
         if self.split not in ("train", "val"):
             errs.append(f"{where}.dataset.split must be train or val, got {self.split!r}")
+        from streaming.base.shuffle import algos as shuffle_algos
+
+        if self.shuffle_algo not in shuffle_algos:
+            errs.append(
+                f"{where}.dataset.shuffle_algo must be one of Streaming's {', '.join(sorted(shuffle_algos))}, "
+                f"got {self.shuffle_algo!r}"
+            )
         return errs
 
 

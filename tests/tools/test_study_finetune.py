@@ -32,6 +32,8 @@ def test_quick_commands_run_equal_steps_then_equal_compute_paired_against_random
         assert "eval_loader.subset_num_batches=1" in cmd[cmd.index("--") :]
         # every run shares one cache of the frozen blocks' outputs on the evaluation sets
         assert f"model.eval_prefix_cache={tmp_path / 'prefix_cache'}" in cmd[cmd.index("--") :]
+        # the order the study's runs were made with, whatever the recipe's shuffle
+        assert "train_loader.dataset.shuffle_algo=py1e" in cmd[cmd.index("--") :]
     assert _arg(steps, "--steps") == "40" and _arg(steps, "--out") == str(tmp_path / "equal_steps")
     assert _arg(compute, "--compute-budget") == "random=40" and _arg(compute, "--cost-clock") == "cpu"
     assert _arg(compute, "--out") == str(tmp_path / "equal_compute") and "--steps" not in compute
