@@ -15,6 +15,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from composer_algos.frozen_prefix import evaluation_forwards
 from pipeline.evaluation.heldout_answers import answer_accuracy, heldout_questions
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class AnswerAccuracy(Callback):
         questions = heldout_questions(self._datasets(state), tokenizer, per_domain=self.per_domain)
         rank, world = dist.get_global_rank(), dist.get_world_size()
         mine = questions[rank::world]
-        result = answer_accuracy(model, tokenizer, mine, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
+        with evaluation_forwards():  # generate's prefill may use the frozen-prefix cache (model.eval_prefix_cache)
+            result = answer_accuracy(model, tokenizer, mine, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
         domains = sorted({q.domain for q in questions})
         right = torch.tensor([sum(r["correct"] for r in result["records"] if r["domain"] == d) for d in domains], dtype=torch.float64)
         total = torch.tensor([sum(r["domain"] == d for r in result["records"]) for d in domains], dtype=torch.float64)

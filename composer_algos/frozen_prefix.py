@@ -5,12 +5,16 @@ them hold no trainable parameter: on a fixed evaluation set their outputs are th
 training step and in every run that starts from the same pretrained weights. A study evaluates the
 same held-out examples and questions in dozens of runs, and on CPU those frozen blocks are most of
 an evaluation's cost (26 of SmolLM2-135M's 30 blocks under the study's 4 adapted ones).
-`FrozenPrefixCache` hooks the decoder so that an evaluation forward (module in eval mode, autograd
-off) whose input it has seen before skips those blocks: the first time, their output (and, when the
+`FrozenPrefixCache` hooks the decoder so that an evaluation forward (inside `evaluation_forwards()`,
+which `DomainCausalLM.eval_forward` and the answer-accuracy callback enter; module in eval mode,
+autograd off) whose input it has seen before skips those blocks: the first time, their output (and, when the
 forward fills a KV cache, as the prefill of `generate` does, their keys and values) is written to a
 directory, keyed by everything it depends on; afterwards it is read back and the blocks are replaced,
 for that forward only, by stubs that hand it on. The decode steps of generation, training forwards and
-selection's scoring pass (autograd on) run the model unchanged.
+selection's scoring pass run the model unchanged. The scoring pass must: it too runs the frozen blocks
+in eval mode without autograd (`features.capture.truncated_graph`), and a study's runs score the same
+pools at the same steps, so a cache there would make selection cheaper in a study than in use and
+bias every equal-compute comparison. Hence the explicit context rather than "eval mode, no grad".
 
 The key: a digest of the frozen weights (embedding, the blocks, their buffers), the block count, the
 input ids, attention mask and position ids, whether a KV cache is filled, the device type, the autocast
@@ -26,6 +30,9 @@ import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +40,19 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FrozenPrefixCache", "install_frozen_prefix_cache"]
+__all__ = ["FrozenPrefixCache", "evaluation_forwards", "install_frozen_prefix_cache"]
+
+_EVALUATING: ContextVar[bool] = ContextVar("frozen_prefix_evaluating", default=False)
+
+
+@contextmanager
+def evaluation_forwards() -> Iterator[None]:
+    """The forwards inside are evaluation (held-out loss, generation): the only ones the cache may serve."""
+    token = _EVALUATING.set(True)
+    try:
+        yield
+    finally:
+        _EVALUATING.reset(token)
 
 
 class FrozenPrefixCache:
@@ -73,7 +92,7 @@ class FrozenPrefixCache:
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._active, self._recorded = None, None
-        if module.training or torch.is_grad_enabled():
+        if not _EVALUATING.get() or module.training or torch.is_grad_enabled():
             return  # training and the scoring pass: the model as it is
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         past = kwargs.get("past_key_values")

@@ -14,7 +14,7 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from composer_algos.frozen_prefix import install_frozen_prefix_cache
+from composer_algos.frozen_prefix import evaluation_forwards, install_frozen_prefix_cache
 from composer_algos.losses import (
     IGNORE_INDEX,
     per_example_losses,
@@ -65,9 +65,10 @@ class DomainCausalLM(HuggingFaceModel):
 
     def eval_forward(self, batch: Any, outputs: Any | None = None) -> Any:
         """With `logits_at: targets`, the (N, V) logits of the target positions; `self.labels` their (N,) targets."""
-        if self.logits_at != "targets" or not isinstance(batch, Mapping) or batch.get("mode") is not None:
-            return super().eval_forward(batch, outputs)
-        out = outputs if outputs else self.forward(batch)
+        with evaluation_forwards():  # the frozen-prefix cache, where installed, serves evaluation only
+            if self.logits_at != "targets" or not isinstance(batch, Mapping) or batch.get("mode") is not None:
+                return super().eval_forward(batch, outputs)
+            out = outputs if outputs else self.forward(batch)
         self.labels = out["targets"]  # what update_metric compares the logits with (token cross-entropy)
         return out["logits"]
 

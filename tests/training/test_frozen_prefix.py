@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from composer_algos.frozen_prefix import evaluation_forwards
 from composer_algos.models import build_causal_lm
 from pipeline.collators import IGNORE_INDEX
 from pipeline.config import LoraConfig, ModelConfig
@@ -86,9 +87,10 @@ def test_greedy_generation_from_a_replayed_prefill_equals_generation_without_the
     kw = dict(pad_id=0, eos_id=3, max_new_tokens=6, batch_size=2)
     want = generate_from_ids(plain.model, prompts, **kw)
     calls = _bottom_calls(cached)
-    first = generate_from_ids(cached.model, prompts, **kw)
-    n_first = len(calls)  # prefill and every decode step through the bottom block
-    second = generate_from_ids(cached.model, prompts, **kw)
+    with evaluation_forwards():  # as the answer-accuracy callback generates
+        first = generate_from_ids(cached.model, prompts, **kw)
+        n_first = len(calls)  # prefill and every decode step through the bottom block
+        second = generate_from_ids(cached.model, prompts, **kw)
     assert first == want and second == want
     assert len(calls) - n_first == n_first - 2, "the replayed prefills (one per batch of 2) still ran the frozen blocks"
     assert _cache(cached).hits == 2
@@ -103,6 +105,27 @@ def test_training_forwards_and_scoring_passes_run_the_model_unchanged(tmp_path):
     cached.loss(cached(_batch()), _batch()).backward()
     assert len(calls) == 2 and not list((tmp_path / "cache").rglob("*.pt"))
     assert out["loss"].requires_grad
+
+
+def test_the_scoring_pass_and_forwards_outside_evaluation_never_use_the_cache(tmp_path):
+    """The scoring pass runs the frozen blocks in eval mode without autograd, like an evaluation; a study's
+    runs score the same pools, so a cache there would make selection cheaper in the study than in use."""
+    from composer_algos.features.capture import capture_layer_signals, scoring_mode
+    from composer_algos.features.targets import choose_cut_module, resolve_targets, unwrap_model
+
+    _, cached = _models(tmp_path / "cache")
+    hf = unwrap_model(cached)
+    targets = resolve_targets(hf, last_n_blocks=1)
+    cut = choose_cut_module(hf, targets)
+    calls = _bottom_calls(cached)
+    with scoring_mode(hf):
+        first = capture_layer_signals(hf, _batch(), targets, cut, logits_at="targets")
+        second = capture_layer_signals(hf, _batch(), targets, cut, logits_at="targets")
+        with torch.no_grad():  # a plain no-grad forward in eval mode is not an evaluation either
+            cached(_batch())
+            cached(_batch())
+    assert len(calls) == 4 and not list((tmp_path / "cache").rglob("*.pt"))
+    torch.testing.assert_close(second[1], first[1])
 
 
 def test_other_frozen_weights_do_not_replay_an_entry(tmp_path):
