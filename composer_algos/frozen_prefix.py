@@ -84,6 +84,7 @@ class FrozenPrefixCache:
         self._digest: str | None = None
         self._active: dict[str, Any] | None = None  # the forward in progress: its key, mode and cache object
         self._recorded: torch.Tensor | None = None
+        self._originals: list[torch.nn.Module] = []  # the frozen blocks while stubs stand in for them
         decoder.register_forward_pre_hook(self._before, with_kwargs=True)
         decoder.register_forward_hook(self._after, with_kwargs=True, always_call=True)
         layers[n_frozen - 1].register_forward_hook(self._record_output)
@@ -93,7 +94,7 @@ class FrozenPrefixCache:
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._active, self._recorded = None, None
         if not _EVALUATING.get() or module.training or torch.is_grad_enabled():
-            return  # training and the scoring pass: the model as it is
+            return  # outside evaluation (training, the scoring pass): the model as it is
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         past = kwargs.get("past_key_values")
         if input_ids is None or kwargs.get("inputs_embeds") is not None:
@@ -111,7 +112,7 @@ class FrozenPrefixCache:
             self._swap_in(entry)
         else:
             self.misses += 1
-            self._active = {"mode": "record", "path": path, "use_cache": use_cache, "kwargs": kwargs}
+            self._active = {"mode": "record", "path": path, "use_cache": use_cache}
 
     def _record_output(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._active is not None and self._active["mode"] == "record":
@@ -125,11 +126,12 @@ class FrozenPrefixCache:
         if active["mode"] == "replay":
             self._swap_out()
             return
-        if self._recorded is None:
-            return  # the forward failed before the last frozen block
-        entry: dict[str, Any] = {"hidden": self._recorded.detach().cpu(), "tuple": active["tuple"]}
         past = getattr(output, "past_key_values", None)
-        if active["use_cache"] and past is not None:
+        if self._recorded is None or output is None or (active["use_cache"] and past is None):
+            self._recorded = None
+            return  # the forward failed: record nothing rather than an entry without its keys and values
+        entry: dict[str, Any] = {"hidden": self._recorded.detach().cpu(), "tuple": active["tuple"]}
+        if active["use_cache"]:
             kv = [past[i] for i in range(self.n_frozen)]
             entry["keys"] = [k.detach().cpu() for k, _ in kv]
             entry["values"] = [v.detach().cpu() for _, v in kv]
