@@ -132,6 +132,8 @@ def build_causal_lm(
         ValueError: the vocabulary is smaller than the tokenizer's; a `.gguf` file that is not GGUF
             or whose architecture transformers cannot load (`pipeline.gguf.gguf_model_dir`).
     """
+    if eval_prefix_cache is not None and (lora is None or lora.get("top_blocks") is None):
+        raise ValueError("model.eval_prefix_cache needs model.lora.top_blocks (the frozen blocks it caches lie below them)")
     overrides = dict(config_overrides or {})
     if pretrained_model_name_or_path is not None:
         pretrained_model_name_or_path = resolve_pretrained(
@@ -202,9 +204,6 @@ def build_causal_lm(
         should_save_peft_only=False,
     )
     wrapped.logits_at = logits_at
-    if eval_prefix_cache is not None:
-        if lora is None or lora.get("top_blocks") is None:
-            raise ValueError("model.eval_prefix_cache needs model.lora.top_blocks (the frozen blocks it caches lie below them)")
-        depth = int(wrapped.model.config.num_hidden_layers)
-        install_frozen_prefix_cache(wrapped.model, depth - int(lora["top_blocks"]), eval_prefix_cache)
+    if eval_prefix_cache is not None:  # the blocks below the lowest adapted one are frozen
+        install_frozen_prefix_cache(wrapped.model, layers[0], eval_prefix_cache)
     return wrapped
