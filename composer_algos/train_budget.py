@@ -50,7 +50,9 @@ class TrainTimeBudget(Callback):
     warmup_steps)`; null until a step after them has run); `train_cpu_s`, `warmup_cpu_s` and
     `step_cpu_s`, the same in this process's CPU time (`time.process_time`: every thread of rank
     0, evaluation left out; on a CPU shared with other jobs it varies less with their load than
-    the wall clock does); `step_times_s` and `step_cpu_times_s`, each step's training time after
+    the wall clock does; a step's CPU time ends at its `AFTER_TRAIN_BATCH`, as its wall time ends
+    before `BATCH_END`, so callbacks that evaluate at the last step's `BATCH_END`, such as
+    `answer_accuracy`, are not counted: `cpu_step_end` says so); `step_times_s` and `step_cpu_times_s`, each step's training time after
     the warm-up on both clocks (the samples an equal-compute calibration fits its cost model to,
     `composer_algos.compute_plan.fit_cost_model`); `pool_samples` and `pool_tokens`
     (Composer's count of the loader's batches over all ranks: with a selection algorithm, the
@@ -87,6 +89,7 @@ class TrainTimeBudget(Callback):
         self.train_cpu_s = 0.0
         self.warmup_cpu_s: float | None = 0.0 if warmup_steps == 0 else None
         self._cpu_mark = 0.0
+        self._step_cpu_end: float | None = None  # the CPU clock at this step's AFTER_TRAIN_BATCH
         self._wall_mark = 0.0
         # Per-step training time after the warm-up (wall, this process's CPU): the calibration's samples.
         self.step_times_s: list[float] = []
@@ -109,8 +112,13 @@ class TrainTimeBudget(Callback):
             self.trained_samples += int(ids.shape[0])
             self.trained_tokens += int(ids.numel())
 
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        # The step's CPU time ends here, after the optimizer, as its wall time ends before BATCH_END: the
+        # BATCH_END callbacks listed before this one (answer_accuracy generates at the last step) are not training.
+        self._step_cpu_end = time.process_time()
+
     def batch_end(self, state: State, logger: Logger) -> None:
-        now = time.process_time()
+        now, self._step_cpu_end = (time.process_time() if self._step_cpu_end is None else self._step_cpu_end), None
         self.train_cpu_s += now - self._cpu_mark
         wall = state.timestamp.total_wct.total_seconds()
         if int(state.timestamp.batch.value) > self.warmup_steps:
@@ -162,6 +170,7 @@ class TrainTimeBudget(Callback):
                 if self.warmup_cpu_s is not None
                 else None
             ),
+            "cpu_step_end": "after_train_batch",  # absent in files written before the last step's callbacks were left out
             "step_times_s": self.step_times_s,
             "step_cpu_times_s": self.step_cpu_times_s,
             "pool_samples": int(state.timestamp.sample.value),

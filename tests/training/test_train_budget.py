@@ -156,3 +156,53 @@ def test_cpu_time_counts_training_and_leaves_evaluation_out(monkeypatch):
     state.timestamp.batch.value = 2
     cb.batch_end(state, None)  # type: ignore[arg-type]
     assert (cb.train_cpu_s, cb.warmup_cpu_s) == (2.0, 1.0)
+
+
+def test_cpu_time_of_a_step_ends_at_after_train_batch_not_at_callbacks_before_it(monkeypatch):
+    """answer_accuracy generates at the last step's BATCH_END before this callback runs: not training time.
+
+    Process CPU 0 at fit start, 1 at step 1's AFTER_TRAIN_BATCH, then 40 s of another callback's
+    BATCH_END work (the clock reads 41 at this callback's BATCH_END): step 1 took 1 CPU s.
+    """
+    import composer_algos.train_budget as tb
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(tb.time, "process_time", lambda: clock["now"])
+    cb = TrainTimeBudget(warmup_steps=0)
+    state = SimpleNamespace(
+        timestamp=SimpleNamespace(total_wct=datetime.timedelta(seconds=1.0), batch=SimpleNamespace(value=1)),
+        evaluators=[],
+    )
+    cb.fit_start(state, None)  # type: ignore[arg-type]
+    clock["now"] = 1.0
+    cb.after_train_batch(state, None)  # type: ignore[arg-type]
+    clock["now"] = 41.0  # the callbacks listed before this one ran their BATCH_END
+    cb.batch_end(state, None)  # type: ignore[arg-type]
+    assert cb.train_cpu_s == 1.0 and cb.step_cpu_times_s == [1.0]
+
+
+def test_a_callback_working_at_the_last_batch_end_is_not_counted_as_training_cpu(dolma_shards, tmp_path):
+    """A callback ahead of train_budget burning 1.5 CPU s at the last step's BATCH_END (as answer_accuracy
+    generates there) leaves every recorded step far below it, and the file says where a step's CPU time ends."""
+    import time as _time
+
+    from composer.core import Callback
+
+    class BurnAtLastStep(Callback):
+        def batch_end(self, state, logger):
+            if int(state.timestamp.batch.value) == 3:
+                t0 = _time.process_time()
+                while _time.process_time() - t0 < 1.5:
+                    pass
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(TINY, tiny_overrides(dolma_shards, run_dir, "algorithms.data_selection.strategy=random",
+                                           "callbacks.train_budget.budget_seconds=null"))
+    trainer = train.build_trainer(cfg)
+    trainer.state.callbacks.insert(0, BurnAtLastStep())
+    trainer.fit()
+    trainer.close()
+    budget = json.loads((run_dir / "train_budget.json").read_text())
+    assert budget["cpu_step_end"] == "after_train_batch"
+    assert len(budget["step_cpu_times_s"]) == 2 and max(budget["step_cpu_times_s"]) < 1.0, budget["step_cpu_times_s"]
+    assert abs(budget["train_cpu_s"] - budget["warmup_cpu_s"] - sum(budget["step_cpu_times_s"])) < 1e-6
