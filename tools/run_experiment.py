@@ -27,7 +27,9 @@ Budgets (one of):
   of training: Composer's wall-clock account of data loading, selection and the training step,
   evaluation excluded) is first measured by a calibration run (`--step-costs calibrate`, the
   default: the first seed, `--calibration-warmup` steps left out, then `--calibration-steps`
-  timed, no evaluation; OUT/calibration.json, reused by any later plan, or `--calibration FILE`) or given
+  timed, no evaluation; OUT/calibration.json, reused by any later plan, or `--calibration FILE`;
+  `--calibration-from DIR` takes the timed steps of finished runs of the same configurations, e.g.
+  the equal-steps runs of the same study, instead of running rounds of its own) or given
   (`--step-costs random=0.41,partitionsel=0.97`, e.g. from tools/bench_step.py). The calibrated
   cost is a model (`compute_plan.fit_cost_model`: seconds per training FLOP, per scoring FLOP, per
   solver) fitted to interleaved rounds of every group of configurations that do the same work
@@ -57,7 +59,8 @@ example ever guided a selection.
 
 Runs are queued seed-major (seed 1 of every strategy, then seed 2, ...), so an interrupted
 comparison stays balanced across strategies. `--jobs N` runs N trainings at a time, each with
-OMP_NUM_THREADS = cores/N (set for every N, 1 included).
+OMP_NUM_THREADS = cores/N (set for every N, 1 included); with N > 1 the costlier runs of each seed
+are queued first, so the short ones fill the other slots and no long run is left alone at the end.
 
 Writes OUT/comparison.md, OUT/comparison.json and OUT/curves.png: per-domain validation
 log-perplexity at the last evaluation (mean +- std over seeds), their average, steps, training
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "--calibration-rounds": args.calibration_rounds is not None,
         "--calibration-target": args.calibration_target is not None,
         "--calibration": args.calibration is not None,
+        "--calibration-from": args.calibration_from is not None,
         "--sensitivity": args.sensitivity is not None,
     }
     if budget is None and any(compute_only.values()):
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--calibration-target must be in (0, 1), got {args.calibration_target}")
     if args.calibration is not None and not args.calibration.is_file():
         parser.error(f"--calibration: no such file {args.calibration}")
+    if args.calibration_from is not None and not args.calibration_from.is_dir():
+        parser.error(f"--calibration-from: no such directory {args.calibration_from}")
     given_costs = None
     if args.step_costs != "calibrate":
         try:
@@ -206,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         steps_of = {label: args.steps for label in strategies}
     todo = []
-    for label, seed in plan_runs(list(steps_of), seeds):
+    # With several jobs at once, the costlier runs of each seed start first (plan_runs).
+    cost = expected_costs(args, steps_of, runs_of, extra, plan) if args.jobs > 1 and not args.report_only else None
+    for label, seed in plan_runs(list(steps_of), seeds, cost):
         strategy, variant_overrides = runs_of[label]
         run_dir = args.out / f"{label}-seed{seed}"
         steps = steps_of[label]
@@ -451,6 +459,8 @@ def calibrate(
     path = args.calibration or args.out / "calibration.json"
     machine = {"clock": args.cost_clock, "cores": os.cpu_count() or 1, "jobs": args.jobs}
     known = _read_calibration(path, machine, fresh=args.rerun and args.calibration is None)
+    if args.calibration_from is not None:
+        _calibration_from_runs(args.calibration_from, known, groups, arms, path)
     rounds = 0
     while True:
         spread = _spread_of(known, arms, reference, machine["clock"]) if all(k in known["groups"] for k in groups) else None
@@ -490,8 +500,64 @@ def calibrate(
             "solve_s": dict(model.solve_s),
         },
         "max_spread": worst,
+        "from_runs": {groups[k]: known["groups"][k]["from_runs"] for k in groups if known["groups"][k].get("from_runs")},
     }
     return costs, spread, summary
+
+
+def _calibration_from_runs(
+    runs_dir: Path, known: dict[str, Any], groups: dict[str, str], arms: dict[str, tuple[str, Any]], path: Path
+) -> None:
+    """Seed each group `known` has no samples for with the finished runs of its arms in `runs_dir` (one chunk a run).
+
+    A run trained with the group's work (`<label>-seed<s>` of an arm of the group, `train_budget.json`
+    written) did what a calibration round would time, on the same machine, so its timed steps are
+    samples as good as a round's. Groups already calibrated keep their samples: adding the runs would
+    move costs that earlier plans were made with.
+
+    Raises:
+        PlanError: a run whose `train_budget.json` predates `cpu_step_end` (its last step's CPU time
+            may hold an evaluation callback's work).
+    """
+    for key, first_label in groups.items():
+        if key in known["groups"]:
+            continue
+        labels = [label for label, (k, _) in arms.items() if k == key]
+        budgets = sorted(p for label in labels for p in runs_dir.glob(f"{label}-seed*/train_budget.json"))
+        chunks, used, model = [], [], None
+        for budget_path in budgets:
+            budget = json.loads(budget_path.read_text())
+            if budget.get("cpu_step_end") != "after_train_batch":
+                raise PlanError(
+                    f"--calibration-from: {budget_path} was written before a step's CPU time left out the callbacks "
+                    "that evaluate at its end; retrain that run, or calibrate without --calibration-from"
+                )
+            if not budget.get("step_times_s"):
+                continue
+            wall, cpu = _read_samples(budget_path.parent, "wall"), _read_samples(budget_path.parent, "cpu")
+            chunks.append(
+                {
+                    "step_times_s": list(wall.step_s),
+                    "step_cpu_times_s": list(cpu.step_s),
+                    "features_s": list(wall.features_s),
+                    "selection_s": list(wall.selection_s),
+                    "features_cpu_s": list(cpu.features_s),
+                    "selection_cpu_s": list(cpu.selection_s),
+                }
+            )
+            model = budget.get("model")
+            used.append(str(budget_path.parent))
+        if chunks:
+            known["groups"][key] = {
+                "label": first_label,
+                "work": dataclasses.asdict(arms[first_label][1]),
+                "model": model,
+                "chunks": chunks,
+                "from_runs": used,
+            }
+            print(f"calibration of {first_label}: {len(chunks)} finished runs in {runs_dir}", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(known, indent=1))
 
 
 def _read_calibration(path: Path, machine: dict[str, Any], *, fresh: bool) -> dict[str, Any]:
@@ -710,6 +776,15 @@ def build_parser() -> argparse.ArgumentParser:
         "experiment's to plan with its measured costs on the same machine settings",
     )
     parser.add_argument(
+        "--calibration-from",
+        type=Path,
+        default=None,
+        help="a directory of finished runs of these configurations (e.g. this study's equal-steps OUT): a "
+        "group the calibration file has no samples for takes each finished run's timed steps as one "
+        "calibration round instead of running its own (the runs must have been trained with the same "
+        "--jobs on this machine); groups with samples keep them",
+    )
+    parser.add_argument(
         "--sensitivity",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -806,9 +881,34 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-def plan_runs(strategies: list[str], seeds: list[int]) -> list[tuple[str, int]]:
-    """(strategy, seed) in seed-major order: every strategy's seed 1 before any seed 2."""
-    return [(s, seed) for seed in seeds for s in strategies]
+def plan_runs(strategies: list[str], seeds: list[int], cost: dict[str, float] | None = None) -> list[tuple[str, int]]:
+    """(strategy, seed) in seed-major order: every strategy's seed 1 before any seed 2.
+
+    Within a seed the costlier runs come first (`cost`: a label's expected cost, in any unit; ties
+    keep the given order), so that `--jobs` > 1 starts the long runs while the short ones fill the
+    other slots, and the last seed does not end with its longest run alone.
+    """
+    order = sorted(strategies, key=lambda s: -(cost or {}).get(s, 0.0))
+    return [(s, seed) for seed in seeds for s in order]
+
+
+def expected_costs(
+    args: argparse.Namespace, steps_of: dict[str, int], runs_of: dict[str, tuple[str, list[str]]], extra: list[str],
+    plan: dict[str, Any] | None,
+) -> dict[str, float]:
+    """Each label's expected cost, only to order the queue: steps x the plan's step cost at equal compute;
+    otherwise steps x a proxy of the step's work (rows x width trained, 3 passes, plus the same for the
+    rows a model pass scores: `compute_plan.config_work`, no model needed)."""
+    out = {}
+    for label, steps in steps_of.items():
+        base = label.split("@", 1)[0]  # a sensitivity run `<label>@<steps>` costs what its arm's steps do
+        if plan is not None and base in plan["step_costs_s"]:
+            out[label] = steps * plan["step_costs_s"][base]
+            continue
+        _, work = arm_work(args.yaml, args.shard_dir, runs_of[label][0], extra + runs_of[label][1])
+        scored = (work.pool_rows + work.val_rows) * work.scored_width if work.solver is not None else 0
+        out[label] = steps * 3.0 * (work.train_rows * work.train_width + scored)
+    return out
 
 
 def run_env(base: dict[str, str], *, jobs: int, cores: int, gpu: str | None = None) -> dict[str, str]:

@@ -38,6 +38,8 @@ def test_quick_commands_run_equal_steps_then_equal_compute_paired_against_random
     assert _arg(compute, "--compute-budget") == "random=40" and _arg(compute, "--cost-clock") == "cpu"
     assert _arg(compute, "--out") == str(tmp_path / "equal_compute") and "--steps" not in compute
     assert _arg(compute, "--reuse-from") == str(tmp_path / "equal_steps")  # random's runs are the same runs
+    # and the equal-steps runs price the plan: no calibration rounds of its own
+    assert _arg(compute, "--calibration-from") == str(tmp_path / "equal_steps")
 
 
 def test_full_profile_names_every_arm_and_the_variants_their_settings(tmp_path):

@@ -88,6 +88,7 @@ def fake_training(monkeypatch):
         Path(run_dir, "train_budget.json").write_text(
             json.dumps(
                 {
+                    "cpu_step_end": "after_train_batch",
                     "step_times_s": timed,
                     "step_cpu_times_s": [2 * t for t in timed],
                     "train_time_s": cost * steps,
@@ -145,6 +146,18 @@ def test_queue_is_seed_major_and_every_run_gets_omp_threads(fake_training, tmp_p
     assert order == [("random", "1"), ("partitionsel", "1"), ("random", "2"), ("partitionsel", "2")]
     for _, env in launched:  # --jobs 1 included
         assert int(env["OMP_NUM_THREADS"]) >= 1
+
+
+def test_with_several_jobs_the_costlier_runs_of_each_seed_start_first(fake_training, tmp_path):
+    """Seed-major still; within a seed, at equal steps, the runs whose step does more work first (tiny_dolma:
+    kappa 16 of 128 tokens): partitionsel (16 rows trained, its pool of 32 and 4 validation rows scored), then
+    none (the pool of 32 trained), then random (16 rows). At equal compute every run costs about the budget."""
+    tool, launched = fake_training
+    args = ["--yaml", str(TINY), "--shard-dir", "s", "--strategies", "random,none,partitionsel", "--seeds", "1,2",
+            "--jobs", "2", "--steps", "3", "--out", str(tmp_path / "exp")]
+    assert tool.main(args) == 0
+    order = [(_arg(c, "algorithms.data_selection.strategy"), _arg(c, "seed")) for c, _ in launched]
+    assert order == [(s, str(seed)) for seed in (1, 2) for s in ["partitionsel", "none", "random"]], order
 
 
 def test_run_env_divides_cores_among_jobs():
@@ -622,6 +635,44 @@ def test_calibration_on_the_cpu_clock_plans_in_cpu_seconds(fake_training, tmp_pa
     plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
     assert plan["clock"] == "cpu" and plan["step_costs_s"] == {"random": 1.0, "partitionsel": 3.0}
     assert "9 CPU s of training" in (tmp_path / "exp" / "comparison.md").read_text()
+
+
+def test_calibration_from_finished_runs_runs_no_calibration_of_its_own(fake_training, tmp_path):
+    """Equal-steps runs (the fake's 0.5 and 1.5 s a step, +-30% noise) price the equal-compute plan:
+    one calibration chunk per finished run, no calibration run, and an arm of a group with samples keeps them."""
+    tool, launched = fake_training
+    NOISE["amp"] = 0.3
+    steps_out = tmp_path / "steps"
+    assert tool.main([*_compute_args(tmp_path, "--steps", "12", "--seeds", "1,2,3"), "--out", str(steps_out)]) == 0
+    launched.clear()
+    args = _compute_args(tmp_path, "--compute-budget", "random=30", "--seeds", "1,2,3", "--calibration-rounds", "2",
+                         "--calibration-from", str(steps_out), "--no-sensitivity", "--", "scheduler.t_warmup=0.1dur")
+    assert tool.main(args) == 0
+    assert not [c for c, _ in launched if "/calibration/" in _arg(c, "save_folder")]
+    plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    assert plan["calibration"]["rounds"] == 3 and plan["calibration"]["timed_steps"] == {"random": 33, "partitionsel": 33}
+    assert sorted(plan["calibration"]["from_runs"]["partitionsel"]) == [str(steps_out / f"partitionsel-seed{s}") for s in (1, 2, 3)]
+    ratio = plan["step_costs_s"]["partitionsel"] / plan["step_costs_s"]["random"]
+    assert 2.5 < ratio < 3.5 and plan["steps"]["partitionsel"] == int(30 / ratio)
+    # A later plan with the same file keeps those samples even though more runs have finished since.
+    saved = json.loads((tmp_path / "exp" / "calibration.json").read_text())
+    assert tool.main([*_compute_args(tmp_path, "--steps", "12", "--seeds", "4"), "--out", str(steps_out)]) == 0
+    assert tool.main(args) == 0
+    assert json.loads((tmp_path / "exp" / "calibration.json").read_text())["groups"] == saved["groups"]
+
+
+def test_calibration_from_runs_that_predate_the_cpu_fix_is_refused_naming_the_file(fake_training, tmp_path, capsys):
+    tool, _ = fake_training
+    steps_out = tmp_path / "steps"
+    assert tool.main([*_compute_args(tmp_path, "--steps", "4", "--seeds", "1"), "--out", str(steps_out)]) == 0
+    old = steps_out / "partitionsel-seed1" / "train_budget.json"
+    budget = json.loads(old.read_text())
+    del budget["cpu_step_end"]
+    old.write_text(json.dumps(budget))
+    with pytest.raises(SystemExit):
+        tool.main(_compute_args(tmp_path, "--compute-budget", "random=8", "--seeds", "1", "--calibration-from", str(steps_out),
+                                "--", "scheduler.t_warmup=0.1dur"))
+    assert str(old) in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", [["--step-costs", "random=1"], ["--cost-clock", "cpu"], ["--calibration-steps", "4"]])
