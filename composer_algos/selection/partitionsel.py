@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from composer_algos.selection.active_set import ActiveSetState
+from composer_algos.selection.active_set_device import omp_exact_on_device
 from composer_algos.selection.apga import APGAPoolState, APGAState
 from composer_algos.selection.gram_rows import GramRows, as_gram_rows
 from composer_algos.selection.objective import build_objective
@@ -34,6 +35,7 @@ _PICKS = ("greedy", "randomized")
 _REFITS = ("exact", "apga", "apga_pool")
 _REFINES = (None, "swap")
 _GRAM_ROWS = ("auto", "full", "lazy")
+_SOLVER_LOOPS = ("auto", "host", "device")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +72,14 @@ class PartitionSelOptions:
             Gram GEMM is cheap and syncs are not. The result is the same either way up to
             floating-point rounding.
         gram_batch_rows: rows per speculative batch of the lazy Gram (default 32).
+        solver_loop: where the greedy exact OMP's rounds decide (``refit: exact``, ``pick: greedy``,
+            no ``refine``, a full Gram). ``"host"``: ``ActiveSetState``, one host sync a pick.
+            ``"device"``: ``active_set_device.omp_exact_on_device``, no sync in the rounds and one
+            read of a flag at the end; the rare round that needs a Lawson-Hanson drop, a KKT
+            re-entry or a float64 promotion sets the flag, and the host loop then runs from the
+            start (its result is the one returned). ``"auto"`` (default): device on CUDA, where a
+            sync costs more than a round's kernels, host on CPU, where it costs nothing and the
+            host loop's narrower products are cheaper. Other settings always use the host loop.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
             on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
             `tools/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
@@ -96,6 +106,7 @@ class PartitionSelOptions:
     gram_rows: str = "auto"
     gram_batch_rows: int = 32
     cpu_single_thread: bool = True
+    solver_loop: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -107,6 +118,8 @@ class PartitionSelOptions:
             problems.append(f"`refine` must be one of {list(_REFINES)}, got {self.refine!r}")
         if self.gram_rows not in _GRAM_ROWS:
             problems.append(f"`gram_rows` must be one of {list(_GRAM_ROWS)}, got {self.gram_rows!r}")
+        if self.solver_loop not in _SOLVER_LOOPS:
+            problems.append(f"`solver_loop` must be one of {list(_SOLVER_LOOPS)}, got {self.solver_loop!r}")
         if not isinstance(self.cpu_single_thread, bool):
             problems.append(f"`cpu_single_thread` must be a bool, got {self.cpu_single_thread!r}")
         for name in ("swap_max_rounds", "swap_max_checks", "apga_max_iters", "gram_batch_rows"):
@@ -180,31 +193,37 @@ def run_weighted_selection(
     check_finite(strategy, diag_K=gram.diag_N, mu=mu_N)
     caps_C = inputs.resolve_capacities()
     grad_tol = default_grad_tol(mu_N)
-    # The setup's host reads in one transfer: the ridge's scale (mean diag K), and for the exact
-    # refit's host-side tests the gradient tolerance and diag(K).
-    exact = opts.refit == "exact"
-    parts = [gram.diag_N.mean().view(1)] + ([grad_tol.view(1), gram.diag_N] if exact else [])
-    setup = torch.cat(parts).tolist() if opts.ridge > 0 or exact else [0.0]
-    ridge_abs = opts.ridge * setup[0] if opts.ridge > 0 else 0.0
-    host_values = (setup[1], setup[2:]) if exact else None
-    # kappa >= n runs the same rounds: OMP then adds every element in gradient order, which is
-    # the incremental form of an exact refit on the whole pool.
-    sel_S, v_S, phi, info = omp_select(
-        gram,
-        mu_N,
-        dom_N,
-        caps_C,
-        inputs.k,
-        pick=opts.pick,
-        refit=opts.refit,
-        ridge_abs=ridge_abs,
-        apga_max_iters=opts.apga_max_iters,
-        apga_tol=opts.apga_tol,
-        generator=generator,
-        cpu_single_thread=opts.cpu_single_thread,
-        domain_ids_host=inputs.domain_ids_host,
-        host_values=host_values,
-    )
+    solved = _solve_on_device(opts, inputs, gram, mu_N, caps_C, grad_tol) if _device_loop(opts, inputs, gram) else None
+    if solved is not None and solved[4]:
+        sel_S, v_S, phi, info, _, ridge_abs = solved
+    else:
+        # The setup's host reads in one transfer: the ridge's scale (mean diag K), and for the exact
+        # refit's host-side tests the gradient tolerance and diag(K).
+        exact = opts.refit == "exact"
+        parts = [gram.diag_N.mean().view(1)] + ([grad_tol.view(1), gram.diag_N] if exact else [])
+        setup = torch.cat(parts).tolist() if opts.ridge > 0 or exact else [0.0]
+        ridge_abs = opts.ridge * setup[0] if opts.ridge > 0 else 0.0
+        host_values = (setup[1], setup[2:]) if exact else None
+        # kappa >= n runs the same rounds: OMP then adds every element in gradient order, which is
+        # the incremental form of an exact refit on the whole pool.
+        sel_S, v_S, phi, info = omp_select(
+            gram,
+            mu_N,
+            dom_N,
+            caps_C,
+            inputs.k,
+            pick=opts.pick,
+            refit=opts.refit,
+            ridge_abs=ridge_abs,
+            apga_max_iters=opts.apga_max_iters,
+            apga_tol=opts.apga_tol,
+            generator=generator,
+            cpu_single_thread=opts.cpu_single_thread,
+            domain_ids_host=inputs.domain_ids_host,
+            host_values=host_values,
+        )
+        if solved is not None:
+            info["device_loop_fallback"] = 1
     if opts.refine == "swap":
         start = time.perf_counter()
         info["objective_before_refine"] = _unscale(phi, inputs.eta)
@@ -509,7 +528,7 @@ def _ridge_share(
     strategy: str,
     v_S: torch.Tensor,
     mu_S: torch.Tensor,
-    ridge_abs: float,
+    ridge_abs: float | torch.Tensor,
     inputs: SelectionInputs,
     ridge_rel: float,
 ) -> torch.Tensor:
@@ -523,7 +542,7 @@ def _ridge_share(
     align = torch.dot(v_S, mu_S)
     share = ridge_abs * torch.dot(v_S, v_S) / align.clamp_min(torch.finfo(v_S.dtype).tiny)
     share = torch.where(align > 0, share, torch.zeros_like(share))
-    if not _RIDGE_WARNED and ridge_abs > 0 and inputs.eta > 0:
+    if not _RIDGE_WARNED and ridge_rel > 0 and inputs.eta > 0:
         # Judged on the host with the step's other checks (now, outside a selection step).
         check_or_defer(share, lambda values: _warn_ridge(strategy, values[0], v_S.shape[0], inputs, ridge_rel))
     return share
@@ -553,6 +572,33 @@ def _warn_ridge(strategy: str, value: float, k: int, inputs: SelectionInputs, ri
                 inputs.eta,
                 ridge_rel,
             )
+
+
+def _device_loop(opts: PartitionSelOptions, inputs: SelectionInputs, gram: GramRows) -> bool:
+    """Whether the OMP rounds run on the device (``PartitionSelOptions.solver_loop``)."""
+    if opts.refit != "exact" or opts.pick != "greedy" or opts.refine is not None or gram.lazy:
+        return False
+    return opts.solver_loop == "device" or (opts.solver_loop == "auto" and inputs.device.type == "cuda")
+
+
+def _solve_on_device(
+    opts: PartitionSelOptions,
+    inputs: SelectionInputs,
+    gram: GramRows,
+    mu_N: torch.Tensor,
+    caps_C: torch.Tensor,
+    grad_tol: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, bool, torch.Tensor | float]:
+    """``omp_exact_on_device`` and its one host read: ``(sel_S, v_S, phi, info, clean, ridge_abs)``.
+
+    The ridge stays on the device (``ridge x mean diag K``); ``clean`` False means the host loop must run.
+    """
+    ridge_abs: torch.Tensor | float = opts.ridge * gram.diag_N.mean() if opts.ridge > 0 else 0.0
+    with single_thread_on_cpu(mu_N.device, opts.cpu_single_thread):
+        res = omp_exact_on_device(gram.gram_NN, mu_N, inputs.domain_ids, caps_C, inputs.k, ridge_abs, grad_tol)
+    clean = bool(res.clean)  # the solver's one host read
+    info = {"slow_refits": 0, "weight_drops": 0, "weight_reentries": 0, "singular_pivots": 0, "device_loop_fallback": 0}
+    return res.sel_K, res.v_K, res.phi, info, clean, ridge_abs
 
 
 def _use_lazy_gram(opts: PartitionSelOptions, inputs: SelectionInputs, block_diagonal: bool) -> bool:

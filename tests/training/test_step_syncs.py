@@ -61,6 +61,27 @@ def test_one_selection_step_syncs_at_most_its_budget(strategy, dolma_shards, tmp
         assert counts["sync"] >= 1 and counts["kernels"] > 0, report  # the selection reaches the host once
 
 
+def test_the_device_loop_reads_the_device_twice_a_step(dolma_shards, tmp_path):
+    """partitionsel with `solver_loop: device` (CUDA's default): the step's transfer and the solver's one
+    flag, against 1 + kappa + 2 with the host loop (issue 31.3)."""
+    cfg = load_config(
+        TINY,
+        tiny_overrides(dolma_shards, tmp_path / "run", "eval_loader=null", "algorithms.data_selection.strategy=partitionsel",
+                       "algorithms.data_selection.strategy_options.partitionsel.solver_loop=device"),
+    )
+    trainer = train.build_trainer(cfg)
+    prepare_for_stepping(trainer)
+    auditor = StepAuditor(trainer)
+    trainer.fit(duration="1ba")
+    trainer.fit(duration="1ba")
+    counts = auditor.count()
+    auditor.close()
+    trainer.close()
+    report = format_counts(counts, top=40)
+    assert counts["mixed"] == 0, report
+    assert counts["sync"] + counts["h2d"] <= 2, report
+
+
 def _audit(fn, device_tensors):
     with SyncAudit(device_tensors) as audit:
         fn()

@@ -1,0 +1,148 @@
+"""Greedy OMP with the exact refit, every decision kept on the device: no host sync in the rounds.
+
+# Shape legend: N pool size, C domains, K rounds (picks), M slots (K + 1).
+
+`ActiveSetState` (active_set.py) decides each round on the host: it reads the pick, the Schur
+complement and the smallest new weight back (one sync a pick) and branches. On a GPU that sync,
+not the arithmetic, is the cost (issue 31: 116 ms for n = 2048, kappa = 512 on an H200, well under a
+millisecond of kernels). The common round needs none of those branches: the pick has a positive
+gradient, its Schur complement is well above the pivot and float32 promotion tolerances, no active
+weight turns negative and no element left at weight zero wants back in. `omp_exact_on_device` runs
+every round as that common round, written with masks (a pick whose gradient is not positive
+selects at weight zero, as the host loop does) and raises a device flag when any other branch
+would have been taken (a singular or ill-conditioned pivot, a Lawson-Hanson drop, a KKT re-entry,
+or a final refactorisation that disagrees). The caller reads that flag once, with the result, and
+re-runs the host loop from the start when it is set: the selection is then the host loop's.
+
+The arithmetic of a round is the host loop's (the same products, in the same order, over every
+slot: the host's `full_width` form), so on the common path the picks are the host loop's up to
+the rounding of the final refactorisation (tests/selection/test_active_set_device.py compares
+them). Every round has the same shapes and no host read, which is what a CUDA graph or
+`torch.compile` needs to capture the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DeviceOMPResult", "omp_exact_on_device"]
+
+
+@dataclass(frozen=True)
+class DeviceOMPResult:
+    """What `omp_exact_on_device` returns, all on the device.
+
+    Attributes:
+        sel_K: the picks in order.
+        v_K: their weights ``v`` (0 for the picks left at weight zero).
+        phi: the scale-free objective (0-dim).
+        clean: 0-dim bool, True when every round took the common path and the final refactorisation
+            agreed: the result is the exact OMP's. False: discard it and run the host loop.
+    """
+
+    sel_K: torch.Tensor
+    v_K: torch.Tensor
+    phi: torch.Tensor
+    clean: torch.Tensor
+
+
+def omp_exact_on_device(
+    gram_NN: torch.Tensor,
+    mu_N: torch.Tensor,
+    dom_N: torch.Tensor,
+    capacities_C: torch.Tensor,
+    k: int,
+    ridge_abs: torch.Tensor | float,
+    grad_tol: torch.Tensor,
+) -> DeviceOMPResult:
+    """Greedy OMP over the partition matroid with the exact NNLS refit, no host read (module docstring).
+
+    Args:
+        gram_NN: ``K`` (no ridge), ``(N, N)``.
+        mu_N: the linear term.
+        dom_N: int64 domain ids.
+        capacities_C: int64 capacities (on any device).
+        k: rounds, ``1 <= k <= N``.
+        ridge_abs: the absolute ridge (a float, or a device scalar to avoid reading it).
+        grad_tol: 0-dim tensor; gradients at or below it count as zero.
+    """
+    n, dev, dt = mu_N.shape[0], mu_N.device, mu_N.dtype
+    m = k + 1
+    if isinstance(ridge_abs, torch.Tensor):
+        ridge_1 = ridge_abs.to(dt).reshape(1)
+    else:
+        ridge_1 = torch.full((1,), float(ridge_abs), dtype=dt, device=dev)  # a fill, not a copy from the host
+    tol_1 = grad_tol.to(dt).reshape(1)
+    diag_N = torch.diagonal(gram_NN)
+    # The host loop's tolerances: a Schur complement at or below pivot_tol K_jj is a dependent column
+    # (a slow refit there); below promote_tol K_jj a float32 state moves to float64 (a refit too).
+    pivot_tol = 64.0 * torch.finfo(dt).eps
+    promote_tol = 1e4 * torch.finfo(dt).eps if dt == torch.float32 else 0.0
+    rows_MN = torch.zeros(m, n, dtype=dt, device=dev)
+    rows_NM = rows_MN.T
+    p_MM = torch.zeros(m, m, dtype=dt, device=dev)
+    v_M = torch.zeros(m, dtype=dt, device=dev)
+    elem_M = torch.zeros(m, dtype=torch.long, device=dev)
+    used_M = torch.zeros(m, dtype=torch.bool, device=dev)
+    grad_N = mu_N.clone()
+    inactive_N = torch.zeros(n, dtype=torch.bool, device=dev)
+    sel_K = torch.zeros(k, dtype=torch.long, device=dev)
+    bad_1 = torch.zeros(1, dtype=torch.bool, device=dev)
+    g_1 = torch.zeros(1, dtype=dt, device=dev)
+    j_1 = torch.zeros(1, dtype=torch.long, device=dev)
+    h_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the next slot: no drops here, so slots fill in order
+    rem_C = capacities_C.to(dev, non_blocking=True).clone()  # capacities are often resolved on the host
+    minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=dev)
+    penalty_N = torch.zeros(n, dtype=dt, device=dev)
+    penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+    for r in range(k):
+        scores_N = grad_N + penalty_N
+        torch.max(scores_N, 0, keepdim=True, out=(g_1, j_1))
+        penalty_N.index_fill_(0, j_1, float("-inf"))
+        sel_K[r : r + 1].copy_(j_1)
+        # Slot h takes j's K row; q^T = k_Aj^T P over every slot (unused ones have zero P rows).
+        rows_MN.index_copy_(0, h_1, gram_NN.index_select(0, j_1))
+        qext_M = torch.mm(rows_MN.index_select(1, j_1).view(1, m), p_MM).view(m)
+        qext_M.index_fill_(0, h_1, -1.0)
+        t_N = torch.mv(rows_NM, qext_M)
+        schur_1 = ridge_1 - t_N.index_select(0, j_1)
+        z_j = g_1 / schur_1
+        z_M = torch.addcmul(v_M, qext_M, z_j, value=-1.0)
+        grad_new_N = torch.addcmul(grad_N, t_N, z_j)
+        diag_j = diag_N.index_select(0, j_1)
+        positive = g_1 > tol_1
+        other_branch = positive & (
+            (schur_1 < promote_tol * diag_j)  # the host loop would promote to float64
+            | ~(schur_1 > pivot_tol * diag_j)  # a dependent column: the host loop refits slowly
+            | (torch.amin(z_M, 0, keepdim=True) < 0)  # a Lawson-Hanson drop
+            | ((grad_new_N > tol_1) & inactive_N).any().view(1)  # a KKT re-entry
+        )
+        bad_1 |= other_branch
+        enter = positive & ~other_branch
+        # Enter j at slot h (P <- P + qext qext^T / s), or leave everything as it was.
+        p_MM.addr_(torch.where(enter, qext_M / schur_1, 0.0), qext_M)
+        elem_M.index_copy_(0, h_1, torch.where(enter, j_1, elem_M.index_select(0, h_1)))
+        used_M.index_copy_(0, h_1, enter)
+        torch.where(enter, z_M, v_M, out=v_M)
+        torch.where(enter, grad_new_N, grad_N, out=grad_N)
+        h_1 += enter.long()
+        inactive_N.index_copy_(0, j_1, ~positive)  # a pick with a gradient at or below zero stays at weight 0
+        rem_C.index_add_(0, dom_N.index_select(0, j_1), minus_one)
+        penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+    # The host loop's finalize(): the active system solved afresh (unused slots as identity rows).
+    kr_MM = rows_MN.index_select(1, elem_M)
+    pair_MM = used_M.unsqueeze(1) & used_M.unsqueeze(0)
+    eye_MM = torch.eye(m, dtype=dt, device=dev)
+    kr_MM = torch.where(pair_MM, kr_MM + ridge_1 * eye_MM, eye_MM)
+    chol_MM, info = torch.linalg.cholesky_ex(kr_MM)
+    mu_M = torch.where(used_M, mu_N.index_select(0, elem_M), 0.0)
+    v_fresh_M = torch.where(used_M, torch.cholesky_solve(mu_M.unsqueeze(1), chol_MM).squeeze(1), 0.0)
+    grad_N = torch.addmv(mu_N, rows_NM, v_fresh_M, alpha=-1.0)
+    agrees = (info == 0) & ~(used_M & ~(v_fresh_M > 0)).any() & ~((grad_N > tol_1) & inactive_N).any()
+    clean = ~bad_1.squeeze(0) & agrees
+    v_N = torch.zeros(n, dtype=dt, device=dev).index_add_(0, elem_M, v_fresh_M)
+    v_K = v_N.index_select(0, sel_K)
+    phi = 0.5 * (torch.dot(v_fresh_M, mu_N.index_select(0, elem_M)) + torch.dot(v_fresh_M, grad_N.index_select(0, elem_M)))
+    return DeviceOMPResult(sel_K=sel_K, v_K=v_K, phi=phi, clean=clean)

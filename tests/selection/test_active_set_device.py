@@ -1,0 +1,90 @@
+"""The exact greedy OMP with its rounds on the device (issue 31.3): the host loop's picks, no sync in the rounds."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from composer_algos.selection import select_partitionsel
+from composer_algos.selection.active_set_device import omp_exact_on_device
+from composer_algos.selection.objective import build_objective
+from composer_algos.selection.partitionsel import PartitionSelOptions, omp_select
+from composer_algos.selection.refit import default_grad_tol
+from tests.common.paths import REPO_ROOT
+from tests.selection.reference import make_instance
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+from step_audit import SyncAudit  # noqa: E402  (tools/step_audit.py)
+
+ETA = 0.5
+
+
+def _select(features, val, dom, kappa, loop, **options):
+    return select_partitionsel(
+        features=features, val_feature=val, domain_ids=dom, num_domains=3, kappa=kappa, eta=ETA, generator=None,
+        solver_loop=loop, **options,
+    )
+
+
+# Pools from 12 to 200 rows, kappa from a few to half the pool, features of 8 to 64 dimensions: some
+# instances drop weights (the device loop then hands over to the host loop), most do not.
+CASES = [(seed, n, dim, kappa) for seed in range(6) for n, dim, kappa in ((12, 32, 4), (40, 8, 20), (64, 64, 16), (200, 32, 100))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_device_loop_picks_what_the_host_loop_picks(dtype):
+    clean = fallback = 0
+    for seed, n, dim, kappa in CASES:
+        features, val, dom = make_instance(seed, n, dim=dim, dtype=dtype)
+        host = _select(features, val, dom, kappa, "host")
+        device = _select(features, val, dom, kappa, "device")
+        assert device.indices.tolist() == host.indices.tolist(), (seed, n, kappa)
+        tol = 1e-9 if dtype == torch.float64 else 2e-4
+        torch.testing.assert_close(device.weights, host.weights, rtol=tol, atol=tol * float(host.weights.abs().max()))
+        torch.testing.assert_close(device.objective, host.objective, rtol=tol, atol=0.0)
+        common = all(host.info[k] == 0 for k in ("weight_drops", "weight_reentries", "slow_refits", "singular_pivots"))
+        # The device loop hands over exactly when the host loop left the common round.
+        assert device.info["device_loop_fallback"] == (0 if common else 1), (seed, n, kappa, host.info)
+        if device.info["device_loop_fallback"]:
+            fallback += 1
+            assert torch.equal(device.weights, host.weights)  # the host loop's own result
+        else:
+            clean += 1
+    assert clean and fallback  # both paths ran
+
+
+def test_a_round_that_drops_a_weight_hands_over_to_the_host_loop():
+    """Kappa at half a pool of 8-dimensional features: past 8 picks the refit must drop weights."""
+    for seed in range(20):
+        features, val, dom = make_instance(seed, 40, dim=8)
+        host = _select(features, val, dom, 20, "host")
+        if host.info["weight_drops"] > 0:
+            device = _select(features, val, dom, 20, "device")
+            assert device.info["device_loop_fallback"] == 1
+            assert device.indices.tolist() == host.indices.tolist() and torch.equal(device.weights, host.weights)
+            return
+    pytest.fail("no instance dropped a weight")
+
+
+def test_the_rounds_never_read_the_device():
+    """On a CUDA run every tensor here lives on the device: the emulated audit counts no read in the loop."""
+    features, val, dom = make_instance(3, 64, dim=64)
+    gram, mu, _ = build_objective(features, val, ETA)
+    caps = torch.tensor([8, 8, 8])
+    grad_tol = default_grad_tol(mu)
+    with SyncAudit([gram, mu, dom, caps, grad_tol]) as audit:
+        res = omp_exact_on_device(gram, mu, dom, caps, 16, 1e-6, grad_tol)
+    assert not audit.events and not audit.other, audit.events or audit.other
+    assert bool(res.clean)
+    host_sel, _, _, _ = omp_select(gram, mu, dom, caps, 16, ridge_abs=1e-6)
+    assert res.sel_K.tolist() == host_sel.tolist()
+
+
+def test_auto_runs_the_device_loop_on_cuda_only():
+    features, val, dom = make_instance(0, 12)
+    assert "device_loop_fallback" not in _select(features, val, dom, 4, "auto").info  # CPU: the host loop
+    assert "device_loop_fallback" in _select(features, val, dom, 4, "device").info
+    with pytest.raises(ValueError, match="solver_loop"):
+        PartitionSelOptions(solver_loop="gpu")
