@@ -374,6 +374,8 @@ _WORK_NEUTRAL = (
     "load_path", "load_weights_only", "autoresume", "max_duration", "eval_interval", "eval_loader",
     "console_log_interval", "progress_bar", "python_log_level", "loggers", "dist_timeout",
 )
+# Settings inside a section that only evaluation reads (the evaluation forwards' frozen-block cache).
+_WORK_NEUTRAL_NESTED = (("model", "eval_prefix_cache"),)
 
 
 @dataclass(frozen=True)
@@ -434,8 +436,8 @@ def config_work(cfg: Any, world_size: int = 1) -> WorkShape:
 def work_key(cfg: Any, work: WorkShape) -> str:
     """A digest that two configurations share exactly when their steps do the same work.
 
-    The config without its work-neutral settings (names, seeds, checkpointing, evaluation, the
-    duration) and without `algorithms.data_selection`, plus the step's sizes (`config_work`); a
+    The config without its work-neutral settings (names, seeds, checkpointing, evaluation and its
+    frozen-block cache, the duration) and without `algorithms.data_selection`, plus the step's sizes (`config_work`); a
     strategy with a model pass adds its whole `data_selection` section (its options change its
     solve). So random and random_stratified share a key: their selections run no model pass.
     Settings at their defaults are left out, so a setting added later with a default that keeps
@@ -448,6 +450,9 @@ def work_key(cfg: Any, work: WorkShape) -> str:
     data = config_to_dict(cfg, skip_defaults=True)
     for key in _WORK_NEUTRAL:
         data.pop(key, None)
+    for section, key in _WORK_NEUTRAL_NESTED:
+        if isinstance(data.get(section), dict):
+            data[section] = {k: v for k, v in data[section].items() if k != key}
     algorithms = dict(data.get("algorithms") or {})
     selection = algorithms.pop("data_selection", None)
     data["algorithms"] = algorithms

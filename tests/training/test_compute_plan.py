@@ -347,6 +347,11 @@ def test_work_of_a_config_and_its_key():
     assert ps.solver == "partitionsel" and ps.pool_rows == 2 * ps.train_rows and ps.val_rows > 0
     assert window.scored_width == 16 and ps.scored_width == ps.train_width
     assert none.train_rows == ps.pool_rows  # strategy none trains the whole pool
+    # Evaluation's frozen-block cache is evaluation only: a study that turned it on keeps its calibration.
+    lora = ["algorithms.data_selection.strategy=random", "model.lora={r: 4, target_modules: [q_proj], top_blocks: 1}"]
+    _, k_lora = work(*lora)
+    _, k_cache = work(*lora, "model.eval_prefix_cache=/tmp/prefix_cache")
+    assert k_cache == k_lora != k_random
     _, k_lr = work("algorithms.data_selection.strategy=random", "optimizer.lr=0.5")
     assert k_lr != k_random  # anything else in the config may change the work: its own calibration
     # A setting given at its default is the same work, so a setting added later with a default keeps saved keys.
