@@ -513,25 +513,21 @@ def _calibration_from_runs(
     A run trained with the group's work (`<label>-seed<s>` of an arm of the group, `train_budget.json`
     written) did what a calibration round would time, on the same machine, so its timed steps are
     samples as good as a round's. Groups already calibrated keep their samples: adding the runs would
-    move costs that earlier plans were made with.
-
-    Raises:
-        PlanError: a run whose `train_budget.json` predates `cpu_step_end` (its last step's CPU time
-            may hold an evaluation callback's work).
+    move costs that earlier plans were made with. A run whose `train_budget.json` predates
+    `cpu_step_end` is left out (its last step's CPU time may hold an evaluation callback's work); a
+    group left without runs calibrates with rounds of its own.
     """
     for key, first_label in groups.items():
         if key in known["groups"]:
             continue
         labels = [label for label, (k, _) in arms.items() if k == key]
         budgets = sorted(p for label in labels for p in runs_dir.glob(f"{label}-seed*/train_budget.json"))
-        chunks, used, model = [], [], None
+        chunks, used, model, stale = [], [], None, []
         for budget_path in budgets:
             budget = json.loads(budget_path.read_text())
             if budget.get("cpu_step_end") != "after_train_batch":
-                raise PlanError(
-                    f"--calibration-from: {budget_path} was written before a step's CPU time left out the callbacks "
-                    "that evaluate at its end; retrain that run, or calibrate without --calibration-from"
-                )
+                stale.append(str(budget_path))
+                continue
             if not budget.get("step_times_s"):
                 continue
             wall, cpu = _read_samples(budget_path.parent, "wall"), _read_samples(budget_path.parent, "cpu")
@@ -556,6 +552,12 @@ def _calibration_from_runs(
                 "from_runs": used,
             }
             print(f"calibration of {first_label}: {len(chunks)} finished runs in {runs_dir}", flush=True)
+        if stale:
+            print(
+                f"calibration of {first_label}: {len(stale)} runs left out, written before a step's CPU time left out "
+                f"the callbacks that evaluate at its end (e.g. {stale[0]})" + ("" if chunks else "; calibrating with rounds"),
+                flush=True,
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(known, indent=1))
 

@@ -661,18 +661,21 @@ def test_calibration_from_finished_runs_runs_no_calibration_of_its_own(fake_trai
     assert json.loads((tmp_path / "exp" / "calibration.json").read_text())["groups"] == saved["groups"]
 
 
-def test_calibration_from_runs_that_predate_the_cpu_fix_is_refused_naming_the_file(fake_training, tmp_path, capsys):
-    tool, _ = fake_training
+def test_runs_that_predate_the_cpu_fix_are_left_out_and_their_group_calibrates_itself(fake_training, tmp_path, capsys):
+    tool, launched = fake_training
     steps_out = tmp_path / "steps"
     assert tool.main([*_compute_args(tmp_path, "--steps", "4", "--seeds", "1"), "--out", str(steps_out)]) == 0
     old = steps_out / "partitionsel-seed1" / "train_budget.json"
     budget = json.loads(old.read_text())
     del budget["cpu_step_end"]
     old.write_text(json.dumps(budget))
-    with pytest.raises(SystemExit):
-        tool.main(_compute_args(tmp_path, "--compute-budget", "random=8", "--seeds", "1", "--calibration-from", str(steps_out),
-                                "--", "scheduler.t_warmup=0.1dur"))
-    assert str(old) in capsys.readouterr().err
+    launched.clear()
+    assert tool.main(_compute_args(tmp_path, "--compute-budget", "random=8", "--seeds", "1", "--calibration-from", str(steps_out),
+                                   "--calibration-rounds", "2", "--", "scheduler.t_warmup=0.1dur")) == 0
+    assert str(old) in capsys.readouterr().out
+    calibrated = [_arg(c, "algorithms.data_selection.strategy") for c, _ in launched if "/calibration/" in _arg(c, "save_folder")]
+    # Two chunks each: random's run is one of its two, partitionsel's stale run is none of its.
+    assert sorted(calibrated) == ["partitionsel", "partitionsel", "random"]
 
 
 @pytest.mark.parametrize("flag", [["--step-costs", "random=1"], ["--cost-clock", "cpu"], ["--calibration-steps", "4"]])
