@@ -4,7 +4,9 @@ Times ``select_partitionsel`` end to end given ``G`` and ``gbar`` (Gram computat
 float32, after a warm-up, as the median of several runs, for the two cases of project issue 6:
 (n=256, kappa=64, C=8, D=1024) and (n=2048, kappa=512, C=8, D=4096). Variants:
 
-- ``exact``: the default refit (incremental active-set NNLS);
+- ``exact``: the default refit (incremental active-set NNLS), its rounds decided on the host;
+- ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds; the
+  default on CUDA);
 - ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
 - ``apga_pool``: the paper's Alg. 3 verbatim on the full pool vector (full ``N x N`` Gram in
   every iteration, step from ``||K||`` once per call), 128 iterations per refit: the reference
@@ -188,13 +190,15 @@ def main() -> int:
         small = case["n"] <= 512
         fns = {
             "gram": lambda: compute_gram(features),
-            "exact": lambda: select_partitionsel(**common, refit="exact"),
+            "exact": lambda: select_partitionsel(**common, refit="exact", solver_loop="host"),
+            "device": lambda: select_partitionsel(**common, refit="exact", solver_loop="device"),
             "swap": lambda: select_partitionsel(**common, refit="exact", refine="swap"),
             "apga": lambda: select_partitionsel(**common, refit="apga", **apga),
         }
         repeats = {
             "gram": args.repeats,
             "exact": args.repeats,
+            "device": args.repeats,
             "swap": args.repeats,
             "apga": args.apga_repeats,
         }
@@ -209,8 +213,9 @@ def main() -> int:
         w_gram, c_gram, _ = timed["gram"]
         w_ex, c_ex, res_ex = timed["exact"]
         w_sw, c_sw, res_sw = timed["swap"]
+        w_dv, c_dv, res_dv = timed["device"]
         w_ap, c_ap, res_ap = timed["apga"]
-        rows = [("exact", w_ex, c_ex, res_ex), ("apga (support) x128", w_ap, c_ap, res_ap)]
+        rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("apga (support) x128", w_ap, c_ap, res_ap)]
         if not args.skip_pool:
             w_po, c_po, res_po = timed["pool"]
             rows.append(("apga_pool (paper) x128", w_po, c_po, res_po))
@@ -233,12 +238,21 @@ def main() -> int:
                 f"  {label:<23} {_fmt(wall, cpu)}   f(S) = {f:.6f}  (exact - this) / |this| ="
                 f" {(f_ex - f) / abs(f):+.2e}{extra}"
             )
-        ops, kernels, syncs = per_solve_counts(lambda: select_partitionsel(**common, refit="exact"), [features, val_feature])
         k = case["kappa"]
+        for loop in ("host", "device"):
+            ops, kernels, syncs = per_solve_counts(
+                lambda: select_partitionsel(**common, refit="exact", solver_loop=loop), [features, val_feature]
+            )
+            print(
+                f"  exact ({loop} loop), one solve: {ops} aten ops ({kernels} kernel launches), {syncs} host syncs"
+                f" ({'torch' if args.device == 'cuda' else 'emulated'}); per pick {ops / k:.1f} ops,"
+                f" {kernels / k:.1f} launches, {syncs / k:.2f} syncs"
+            )
+        same = res_dv.indices.tolist() == res_ex.indices.tolist()
+        fallback = int(res_dv.info.get("device_loop_fallback", 0))
         print(
-            f"  exact, one solve: {ops} aten ops ({kernels} kernel launches), {syncs} host syncs"
-            f" ({'torch' if args.device == 'cuda' else 'emulated'}); per pick {ops / k:.1f} ops,"
-            f" {kernels / k:.1f} launches, {syncs / k:.2f} syncs"
+            f"  device loop / host loop {w_dv / w_ex:6.2f}x wall, {c_dv / c_ex:6.2f}x cpu; the same picks: {same};"
+            f" handed over to the host loop: {bool(fallback)}"
         )
         gain = (float(res_sw.objective) - f_ex) / abs(f_ex)
         print(f"  swap extra              {_fmt(w_sw - w_ex, c_sw - c_ex)}   f(S) gain {gain:+.3%}")

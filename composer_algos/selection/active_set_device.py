@@ -113,17 +113,21 @@ def omp_exact_on_device(
         grad_new_N = torch.addcmul(grad_N, t_N, z_j)
         diag_j = diag_N.index_select(0, j_1)
         positive = g_1 > tol_1
-        other_branch = positive & (
-            (schur_1 < promote_tol * diag_j)  # the host loop would promote to float64
-            | ~(schur_1 > pivot_tol * diag_j)  # a dependent column: the host loop refits slowly
-            | (torch.amin(z_M, 0, keepdim=True) < 0)  # a Lawson-Hanson drop
-            | ((grad_new_N > tol_1) & inactive_N).any().view(1)  # a KKT re-entry
-        )
+        # The host loop's other branches, each a hand-over: a dependent column (a slow refit there), an
+        # ill-conditioned float32 one (promotion to float64) and a Lawson-Hanson drop. Its KKT re-entry
+        # needs an element at weight zero, which only a drop or a pick without a positive gradient
+        # leaves; after such a pick no later pick has one either (grad does not move and the feasible
+        # set only shrinks), so an entering round never meets one.
+        other_branch = ~(schur_1 > pivot_tol * diag_j) | (torch.amin(z_M, 0, keepdim=True) < 0)
+        if promote_tol > 0:
+            other_branch |= schur_1 < promote_tol * diag_j
+        other_branch &= positive
         bad_1 |= other_branch
         enter = positive & ~other_branch
-        # Enter j at slot h (P <- P + qext qext^T / s), or leave everything as it was.
+        # Enter j at slot h (P <- P + qext qext^T / s), or leave everything as it was. Slot h is free
+        # either way (slots fill in order: no drops here), so its element may be written regardless.
         p_MM.addr_(torch.where(enter, qext_M / schur_1, 0.0), qext_M)
-        elem_M.index_copy_(0, h_1, torch.where(enter, j_1, elem_M.index_select(0, h_1)))
+        elem_M.index_copy_(0, h_1, j_1)
         used_M.index_copy_(0, h_1, enter)
         torch.where(enter, z_M, v_M, out=v_M)
         torch.where(enter, grad_new_N, grad_N, out=grad_N)
