@@ -5,8 +5,8 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
 (n=256, kappa=64, C=8, D=1024) and (n=2048, kappa=512, C=8, D=4096). Variants:
 
 - ``exact``: the default refit (incremental active-set NNLS), its rounds decided on the host;
-- ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds; the
-  default on CUDA);
+- ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds, about
+  twice the ops a pick; which is faster on a GPU is what this measures there);
 - ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
 - ``apga_pool``: the paper's Alg. 3 verbatim on the full pool vector (full ``N x N`` Gram in
   every iteration, step from ``||K||`` once per call), 128 iterations per refit: the reference

@@ -35,7 +35,7 @@ _PICKS = ("greedy", "randomized")
 _REFITS = ("exact", "apga", "apga_pool")
 _REFINES = (None, "swap")
 _GRAM_ROWS = ("auto", "full", "lazy")
-_SOLVER_LOOPS = ("auto", "host", "device")
+_SOLVER_LOOPS = ("host", "device")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,25 +73,15 @@ class PartitionSelOptions:
             floating-point rounding.
         gram_batch_rows: rows per speculative batch of the lazy Gram (default 32).
         solver_loop: where the greedy exact OMP's rounds decide (``refit: exact``, ``pick: greedy``,
-            no ``refine``, a full Gram). ``"host"``: ``ActiveSetState``, one host sync a pick.
-            ``"device"``: ``active_set_device.omp_exact_on_device``, no sync in the rounds and one
-            read of a flag at the end; the rare round that needs a Lawson-Hanson drop, a KKT
+            no ``refine``, a full Gram). ``"host"`` (default): ``ActiveSetState``, one host sync a
+            pick. ``"device"``: ``active_set_device.omp_exact_on_device``, no sync in the rounds and
+            one read of a flag at the end; the rare round that needs a Lawson-Hanson drop, a KKT
             re-entry or a float64 promotion sets the flag, and the host loop then runs from the
-            start (its result is the one returned). ``"auto"`` (default): device on CUDA, where a
-            sync costs more than a round's kernels, host on CPU, where it costs nothing and the
-            host loop's narrower products are cheaper. Other settings always use the host loop.
-        cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
-            on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
-            `tools/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
-            threads, interleaved medians, on the 2-core VM shared with a study run, load average
-            3.2-5.8): on/off time 0.66 at n = 32 (19 vs 29 ms), 0.82 at n = 64 (25 vs 31 ms) and
-            0.26 at n = 2048, D = 2048 (4.8 vs 18.5 s); on an idle VM the two are within noise
-            without swap (n = 2048: 293 vs 288 ms) and one thread costs up to 17% with
-            `refine: swap` (docs/selection.md, Threads). A run rarely knows whether its cores
-            are shared, and the loss when they are is 1.2-4x, so one thread is the default. It
-            changes PyTorch's process-wide thread count for the duration of the call (restored
-            afterwards; not thread-safe): set False when other Python threads of the process run
-            torch work meanwhile, or on an idle many-core CPU with `refine: swap`.
+            start (its result is the one returned). The device loop issues about 50 ops a pick
+            against the host loop's 28 and one sync (n = 512, kappa = 128, CPU count): on a GPU it
+            pays only where a sync costs more than 20 launches, which no GPU run has measured yet
+            (``tools/gpu_bench.sh`` times both), so the default stays the host loop. Other
+            settings always use the host loop.
     """
 
     pick: str = "greedy"
@@ -106,7 +96,7 @@ class PartitionSelOptions:
     gram_rows: str = "auto"
     gram_batch_rows: int = 32
     cpu_single_thread: bool = True
-    solver_loop: str = "auto"
+    solver_loop: str = "host"
 
     def __post_init__(self) -> None:
         problems = []
@@ -578,7 +568,7 @@ def _device_loop(opts: PartitionSelOptions, inputs: SelectionInputs, gram: GramR
     """Whether the OMP rounds run on the device (``PartitionSelOptions.solver_loop``)."""
     if opts.refit != "exact" or opts.pick != "greedy" or opts.refine is not None or gram.lazy:
         return False
-    return opts.solver_loop == "device" or (opts.solver_loop == "auto" and inputs.device.type == "cuda")
+    return opts.solver_loop == "device"
 
 
 def _solve_on_device(

@@ -82,9 +82,10 @@ def test_the_rounds_never_read_the_device():
     assert res.sel_K.tolist() == host_sel.tolist()
 
 
-def test_auto_runs_the_device_loop_on_cuda_only():
+def test_the_host_loop_is_the_default_until_a_gpu_measurement_says_otherwise():
     features, val, dom = make_instance(0, 12)
-    assert "device_loop_fallback" not in _select(features, val, dom, 4, "auto").info  # CPU: the host loop
+    res = select_partitionsel(features=features, val_feature=val, domain_ids=dom, num_domains=3, kappa=4, eta=ETA, generator=None)
+    assert "device_loop_fallback" not in res.info
     assert "device_loop_fallback" in _select(features, val, dom, 4, "device").info
     with pytest.raises(ValueError, match="solver_loop"):
         PartitionSelOptions(solver_loop="gpu")

@@ -62,7 +62,7 @@ def test_one_selection_step_syncs_at_most_its_budget(strategy, dolma_shards, tmp
 
 
 def test_the_device_loop_reads_the_device_twice_a_step(dolma_shards, tmp_path):
-    """partitionsel with `solver_loop: device` (CUDA's default): the step's transfer and the solver's one
+    """partitionsel with `solver_loop: device`: the step's transfer and the solver's one
     flag, against 1 + kappa + 2 with the host loop (issue 31.3)."""
     cfg = load_config(
         TINY,
