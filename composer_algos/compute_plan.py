@@ -261,22 +261,33 @@ class StepSamples:
 class CostModel:
     """Seconds per step from `StepWork`: one measured factor per kind of work.
 
-    ``cost = train_s_per_flop * train_flops + [model pass] (score_s_per_flop * score_flops + solve_s[solver])``
+    ``cost = train factor * train_flops + [model pass] (score_s_per_flop * score_flops + solve_s[solver])``
+
+    The train factor is that of the calibrated configurations without a model pass whose training
+    step has the same FLOPs (`train_s_per_flop_at`), else the pooled `train_s_per_flop`: a step of
+    16 rows is not twice one of 8 (larger products run faster per FLOP; the per-step overhead is
+    shared), so each training size is priced by its own measurement, and calibrating another size
+    later leaves the costs of the sizes already measured as they were.
 
     Attributes:
         train_s_per_flop: seconds per FLOP of the training step (data loading and the optimizer
-            ride on it: they scale with the trained batch).
+            ride on it: they scale with the trained batch), pooled over every calibrated size.
         score_s_per_flop: seconds per FLOP of the selection's model pass.
         solve_s: per solver strategy, the rest of its selection's time per step (the solve and the
             bookkeeping), which is not FLOPs.
+        train_s_per_flop_at: per training FLOP count measured without a model pass, its own factor.
     """
 
     train_s_per_flop: float
     score_s_per_flop: float
     solve_s: Mapping[str, float]
+    train_s_per_flop_at: Mapping[float, float] = dataclasses.field(default_factory=dict)
+
+    def train_factor(self, train_flops: float) -> float:
+        return self.train_s_per_flop_at.get(train_flops, self.train_s_per_flop)
 
     def step_cost(self, work: StepWork) -> float:
-        cost = self.train_s_per_flop * work.train_flops
+        cost = self.train_factor(work.train_flops) * work.train_flops
         if work.solver is not None:
             cost += self.score_s_per_flop * work.score_flops + self.solve_s[work.solver]
         return cost
@@ -287,7 +298,8 @@ def fit_cost_model(classes: Sequence[tuple[StepWork, StepSamples]]) -> CostModel
 
     - `train_s_per_flop`: the pooled ratio of step time to training FLOPs over the configurations
       without a model pass; with none calibrated, the step time less the selection's over the
-      others.
+      others. `train_s_per_flop_at`: the same ratio per training size (FLOPs) among the former; a
+      configuration with a model pass takes its training size's factor when one was measured.
     - `score_s_per_flop`: the pooled ratio of the model pass's time to its FLOPs.
     - `solve_s[solver]`: the mean over that solver's steps of what the two factors leave of the step.
 
@@ -308,16 +320,25 @@ def fit_cost_model(classes: Sequence[tuple[StepWork, StepSamples]]) -> CostModel
         train_s = sum(sum(y - x for y, x in zip(s.step_s, s.selection_s)) for _, s in passes)
         train_flops = sum(w.train_flops * len(s.step_s) for w, s in passes)
     a_train = train_s / train_flops
+    by_size: dict[float, list[float]] = {}  # training FLOPs -> [seconds, FLOPs] over the plain samples
+    for w, s in plain:
+        acc = by_size.setdefault(w.train_flops, [0.0, 0.0])
+        acc[0] += sum(s.step_s)
+        acc[1] += w.train_flops * len(s.step_s)
+    at = {flops: secs / total for flops, (secs, total) in by_size.items()}
     a_score = 0.0
     if passes:
         a_score = sum(sum(s.features_s) for _, s in passes) / sum(w.score_flops * len(s.step_s) for w, s in passes)
     rest: dict[str, list[float]] = {}
     for w, s in passes:
         assert w.solver is not None
-        base = a_train * w.train_flops + a_score * w.score_flops
+        base = at.get(w.train_flops, a_train) * w.train_flops + a_score * w.score_flops
         rest.setdefault(w.solver, []).extend(y - base for y in s.step_s)
     return CostModel(
-        train_s_per_flop=a_train, score_s_per_flop=a_score, solve_s={k: sum(v) / len(v) for k, v in rest.items()}
+        train_s_per_flop=a_train,
+        score_s_per_flop=a_score,
+        solve_s={k: sum(v) / len(v) for k, v in rest.items()},
+        train_s_per_flop_at=at,
     )
 
 

@@ -307,6 +307,23 @@ def test_cost_model_factors_hand_computed():
     assert alone.train_s_per_flop == pytest.approx(0.02) and alone.step_cost(ps) == pytest.approx(4.0)
 
 
+def test_each_training_size_keeps_its_own_measured_cost():
+    """A plain step of twice the FLOPs measured at 1.7x (a larger batch runs faster per FLOP) costs 1.7x,
+    not 2x; and calibrating it leaves the costs of the configurations already priced as they were (the
+    fine-tuning study's full_pool arm moved PartitionSel from 6 steps to 5 when its factor was pooled)."""
+    from composer_algos.compute_plan import StepWork, fit_cost_model
+
+    plain = StepWork(train_flops=100.0)
+    double = StepWork(train_flops=200.0)
+    ps = StepWork(train_flops=100.0, score_flops=50.0, solver="partitionsel")
+    classes = [(plain, _samples([2.0, 2.0])), (ps, _samples([5.0, 5.0], features=[1.5, 1.5], selection=[2.5, 2.5]))]
+    before = fit_cost_model(classes)
+    after = fit_cost_model(classes + [(double, _samples([3.4, 3.4]))])
+    assert after.step_cost(double) == pytest.approx(3.4) and after.step_cost(plain) == pytest.approx(2.0)
+    assert after.step_cost(ps) == pytest.approx(before.step_cost(ps)) == pytest.approx(5.0)
+    assert after.train_s_per_flop == pytest.approx((4.0 + 6.8) / (200 + 400))  # the pooled factor, reported
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_equal_work_gets_equal_steps_for_any_calibration_noise(seed):
     import random
