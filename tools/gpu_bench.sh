@@ -84,7 +84,7 @@ run_step "4 optimizer (146 tensors)" 90 4_optimizer.log "$PY" tools/bench_optimi
   echo "### 2. Step cost at the recipe's shape"
   echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/2_step.log"; echo '```'
   echo "### 3. The exact OMP solve"
-  echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop" "$OUT/3_solver.log"; echo '```'
+  echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  cpu solve" "$OUT/3_solver.log"; echo '```'
   echo "### 4. Optimizer step"
   echo '```'; grep -E "hidden|adamw|relative difference" "$OUT/4_optimizer.log"; echo '```'
 } > "$OUT/bench_gpu_figures.md"

@@ -35,7 +35,7 @@ _PICKS = ("greedy", "randomized")
 _REFITS = ("exact", "apga", "apga_pool")
 _REFINES = (None, "swap")
 _GRAM_ROWS = ("auto", "full", "lazy")
-_SOLVER_LOOPS = ("host", "device")
+_SOLVER_LOOPS = ("host", "cpu", "device")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,16 +72,31 @@ class PartitionSelOptions:
             Gram GEMM is cheap and syncs are not. The result is the same either way up to
             floating-point rounding.
         gram_batch_rows: rows per speculative batch of the lazy Gram (default 32).
-        solver_loop: where the greedy exact OMP's rounds decide (``refit: exact``, ``pick: greedy``,
-            no ``refine``, a full Gram). ``"host"`` (default): ``ActiveSetState``, one host sync a
-            pick. ``"device"``: ``active_set_device.omp_exact_on_device``, no sync in the rounds and
-            one read of a flag at the end; the rare round that needs a Lawson-Hanson drop, a KKT
-            re-entry or a float64 promotion sets the flag, and the host loop then runs from the
-            start (its result is the one returned). The device loop issues about 50 ops a pick
-            against the host loop's 28 and one sync (n = 512, kappa = 128, CPU count): on a GPU it
-            pays only where a sync costs more than 20 launches, which no GPU run has measured yet
-            (``tools/gpu_bench.sh`` times both), so the default stays the host loop. Other
-            settings always use the host loop.
+        solver_loop: where the rounds run when the features are on an accelerator (on a CPU the three
+            are the same computation). ``"host"`` (default): beside the features, each exact round
+            deciding on the host (``ActiveSetState``: one host sync a pick, about 28 launches).
+            ``"cpu"``: ``K`` and ``mu`` copied to the CPU in one transfer and the whole solve (OMP,
+            refit, swap) run there, the selection copied back without blocking: one sync and no
+            launch whatever ``kappa``, but the same ops at the CPU's per-op cost (0.4-1.0 ms a pick
+            on one thread of the 2-core VM, n = 16 to 512, against 0.23 ms on an H200's host loop
+            at n = 2048). ``"device"`` (``active_set_device.omp_exact_on_device``; greedy exact OMP
+            on a full Gram, no ``refine``): no sync in the rounds and one read of a flag at the end;
+            a round that needs a Lawson-Hanson drop, a KKT re-entry or a float64 promotion sets the
+            flag and the host loop then runs from the start; about 50 launches a pick. Which is
+            fastest on a GPU no GPU run has measured (``tools/gpu_bench.sh`` times all three), so
+            the default stays the host loop. Other settings than those named always use it.
+        cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
+            on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
+            `tools/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
+            threads, interleaved medians, on the 2-core VM shared with a study run, load average
+            3.2-5.8): on/off time 0.66 at n = 32 (19 vs 29 ms), 0.82 at n = 64 (25 vs 31 ms) and
+            0.26 at n = 2048, D = 2048 (4.8 vs 18.5 s); on an idle VM the two are within noise
+            without swap (n = 2048: 293 vs 288 ms) and one thread costs up to 17% with
+            `refine: swap` (docs/selection.md, Threads). A run rarely knows whether its cores
+            are shared, and the loss when they are is 1.2-4x, so one thread is the default. It
+            changes PyTorch's process-wide thread count for the duration of the call (restored
+            afterwards; not thread-safe): set False when other Python threads of the process run
+            torch work meanwhile, or on an idle many-core CPU with `refine: swap`.
     """
 
     pick: str = "greedy"
@@ -180,8 +195,12 @@ def run_weighted_selection(
         if block_diagonal:
             gram_NN = gram_NN * (dom_N.unsqueeze(1) == dom_N.unsqueeze(0))
         gram = GramRows(gram_NN=gram_NN)
-    check_finite(strategy, diag_K=gram.diag_N, mu=mu_N)
+    check_finite(strategy, diag_K=gram.diag_N, mu=mu_N)  # on the features' device (deferred to the step's one read)
     caps_C = inputs.resolve_capacities()
+    device = mu_N.device
+    on_cpu = _cpu_solve(opts, inputs)
+    if on_cpu:
+        gram, mu_N, dom_N, caps_C = _to_cpu(gram, mu_N, inputs, caps_C)
     grad_tol = default_grad_tol(mu_N)
     solved = _solve_on_device(opts, inputs, gram, mu_N, caps_C, grad_tol) if _device_loop(opts, inputs, gram) else None
     if solved is not None and solved[4]:
@@ -240,11 +259,12 @@ def run_weighted_selection(
     if gram.lazy:
         info["gram_rows_computed"] = gram.rows_computed
     info["objective_scaled"] = phi
-    info["ridge_share"] = _ridge_share(strategy, v_S, mu_N[sel_S], ridge_abs, inputs, opts.ridge)
+    info["ridge_share"] = _ridge_share(strategy, v_S, mu_N[sel_S], ridge_abs, inputs, opts.ridge, device=device if on_cpu else None)
     if inputs.eta == 0:
         info["scale_free"] = True
     weights_S = v_S / inputs.eta if inputs.eta > 0 else v_S
-    return finish_result(sel_S, dom_N, num_domains, weights_S=weights_S, objective=_unscale(phi, inputs.eta), info=info)
+    result = finish_result(sel_S, dom_N, num_domains, weights_S=weights_S, objective=_unscale(phi, inputs.eta), info=info)
+    return _result_to(result, device) if on_cpu else result
 
 
 def omp_select(
@@ -521,17 +541,22 @@ def _ridge_share(
     ridge_abs: float | torch.Tensor,
     inputs: SelectionInputs,
     ridge_rel: float,
+    *,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Share of ``v^T (K + ridge I) v`` that is the ridge, ``ridge |v|^2 / <v, mu>`` (0-dim); warns once above 1/2.
 
     At the ridge optimum ``<v, mu> = v^T (K + ridge I) v``. With ``eta > 0`` the diagonal bonus
     ``(eta/2) diag(K)`` in ``mu`` rewards weight along directions that ``K_SS`` does not penalise
     (more picks than the features' rank): only the ridge bounds them, and the objective and the
-    weights then grow as ``1 / ridge`` (the demo's logged f(S) near 7e6).
+    weights then grow as ``1 / ridge`` (the demo's logged f(S) near 7e6). ``device``: where the share
+    is returned and judged, the features' (a CPU solve's share moves there, as the step reads it).
     """
     align = torch.dot(v_S, mu_S)
     share = ridge_abs * torch.dot(v_S, v_S) / align.clamp_min(torch.finfo(v_S.dtype).tiny)
     share = torch.where(align > 0, share, torch.zeros_like(share))
+    if device is not None:
+        share = share.to(device, non_blocking=True)  # a CPU solve's value joins the features' device, as the step reads them
     if not _RIDGE_WARNED and ridge_rel > 0 and inputs.eta > 0:
         # Judged on the host with the step's other checks (now, outside a selection step).
         check_or_defer(share, lambda values: _warn_ridge(strategy, values[0], v_S.shape[0], inputs, ridge_rel))
@@ -569,6 +594,51 @@ def _device_loop(opts: PartitionSelOptions, inputs: SelectionInputs, gram: GramR
     if opts.refit != "exact" or opts.pick != "greedy" or opts.refine is not None or gram.lazy:
         return False
     return opts.solver_loop == "device"
+
+
+def _cpu_solve(opts: PartitionSelOptions, inputs: SelectionInputs) -> bool:
+    """Whether the solve moves to the CPU (``PartitionSelOptions.solver_loop``)."""
+    return opts.solver_loop == "cpu"
+
+
+def _to_cpu(
+    gram: GramRows, mu_N: torch.Tensor, inputs: SelectionInputs, caps_C: torch.Tensor
+) -> tuple[GramRows, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``K`` (a full Gram, formed on the device), ``mu``, the domain ids and the capacities on the CPU, in one transfer.
+
+    The ids and capacities travel with ``K`` as floats (exact below 2^24) unless the caller gave them
+    on the host already, as the training loop does.
+    """
+    n = mu_N.shape[0]
+    gram_NN = gram.gram_NN if not gram.lazy else gram.full()
+    parts = [gram_NN.reshape(-1), mu_N]
+    dom_host = inputs.domain_ids_host
+    if dom_host is None:
+        parts.append(inputs.domain_ids.to(mu_N.dtype))
+    caps_on_host = caps_C.device.type == "cpu"
+    if not caps_on_host:
+        parts.append(caps_C.to(mu_N.dtype))
+    host = torch.cat(parts).cpu()  # the solver's one read
+    out_gram = GramRows(gram_NN=host[: n * n].view(n, n))
+    mu_host = host[n * n : n * n + n]
+    rest = host[n * n + n :]
+    if dom_host is None:
+        dom_host, rest = rest[:n].long(), rest[n:]
+    if not caps_on_host:
+        caps_C = rest.long()
+    return out_gram, mu_host, dom_host, caps_C
+
+
+def _result_to(result: SelectionResult, device: torch.device) -> SelectionResult:
+    """The CPU solve's result back on the features' device, copied without making the host wait."""
+    move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return SelectionResult(
+        indices=move(result.indices),
+        domain_counts=move(result.domain_counts),
+        weights=move(result.weights),
+        objective=move(result.objective),
+        info={k: move(v) for k, v in result.info.items()},
+    )
 
 
 def _solve_on_device(

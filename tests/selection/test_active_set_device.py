@@ -82,10 +82,49 @@ def test_the_rounds_never_read_the_device():
     assert res.sel_K.tolist() == host_sel.tolist()
 
 
-def test_the_host_loop_is_the_default_until_a_gpu_measurement_says_otherwise():
+def test_the_host_loop_is_the_default_until_a_gpu_run_says_otherwise():
+    assert PartitionSelOptions().solver_loop == "host"
     features, val, dom = make_instance(0, 12)
     res = select_partitionsel(features=features, val_feature=val, domain_ids=dom, num_domains=3, kappa=4, eta=ETA, generator=None)
     assert "device_loop_fallback" not in res.info
     assert "device_loop_fallback" in _select(features, val, dom, 4, "device").info
     with pytest.raises(ValueError, match="solver_loop"):
         PartitionSelOptions(solver_loop="gpu")
+
+
+# ------------------------------------------------------------------ the solve moved to the CPU (solver_loop "cpu")
+@pytest.mark.parametrize("options", [{}, {"refine": "swap"}, {"refit": "apga"}])
+def test_the_cpu_solve_is_the_host_loop_on_a_cpu(options):
+    for seed in range(4):
+        features, val, dom = make_instance(seed, 40, dim=16)
+        host = _select(features, val, dom, 12, "host", **options)
+        cpu = _select(features, val, dom, 12, "cpu", **options)
+        assert torch.equal(cpu.indices, host.indices) and torch.equal(cpu.weights, host.weights)
+        assert torch.equal(cpu.domain_counts, host.domain_counts) and torch.equal(cpu.objective, host.objective)
+
+
+def _audited(loop, kappa):
+    """One selection with the features on the emulated accelerator and the domain ids on the host, as the
+    training loop gives them: (result, syncs, kernel launches)."""
+    from step_audit import OpCount
+
+    features, val, dom = make_instance(5, 48, dim=64, dtype=torch.float32)
+    audit = SyncAudit([features, val])
+    ops = OpCount(on_device=lambda: audit.device_call)
+    audit._pause = ops.pause
+    from composer_algos.selection import types
+
+    with ops, audit, types.deferring_checks(types.DeferredChecks()):  # as a selection step judges its checks
+        res = _select(features, val, dom, kappa, loop)
+    syncs = sum(n for (kind, _s, _c), n in audit.events.items() if kind in ("sync", "h2d"))
+    return res, syncs, ops.kernels
+
+
+@pytest.mark.parametrize("kappa", [8, 16])
+def test_the_cpu_solve_reads_the_device_once(kappa):
+    cpu, syncs_cpu, ops_cpu = _audited("cpu", kappa)
+    host, syncs_host, ops_host = _audited("host", kappa)
+    assert torch.equal(cpu.indices, host.indices)
+    assert syncs_cpu == 1, syncs_cpu
+    assert syncs_host >= kappa  # one a pick
+    assert ops_cpu < ops_host - 10 * kappa, (ops_cpu, ops_host)  # the rounds launch nothing on the device

@@ -61,13 +61,14 @@ def test_one_selection_step_syncs_at_most_its_budget(strategy, dolma_shards, tmp
         assert counts["sync"] >= 1 and counts["kernels"] > 0, report  # the selection reaches the host once
 
 
-def test_the_device_loop_reads_the_device_twice_a_step(dolma_shards, tmp_path):
-    """partitionsel with `solver_loop: device`: the step's transfer and the solver's one
-    flag, against 1 + kappa + 2 with the host loop (issue 31.3)."""
+@pytest.mark.parametrize("loop", ["device", "cpu"])
+def test_the_device_and_cpu_loops_read_the_device_twice_a_step(loop, dolma_shards, tmp_path):
+    """partitionsel with `solver_loop: device` (the solver's one flag) or `cpu` (K and mu in one read): the
+    step's transfer and one more, against 1 + kappa + 2 with the host loop (issue 31.3)."""
     cfg = load_config(
         TINY,
         tiny_overrides(dolma_shards, tmp_path / "run", "eval_loader=null", "algorithms.data_selection.strategy=partitionsel",
-                       "algorithms.data_selection.strategy_options.partitionsel.solver_loop=device"),
+                       f"algorithms.data_selection.strategy_options.partitionsel.solver_loop={loop}"),
     )
     trainer = train.build_trainer(cfg)
     prepare_for_stepping(trainer)
