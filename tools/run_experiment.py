@@ -530,17 +530,7 @@ def _calibration_from_runs(
                 continue
             if not budget.get("step_times_s"):
                 continue
-            wall, cpu = _read_samples(budget_path.parent, "wall"), _read_samples(budget_path.parent, "cpu")
-            chunks.append(
-                {
-                    "step_times_s": list(wall.step_s),
-                    "step_cpu_times_s": list(cpu.step_s),
-                    "features_s": list(wall.features_s),
-                    "selection_s": list(wall.selection_s),
-                    "features_cpu_s": list(cpu.features_s),
-                    "selection_cpu_s": list(cpu.selection_s),
-                }
-            )
+            chunks.append(_chunk_of(budget_path.parent))
             model = budget.get("model")
             used.append(str(budget_path.parent))
         if chunks:
@@ -641,23 +631,25 @@ def _calibration_round(
         budget = json.loads((run_dir / "train_budget.json").read_text()) if (run_dir / "train_budget.json").exists() else {}
         if not budget.get("step_times_s"):
             raise PlanError(f"calibration of {groups[key]} timed no step ({run_dir / 'train_budget.json'})")
-        wall = _read_samples(run_dir, "wall")
-        cpu = _read_samples(run_dir, "cpu")
         group = known["groups"].setdefault(
             key, {"label": groups[key], "work": dataclasses.asdict(arms[groups[key]][1]), "model": budget.get("model"), "chunks": []}
         )
-        group["chunks"].append(
-            {
-                "step_times_s": list(wall.step_s),
-                "step_cpu_times_s": list(cpu.step_s),
-                "features_s": list(wall.features_s),
-                "selection_s": list(wall.selection_s),
-                "features_cpu_s": list(cpu.features_s),
-                "selection_cpu_s": list(cpu.selection_s),
-            }
-        )
+        group["chunks"].append(_chunk_of(run_dir))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(known, indent=1))
+
+
+def _chunk_of(run_dir: Path) -> dict[str, list[float]]:
+    """One calibration chunk: a finished run's timed steps and their selection parts, on both clocks."""
+    wall, cpu = _read_samples(run_dir, "wall"), _read_samples(run_dir, "cpu")
+    return {
+        "step_times_s": list(wall.step_s),
+        "step_cpu_times_s": list(cpu.step_s),
+        "features_s": list(wall.features_s),
+        "selection_s": list(wall.selection_s),
+        "features_cpu_s": list(cpu.features_s),
+        "selection_cpu_s": list(cpu.selection_s),
+    }
 
 
 def _read_samples(run_dir: Path, clock: str) -> Any:
