@@ -202,9 +202,10 @@ def run_weighted_selection(
     if on_cpu:
         gram, mu_N, dom_N, caps_C = _to_cpu(gram, mu_N, inputs, caps_C)
     grad_tol = default_grad_tol(mu_N)
-    solved = _solve_on_device(opts, inputs, gram, mu_N, caps_C, grad_tol) if _device_loop(opts, inputs, gram) else None
-    if solved is not None and solved[4]:
-        sel_S, v_S, phi, info, _, ridge_abs = solved
+    device_loop = _device_loop(opts, inputs, gram)
+    solved = _solve_on_device(opts, inputs, gram, mu_N, caps_C, grad_tol) if device_loop else None
+    if solved is not None:
+        sel_S, v_S, phi, info, ridge_abs = solved
     else:
         # The setup's host reads in one transfer: the ridge's scale (mean diag K), and for the exact
         # refit's host-side tests the gradient tolerance and diag(K).
@@ -231,7 +232,7 @@ def run_weighted_selection(
             domain_ids_host=inputs.domain_ids_host,
             host_values=host_values,
         )
-        if solved is not None:
+        if device_loop:
             info["device_loop_fallback"] = 1
     if opts.refine == "swap":
         start = time.perf_counter()
@@ -648,17 +649,19 @@ def _solve_on_device(
     mu_N: torch.Tensor,
     caps_C: torch.Tensor,
     grad_tol: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, bool, torch.Tensor | float]:
-    """``omp_exact_on_device`` and its one host read: ``(sel_S, v_S, phi, info, clean, ridge_abs)``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, torch.Tensor | float] | None:
+    """``omp_exact_on_device`` and its one host read: ``(sel_S, v_S, phi, info, ridge_abs)``, or None
+    when a round left the common path and the host loop must run.
 
-    The ridge stays on the device (``ridge x mean diag K``); ``clean`` False means the host loop must run.
+    The ridge stays on the device (``ridge x mean diag K``).
     """
     ridge_abs: torch.Tensor | float = opts.ridge * gram.diag_N.mean() if opts.ridge > 0 else 0.0
     with single_thread_on_cpu(mu_N.device, opts.cpu_single_thread):
         res = omp_exact_on_device(gram.gram_NN, mu_N, inputs.domain_ids, caps_C, inputs.k, ridge_abs, grad_tol)
-    clean = bool(res.clean)  # the solver's one host read
+    if not bool(res.clean):  # the solver's one host read
+        return None
     info = {"slow_refits": 0, "weight_drops": 0, "weight_reentries": 0, "singular_pivots": 0, "device_loop_fallback": 0}
-    return res.sel_K, res.v_K, res.phi, info, clean, ridge_abs
+    return res.sel_K, res.v_K, res.phi, info, ridge_abs
 
 
 def _use_lazy_gram(opts: PartitionSelOptions, inputs: SelectionInputs, block_diagonal: bool) -> bool:

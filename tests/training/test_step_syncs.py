@@ -37,21 +37,24 @@ def allowed_syncs(strategy: str) -> int:
     return 1 + (KAPPA + 2 if strategy in EXACT_OMP else 0)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_one_selection_step_syncs_at_most_its_budget(strategy, dolma_shards, tmp_path):
-    cfg = load_config(
-        TINY,
-        tiny_overrides(dolma_shards, tmp_path / strategy, "eval_loader=null", f"algorithms.data_selection.strategy={strategy}"),
-    )
+def _count_third_step(shards, run_dir, *overrides):
+    """The audited counts of a tiny run's third selection step (after two, the optimizer has state, so
+    the Adam normalisation runs), and their report."""
+    cfg = load_config(TINY, tiny_overrides(shards, run_dir, "eval_loader=null", *overrides))
     trainer = train.build_trainer(cfg)
     prepare_for_stepping(trainer)
     auditor = StepAuditor(trainer)
     trainer.fit(duration="1ba")
-    trainer.fit(duration="1ba")  # step 1: the optimizer has state, so the Adam normalisation runs
+    trainer.fit(duration="1ba")
     counts = auditor.count()
     auditor.close()
     trainer.close()
-    report = format_counts(counts, top=40)
+    return counts, format_counts(counts, top=40)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_selection_step_syncs_at_most_its_budget(strategy, dolma_shards, tmp_path):
+    counts, report = _count_third_step(dolma_shards, tmp_path / strategy, f"algorithms.data_selection.strategy={strategy}")
     assert counts["mixed"] == 0, report  # device and host tensors in one op: an error on CUDA
     assert counts["sync"] + counts["h2d"] <= allowed_syncs(strategy), report
     assert counts["ops"] > 0 and counts["ops"] >= counts["kernels"]
@@ -65,20 +68,8 @@ def test_one_selection_step_syncs_at_most_its_budget(strategy, dolma_shards, tmp
 def test_the_device_and_cpu_loops_read_the_device_twice_a_step(loop, dolma_shards, tmp_path):
     """partitionsel with `solver_loop: device` (the solver's one flag) or `cpu` (K and mu in one read): the
     step's transfer and one more, against 1 + kappa + 2 with the host loop (issue 31.3)."""
-    cfg = load_config(
-        TINY,
-        tiny_overrides(dolma_shards, tmp_path / "run", "eval_loader=null", "algorithms.data_selection.strategy=partitionsel",
-                       f"algorithms.data_selection.strategy_options.partitionsel.solver_loop={loop}"),
-    )
-    trainer = train.build_trainer(cfg)
-    prepare_for_stepping(trainer)
-    auditor = StepAuditor(trainer)
-    trainer.fit(duration="1ba")
-    trainer.fit(duration="1ba")
-    counts = auditor.count()
-    auditor.close()
-    trainer.close()
-    report = format_counts(counts, top=40)
+    counts, report = _count_third_step(dolma_shards, tmp_path / "run", "algorithms.data_selection.strategy=partitionsel",
+                                       f"algorithms.data_selection.strategy_options.partitionsel.solver_loop={loop}")
     assert counts["mixed"] == 0, report
     assert counts["sync"] + counts["h2d"] <= 2, report
 
