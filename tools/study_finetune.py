@@ -6,7 +6,8 @@ and cached), the 8 dm_math areas as domains, prompts in the model's chat templat
 only, LoRA on the top blocks (yamls/smollm2-135m_dm_math.yaml). Every arm is compared at equal steps
 and at equal compute (the cost of --steps random steps; tools/run_experiment.py's calibrated cost
 model, every schedule decayed over its own steps), paired by seed against random and against
-random_stratified, on the held-out loss and on the exact-match accuracy of greedy answers.
+random_stratified (then against partitionsel and full_pool where they ran), on the held-out loss
+and on the exact-match accuracy of greedy answers.
 
 Parts (each reuses what an earlier, interrupted invocation finished, so a study can span sittings):
   setup   ../shared/data/dm_math -> OUT/shards (tools/shard.py, the model's chat template)
@@ -59,6 +60,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "full_pool": ("none", []),
 }
 QUICK_ARMS = ("random", "random_stratified", "partitionsel")
+# The report also pairs every arm against these: the selector, and training on every row of the pool.
+REFERENCE_ARMS = ("partitionsel", "full_pool")
 # Evaluation at the last step only: 16 held-out examples per domain for the loss (the same 16 in every
 # run, so paired differences cancel their sampling), 10 questions per domain for the answers.
 EVAL_OVERRIDES = ["eval_loader.subset_num_batches=1", "eval_loader.device_eval_batch_size=16"]
@@ -187,7 +190,8 @@ def study_commands(
 
 
 def study_report(out: Path) -> str:
-    """OUT/study.md: per budget, each arm's loss and accuracy, paired against random and random_stratified."""
+    """OUT/study.md: per budget, each arm's loss and accuracy, paired against random and random_stratified, then
+    against partitionsel and full_pool (where they ran)."""
     sys.path.insert(0, str(REPO))
     from composer_algos.experiment_stats import paired_comparison
 
@@ -216,7 +220,7 @@ def study_report(out: Path) -> str:
         pairs = {
             (metric, base): paired_comparison(data, baseline=base)["strategies"] if base in data else {}
             for metric, data in (("loss", per_seed), ("accuracy", acc_seed))
-            for base in ("random", "random_stratified")
+            for base in ("random", "random_stratified", *REFERENCE_ARMS)
         }
         lines += [
             "| arm | steps | loss (mean +- std) | accuracy | loss - random | loss - random_stratified "
@@ -232,6 +236,7 @@ def study_report(out: Path) -> str:
             ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        lines += _reference_table(comparison["strategies"], pairs)
         lines += _domain_table("Per domain, loss - random_stratified", pairs[("loss", "random_stratified")], 3)
         lines += _domain_table("Per domain, accuracy - random_stratified", pairs[("accuracy", "random_stratified")], 2)
         for extra in ("sensitivity.md", "selection.md"):
@@ -241,6 +246,22 @@ def study_report(out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.md").write_text(text + "\n")
     return text
+
+
+def _reference_table(labels, pairs: dict) -> list[str]:
+    """Each arm against the selector and against training on the whole pool (what selection approximates)."""
+    refs = [r for r in REFERENCE_ARMS if pairs[("loss", r)]]
+    if not refs:
+        return []
+    cols = [(m, r) for m in ("loss", "accuracy") for r in refs]
+    lines = [
+        "Against PartitionSel and the whole pool (mean [95% CI] over paired seeds):", "",
+        "| arm | " + " | ".join(f"{m} - {r}" for m, r in cols) + " |", "|---|" + "---:|" * len(cols),
+    ]
+    for label in labels:
+        cells = [_ci(pairs[(m, r)].get(label, {}).get("average"), 4 if m == "loss" else 3) for m, r in cols]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _plan_line(plan: dict) -> str:

@@ -84,3 +84,23 @@ def test_help_is_fast_and_bad_arms_are_refused(capsys):
     with pytest.raises(SystemExit):
         study.main(["--arms", "partitionsel"])
     assert "random is the budget's reference" in capsys.readouterr().err
+
+
+def test_report_also_pairs_every_arm_against_partitionsel_and_the_whole_pool(tmp_path):
+    losses = {"random": [1.0, 1.1, 1.2], "partitionsel": [0.8, 0.9, 1.0], "full_pool": [0.7, 0.8, 0.9],
+              "greats": [0.85, 0.95, 1.05]}
+    accuracies = {k: [0.1, 0.2, 0.3] for k in losses}
+    (tmp_path / "equal_steps").mkdir()
+    (tmp_path / "equal_steps" / "comparison.json").write_text(json.dumps(_comparison(losses, accuracies)))
+    text = study.study_report(tmp_path)
+    head = "| arm | loss - partitionsel | loss - full_pool | accuracy - partitionsel | accuracy - full_pool |"
+    assert head in text
+    table = text[text.index(head):].split("\n\n")[0].splitlines()
+    greats = next(line for line in table if line.startswith("| greats |"))
+    assert "+0.0500 [+0.0500, +0.0500] (n 3)" in greats and "+0.1500 [+0.1500, +0.1500] (n 3)" in greats
+    ps = next(line for line in table if line.startswith("| partitionsel |"))
+    assert ps.split(" | ")[1] == "-" and "+0.1000 [+0.1000, +0.1000] (n 3)" in ps  # not against itself
+    # without the reference arms there is no such table
+    (tmp_path / "equal_steps" / "comparison.json").write_text(json.dumps(_comparison(
+        {"random": losses["random"], "greats": losses["greats"]}, {"random": [0.1] * 3, "greats": [0.1] * 3})))
+    assert "loss - partitionsel" not in study.study_report(tmp_path)
