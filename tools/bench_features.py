@@ -6,14 +6,21 @@ Example:
     .venv/bin/python tools/bench_features.py --quick         # smoke run in seconds (tiny model), not a measurement
 
 For each model (random Llama, vocab 8192, sequence 128, pool 32; "small": 4 blocks, hidden 256;
-"large": 8 blocks, hidden 512), side by side in one run:
+"large": 8 blocks, hidden 512; "llama1b_cpu" (not in the default --configs): Llama-3.2-1B's 16 blocks and
+32/8 heads at hidden 64, vocab 4096, the 17 windows of 64 tokens its recipe's step scores), side by
+side in one run:
   (a) forward     a plain no-grad forward of the pool (eval mode);
   (b) batch_grad  the same truncated forward (no graph below the last block) + backward computing only the
                   summed gradient of the target layers (the last block's linear layers);
   (c) feat_*      GradFeatureExtractor.compute on the pool (adam_optimizer normalisation with real optimizer
                   state, FJLT to the hidden size): `feat_exact` (every target exact), `feat_sketch` (every
                   target sketched, k=32), `feat_default` (the default 65536 threshold);
-  (d) func        torch.func per-example gradients (vmap of grad) of the same parameters.
+  (d) func        torch.func per-example gradients (vmap of grad) of the same parameters;
+  (e) feat_compiled  feat_sketch with `compile_forward=True`: the blocks below the cut compiled
+                  (`torch.compile`; on CUDA mode reduce-overhead), compiled in the warm-up call.
+Counts (issue 31.2; what a GPU pays per call beyond the arithmetic): each method's aten ops in one
+call, from torch.profiler's events (the compiled path's fused kernels are not aten ops; its matrix
+products are), and on CUDA its kernel launches (cudaLaunchKernel and cudaGraphLaunch calls).
 Timing: all methods of a model are set up in one process, warmed up, then run round-robin --repeats
 times, so load changes on a shared machine hit them alike; the median and the min are reported and the
 ratios use the median. Memory: each method runs once more in its own subprocess, which reports the
@@ -42,12 +49,17 @@ from pathlib import Path
 CONFIGS = {
     "small": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=4),
     "large": dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=8),
+    # Llama-3.2-1B's structure at CPU size (16 blocks, 32/8 heads; tools/bench_step.py's llama1b_cpu), scoring
+    # what its step scores: the 8 x 2 pool rows' and one validation row's 64-token windows.
+    "llama1b_cpu": dict(num_hidden_layers=16, hidden_size=64, intermediate_size=256, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=2),
     # --quick only: every path in seconds.
     "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=172, num_attention_heads=2, num_key_value_heads=2),
 }
-METHODS = ["forward", "batch_grad", "feat_exact", "feat_sketch", "feat_default", "func"]
+METHODS = ["forward", "batch_grad", "feat_exact", "feat_sketch", "feat_default", "func", "feat_compiled"]
 VOCAB, SEQ, POOL = 8192, 128, 32
 QUICK_SIZES = dict(vocab=512, seq=32, pool=8)  # with the tiny config
+SIZES = {"llama1b_cpu": dict(vocab=4096, seq=64, pool=17)}  # (vocab, sequence, pool) other than the defaults
 TARGETS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
@@ -74,6 +86,7 @@ def main() -> int:
     failed: list[str] = []
     for cfg in args.configs:
         job = dict(config=cfg, methods=args.methods, repeats=args.repeats, device=args.device, threads=args.threads)
+        job.update(SIZES.get(cfg, {}))
         if args.quick:
             job.update(QUICK_SIZES)
         timings = _call_worker(dict(job, mode="time"))
@@ -115,15 +128,24 @@ def _call_worker(job: dict) -> dict | None:
 
 
 def _print_report(results: dict) -> None:
-    print("\n| model | method | median ms | peak MB | / (a) forward | / (b) batch_grad |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print("\n| model | method | median ms | peak MB | / (a) forward | / (b) batch_grad | aten ops | launches |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for cfg, res in results.items():
         a = res.get("forward", {}).get("median_s")
         b = res.get("batch_grad", {}).get("median_s")
         for method, r in res.items():
             ra = f"{r['median_s'] / a:.2f}" if a else "-"
             rb = f"{r['median_s'] / b:.2f}" if b else "-"
-            print(f"| {cfg} | {method} | {r['median_s'] * 1e3:.1f} | {r['peak_mb']:.1f} | {ra} | {rb} |")
+            print(f"| {cfg} | {method} | {r['median_s'] * 1e3:.1f} | {r['peak_mb']:.1f} | {ra} | {rb} | "
+                  f"{r.get('aten_ops', '-')} | {r.get('launches', '-')} |")
+    for cfg, res in results.items():
+        eager, comp = res.get("feat_sketch"), res.get("feat_compiled")
+        if eager and comp and comp.get("aten_ops"):
+            line = (f"[{cfg}] feat_compiled / feat_sketch: time {comp['median_s'] / eager['median_s']:.2f}, "
+                    f"aten ops {eager['aten_ops']} -> {comp['aten_ops']} ({eager['aten_ops'] / comp['aten_ops']:.2f}x fewer)")
+            if comp.get("launches"):
+                line += f", launches {eager['launches']} -> {comp['launches']} ({eager['launches'] / comp['launches']:.2f}x fewer)"
+            print(line)
     print("\nTargets: (c)/(b) <= 1.2; (d)/(c) >= 5.")
     for cfg, res in results.items():
         b, d = res.get("batch_grad"), res.get("func")
@@ -182,7 +204,24 @@ def _run_worker(job: dict) -> dict:
             fn()
             _sync(device)
             times[method].append(time.perf_counter() - start)
-    return {m: {"median_s": statistics.median(t), "min_s": min(t)} for m, t in times.items()}
+    counts = {m: _profile_counts(fn, device) for m, fn in fns.items()}
+    return {m: {"median_s": statistics.median(t), "min_s": min(t), **counts[m]} for m, t in times.items()}
+
+
+def _profile_counts(fn, device) -> dict:
+    """One call's aten ops (torch.profiler events named aten::*) and, on CUDA, its kernel launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    names = [e.name for e in prof.events()]
+    out = {"aten_ops": sum(n.startswith("aten::") for n in names)}
+    if device.type == "cuda":
+        out["launches"] = sum(n in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch") for n in names)
+    return out
 
 
 def _make_method(method: str, model, batch: dict, target_names: list[str]):
@@ -218,10 +257,11 @@ def _make_method(method: str, model, batch: dict, target_names: list[str]):
         model(input_ids=batch["input_ids"][:4], labels=batch["labels"][:4]).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        threshold = {"feat_exact": 10**12, "feat_sketch": 0, "feat_default": 65536}[method]
+        threshold = {"feat_exact": 10**12, "feat_sketch": 0, "feat_default": 65536, "feat_compiled": 0}[method]
         extractor = GradFeatureExtractor(
             model, target_modules=[re.escape(n) + "$" for n in target_names], exact_max_numel=threshold,
             sketch_dim=32, normalization="adam_optimizer", chunk_size=len(batch["input_ids"]),
+            compile_forward=method == "feat_compiled",
         )
 
         def run():

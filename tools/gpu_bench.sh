@@ -16,6 +16,9 @@
 #   2 step    bench_step.py: Llama-3.2-1B shape (random weights), S = 2048, 8 rows a step, r = 2,
 #             64-token windows, amp_bf16: ps/random beside its FLOP floor (1.026 for the recipe), the
 #             selection step's aten ops and syncs (target: ps/random <= 1.05)
+#   2b features  bench_features.py: the scoring pass eager (feat_sketch) and with the blocks below the
+#             cut compiled (feat_compiled, features.compile_forward; mode reduce-overhead), their times,
+#             aten ops and kernel launches side by side, at llama1b_cpu's structure and the small model
 #   3 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
 #             ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms)
 #   4 optim   bench_optimizer.py: Composer's DecoupledAdamW against torch's fused AdamW, the same
@@ -66,6 +69,9 @@ run_step "1 syncs (pytest, torch's count)" 150 1_syncs.log \
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "2 step (llama1b, S=2048, 8 rows, t=64)" 240 2_step.log \
   "$PY" tools/bench_step.py --device cuda --long only --long-model llama1b --long-seqs 2048 --long-ratios 2 \
   --windows 64 --head-windows "" --long-batch 8 --long-steps 12
+run_step "2b features (compiled forward)" 150 2b_features.log \
+  "$PY" tools/bench_features.py --device cuda --configs llama1b_cpu small \
+  --methods forward batch_grad feat_sketch feat_compiled --repeats 7
 run_step "3 solver (n=2048, kappa=512, D=4096)" 120 3_solver.log \
   "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1
 run_step "4 optimizer (146 tensors)" 90 4_optimizer.log "$PY" tools/bench_optimizer.py --device cuda
@@ -83,6 +89,8 @@ run_step "4 optimizer (146 tensors)" 90 4_optimizer.log "$PY" tools/bench_optimi
   echo '```'; grep -E "passed|failed|PASSED|FAILED|Error" "$OUT/1_syncs.log" | tail -15; echo '```'
   echo "### 2. Step cost at the recipe's shape"
   echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/2_step.log"; echo '```'
+  echo "### 2b. The scoring pass, eager and with the blocks below the cut compiled"
+  echo '```'; grep -E "^\| (model|llama1b_cpu|small) \||feat_compiled /" "$OUT/2b_features.log"; echo '```'
   echo "### 3. The exact OMP solve"
   echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  cpu solve" "$OUT/3_solver.log"; echo '```'
   echo "### 4. Optimizer step"

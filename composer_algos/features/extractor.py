@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -16,6 +16,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from composer_algos.features.capture import capture_layer_signals, scoring_mode
+from composer_algos.features.compiled_forward import CompiledBlocksBelowCut
 from composer_algos.features.normalize import (
     NORMALIZATIONS,
     SimulatedAdam,
@@ -108,6 +109,7 @@ def feature_option_problems(
     score_window: int | None = None,
     score_window_position: str = "start",
     compile: bool = False,
+    compile_forward: bool = False,
 ) -> list[str]:
     """Every invalid value among `GradFeatureExtractor`'s options, one message each (none: valid).
 
@@ -138,6 +140,8 @@ def feature_option_problems(
     problems.extend(score_window_problems(score_window, score_window_position, score_tokens))
     if not isinstance(compile, bool):
         problems.append(f"`compile` must be true or false, got {compile!r}")
+    if not isinstance(compile_forward, bool):
+        problems.append(f"`compile_forward` must be true or false, got {compile_forward!r}")
     return problems
 
 
@@ -211,6 +215,10 @@ class GradFeatureExtractor:
             False: eager). On CUDA in mode `reduce-overhead`, so their kernels replay as one CUDA
             graph; the shapes are static within a run (pool, windows and targets are fixed). The
             forward and backward stay eager.
+        compile_forward: compile the blocks below the cut for the scoring forward (default False:
+            eager): they run without autograd on shapes fixed for a run, so every block shares one
+            graph (on CUDA in mode `reduce-overhead`); the blocks from the cut up stay eager
+            (`compiled_forward.CompiledBlocksBelowCut`). The training forward is not touched.
 
     Raises:
         ValueError: for bad options or targets (the message lists the candidate modules).
@@ -237,6 +245,7 @@ class GradFeatureExtractor:
         score_window: int | None = None,
         score_window_position: str = "start",
         compile: bool = False,
+        compile_forward: bool = False,
         logits_at: str = "all",
     ) -> None:
         problems = feature_option_problems(
@@ -251,6 +260,7 @@ class GradFeatureExtractor:
             score_window=score_window,
             score_window_position=score_window_position,
             compile=compile,
+            compile_forward=compile_forward,
         )
         if problems:
             raise ValueError("; ".join(problems))
@@ -272,6 +282,8 @@ class GradFeatureExtractor:
             exact_max_numel=exact_max_numel,
         )
         self._cut = choose_cut_module(self.model, self.targets)
+        # `compile_forward`: the blocks below the cut compiled for the scoring forward (compiled_forward.py).
+        self._compiled_below = CompiledBlocksBelowCut(self.model, self._cut) if compile_forward else None
         # The model's `logits_at` (composer_algos.models): with `targets` the scoring forward projects
         # only the positions with a loss too, where its logits are the decoder's output through a linear
         # output embedding that is not itself a target, and outside FSDP (whose outermost wrapper's
@@ -584,9 +596,10 @@ class GradFeatureExtractor:
             part = {k: v.to(device, non_blocking=True) for k, v in part.items()}
             longest = max(longest, int(part["input_ids"].shape[1]))
             self._attempt_rows = stop - start
-            signals, _ = capture_layer_signals(
-                self._forward_model, part, self.targets, self._cut, precision_context, logits_at=self.logits_at
-            )
+            with self._compiled_below.swapped() if self._compiled_below is not None else nullcontext():
+                signals, _ = capture_layer_signals(
+                    self._forward_model, part, self.targets, self._cut, precision_context, logits_at=self.logits_at
+                )
             if self._whole_units:
                 settle_fsdp_units(self._whole_units)
             for i, (lo, hi) in enumerate(bounds):

@@ -105,3 +105,21 @@ def test_scoring_peak_memory_at_most_a_training_microbatch(cuda):
     assert score <= train, (
         f"scoring peak {score / 2**20:.1f} MB > training microbatch peak {train / 2**20:.1f} MB"
     )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+def test_compiled_blocks_below_the_cut_give_the_eager_features_on_cuda(cuda, precision):
+    """`compile_forward` (mode reduce-overhead: the blocks below the cut replayed as CUDA graphs), two steps."""
+    model = _small_llama(cuda)
+    pool = make_batch(n=16, T=128, vocab=2048, seed=4)
+    val = make_batch(n=8, T=128, vocab=2048, seed=5)
+    ctx = lambda: get_precision_context(precision)  # noqa: E731
+    eager = GradFeatureExtractor(model, score_window=64, **OPTIONS)
+    compiled = GradFeatureExtractor(model, score_window=64, compile_forward=True, **OPTIONS)
+    assert compiled._compiled_below is not None and compiled._compiled_below.mode == "reduce-overhead"
+    for step in (1, 2):  # the second call replays the recorded graphs
+        G_e, g_e = eager.compute(pool, val, step=step, precision_context=ctx)
+        G_c, g_c = compiled.compute(pool, val, step=step, precision_context=ctx)
+        cos = _row_cosine(G_c, G_e)
+        assert cos.min() >= (0.9999 if precision == "fp32" else 0.99), f"step {step}: min row cosine {cos.min():.5f}"
+        assert float(_row_cosine(g_c[None], g_e[None])) >= 0.99
