@@ -64,3 +64,22 @@ def test_selections_and_losses_match_the_pins(strategy, dolma_shards, tmp_path):
     pins = json.loads(PINS.read_text())[strategy]
     assert got["selected_hash"] == pins["selected_hash"], f"{strategy}: selections changed"
     assert got["loss"] == pytest.approx(pins["loss"], rel=1e-5), f"{strategy}: losses changed"
+
+
+@pytest.mark.slow  # inductor compiles the block below the cut on the CPU: about a minute
+@pytest.mark.timeout(900)
+def test_the_compiled_scoring_forward_selects_as_the_pins(dolma_shards, tmp_path):
+    """`features.compile_forward` in a real run: the compiled blocks change rounding only, not the choice."""
+    cfg = load_config(TINY, tiny_overrides(dolma_shards, tmp_path, "loggers.in_memory={}", "eval_loader=null",
+                                           "algorithms.data_selection.strategy=partitionsel",
+                                           "algorithms.data_selection.features.compile_forward=true"))
+    trainer = train.build_trainer(cfg)
+    trainer.fit()
+    got = _series(trainer, "selection/selected_hash")
+    from composer_algos.selection_algorithm import find_data_selection
+
+    extractor = find_data_selection(trainer.state).extractor
+    assert extractor._compiled_below is not None and extractor._compiled_below.below >= 1
+    assert not any(hasattr(b, "_orig_mod") for b in extractor._compiled_below.blocks)  # only inside the scoring forward
+    trainer.close()
+    assert got == json.loads(PINS.read_text())["partitionsel"]["selected_hash"]
