@@ -7,6 +7,8 @@ Example:
     python tools/bench_step.py --long only              # the long-sequence rows alone
     python tools/bench_step.py --device cuda --long only --long-model llama1b --long-seqs 2048
     python tools/bench_step.py --quick                  # smoke run: tiny, r = 2, 3 steps, 1 round, small corpus
+    python tools/bench_step.py --long only --long-model llama1b_cpu --long-seqs 512 --long-ratios 2 \
+        --windows 64 --head-windows "" --long-steps 3 --op-sites 25   # who dispatches the 1B step's ops
 
 For each config and each oversampling ratio r, side by side in one run: the median step time
 (a real Trainer, data loading to optimizer step) of the plain train step on kappa (`none` with
@@ -333,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         "(16 blocks, heads, sketched targets, proj_dim 2048, 8 rows a step) at a CPU's widths, for the op and "
         "sync counts of the 1B's selection step",
     )
+    parser.add_argument(
+        "--op-sites", type=int, default=0, metavar="N",
+        help="long rows: also print each arm's counted selection step's N busiest op sites (who dispatched the aten "
+        "ops: the model's own forward apart from the project's features, solver and step code) (default: 0, off)",
+    )
     args = parser.parse_args(argv)
     if args.solver_threads:
         return solver_threads(args.threads or 2)
@@ -451,7 +458,8 @@ def long_table(root: Path, args: argparse.Namespace, seqs, ratios, windows, head
             raise RuntimeError(f"sharding the long-sequence corpus at S={S} failed (tools/shard.py exit {rc})")
         rows += wc.bench_long(
             shards, root / "runs-long", S, ratios, windows, head_windows=head_windows, steps=args.long_steps,
-            device=args.device, model_overrides=overrides, log=lambda line: print(line, flush=True),
+            device=args.device, model_overrides=overrides, op_sites=args.op_sites,
+            log=lambda line: print(line, flush=True),
         )
     print()
     print(wc.format_long_table(rows, config=cfg.model.config, kappa=kappa, val_rows=val, reference=LLAMA_1B))

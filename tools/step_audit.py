@@ -61,7 +61,7 @@ PROJECT_ROOTS = (str(REPO / "composer_algos") + os.sep, str(REPO / "pipeline") +
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
 _HERE = str(Path(__file__).resolve())
 
-__all__ = ["OpCount", "StepAuditor", "StepCounts", "SyncAudit", "device_tensors_of", "format_counts"]
+__all__ = ["OpCount", "StepAuditor", "StepCounts", "SyncAudit", "device_tensors_of", "format_counts", "format_op_sites", "op_site"]
 
 # Reading a device tensor's value on the host.
 _HOST_READS = {
@@ -116,6 +116,38 @@ def _call_site(limit: int = 60) -> tuple[str, bool]:
             return f"{where}:{frame.f_lineno} {frame.f_code.co_name}", project
         frame = frame.f_back
     return "?", False
+
+
+_MODEL_CODE = os.sep + "transformers" + os.sep + "models" + os.sep
+
+
+def op_site(limit: int = 80) -> str:
+    """`file function` of the innermost frame in the project's code or in a transformers model file ("other" else).
+
+    What `OpCount(attribute=True)` files an op under: the model's own forward (`modeling_llama.py
+    forward`, `apply_rotary_pos_emb`, ...) apart from the project's features, solver and step code.
+    A backward is filed under the project frame that called `autograd.grad`.
+    """
+    frame = sys._getframe(2)
+    for _ in range(limit):
+        if frame is None:
+            break
+        filename = frame.f_code.co_filename
+        if filename.startswith(PROJECT_ROOTS) or _MODEL_CODE in filename:
+            return f"{os.path.basename(filename)} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "other"
+
+
+def format_op_sites(by_site: dict[str, list[int]], top: int) -> str:
+    """The `top` sites by aten ops: ops, kernel launches, site; then the model's share of the total."""
+    total = sum(v[0] for v in by_site.values()) or 1
+    model = sum(v[0] for k, v in by_site.items() if k.startswith("modeling_"))
+    lines = [f"{'ops':>7}{'launches':>10}  site (innermost project or transformers model frame)"]
+    for site, (ops, kernels) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{ops:>7}{kernels:>10}  {site}")
+    lines.append(f"the model's own code (modeling_*.py): {model} of {total} ops ({100 * model / total:.0f}%)")
+    return "\n".join(lines)
 
 
 class SyncAudit(TorchFunctionMode):
@@ -330,11 +362,13 @@ class OpCount(TorchDispatchMode):
     so the host's own work (the loader's batch, capacities, generator draws) is not counted.
     """
 
-    def __init__(self, on_device: Callable[[], bool] | None = None) -> None:
+    def __init__(self, on_device: Callable[[], bool] | None = None, *, attribute: bool = False) -> None:
         super().__init__()
         self.ops = 0
         self.kernels = 0
         self.by_name: collections.Counter = collections.Counter()
+        # With `attribute`: `[ops, kernels]` per `op_site()` (who dispatched them: the project, or which model).
+        self.by_site: dict[str, list[int]] | None = collections.defaultdict(lambda: [0, 0]) if attribute else None
         self.paused = False
         self.on_device = on_device
 
@@ -346,16 +380,21 @@ class OpCount(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.paused:
             self.ops += 1
+            kernel = False
             name = str(func.overloadpacket)
             if not func.is_view and name not in _NO_KERNEL and not name.startswith("profiler."):
                 if self.on_device is not None:
-                    device = self.on_device()
+                    kernel = self.on_device()
                 else:
                     leaves, _ = tree_flatten((args, kwargs, out))
-                    device = any(isinstance(t, torch.Tensor) and t.is_cuda for t in leaves)
-                if device:
+                    kernel = any(isinstance(t, torch.Tensor) and t.is_cuda for t in leaves)
+                if kernel:
                     self.kernels += 1
                     self.by_name[name] += 1
+            if self.by_site is not None:
+                counts = self.by_site[op_site()]
+                counts[0] += 1
+                counts[1] += kernel
         return out
 
 
@@ -374,7 +413,8 @@ def device_tensors_of(model: torch.nn.Module, optimizers: Iterable[torch.optim.O
 
 
 class StepCounts(dict):
-    """`ops` (aten ops), `kernels` (launches among them), `sync`, `h2d`, `mixed` of one step, with `sites` and `how`."""
+    """`ops` (aten ops), `kernels` (launches among them), `sync`, `h2d`, `mixed` of one step, with `sites` and `how`
+    (and `op_sites`, `[ops, kernels]` per `op_site`, when the auditor attributes ops)."""
 
 
 class StepAuditor:
@@ -386,12 +426,13 @@ class StepAuditor:
     audit slows the steps it watches. On CUDA the uncounted steps run as they are.
     """
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer, *, attribute_ops: bool = False) -> None:
         from composer.core import Event
 
         from composer_algos.selection_algorithm import find_data_selection
 
         self.trainer = trainer
+        self.attribute_ops = attribute_ops
         self.cuda = any(p.is_cuda for p in trainer.state.model.parameters())
         self._ops: OpCount | None = None
         self._audit = SyncAudit(pause=self._pause) if not self.cuda else None
@@ -424,7 +465,9 @@ class StepAuditor:
         with stack:
             if self._counting:
                 audit = self._audit
-                self._ops = OpCount(on_device=(lambda: audit.device_call) if audit is not None else None)
+                self._ops = OpCount(
+                    on_device=(lambda: audit.device_call) if audit is not None else None, attribute=self.attribute_ops
+                )
                 stack.enter_context(self._ops)
                 if self._audit is not None:
                     self._audit.events.clear()
@@ -465,7 +508,7 @@ class StepAuditor:
         counts = StepCounts(ops=ops.ops, kernels=ops.kernels, sync=0, h2d=0, mixed=0)
         for (kind, _site, _call), n in events.items():
             counts[kind] += n
-        counts.update(sites=events, other=other, by_name=ops.by_name, how=how)
+        counts.update(sites=events, other=other, by_name=ops.by_name, how=how, op_sites=dict(ops.by_site or {}))
         self._ops = None
         return counts
 

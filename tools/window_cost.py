@@ -209,6 +209,7 @@ def bench_long(
     steps: int,
     device: str,
     model_overrides: Sequence[str] = (),
+    op_sites: int = 0,
     log=print,
 ) -> list[dict]:
     """Measured rows at one S: per r, random and partitionsel at each window, stepped round robin.
@@ -251,7 +252,7 @@ def bench_long(
             prepare_for_stepping(trainer)
             trainer.state.callbacks.append(timer)
             runs[key] = (trainer, timer)
-        counts = step_counts_while_warming_up(runs, steps, WARMUP_STEPS)
+        counts = step_counts_while_warming_up(runs, steps, WARMUP_STEPS, op_sites=op_sites, log=log)
         medians = {k: statistics.median(timer.times[WARMUP_STEPS:]) for k, (_t, timer) in runs.items()}
         for trainer, _timer in runs.values():
             trainer.close()
@@ -266,16 +267,20 @@ def bench_long(
     return out
 
 
-def step_counts_while_warming_up(runs: Mapping[str, tuple], steps: int, warmup: int) -> dict[str, tuple[int, int, int]]:
+def step_counts_while_warming_up(
+    runs: Mapping[str, tuple], steps: int, warmup: int, *, op_sites: int = 0, log=print
+) -> dict[str, tuple[int, int, int]]:
     """Step the trainers round robin `steps` times; the last warm-up step of each is counted.
 
     Returns `{arm: (aten ops, kernel launches, host syncs)}` of one selection step (tools/step_audit.py:
     emulated syncs on a CPU, torch's own on CUDA). The audit watches every step until the counted
-    one (what a step caches must be seen being made) and is gone before the timed steps.
+    one (what a step caches must be seen being made) and is gone before the timed steps. With
+    `op_sites` > 0 each arm's counted ops are also filed by who dispatched them, and the top
+    `op_sites` sites are logged.
     """
-    from step_audit import StepAuditor
+    from step_audit import StepAuditor, format_op_sites
 
-    auditors = {key: StepAuditor(trainer) for key, (trainer, _timer) in runs.items()}
+    auditors = {key: StepAuditor(trainer, attribute_ops=op_sites > 0) for key, (trainer, _timer) in runs.items()}
     counts: dict[str, tuple[int, int, int]] = {}
     for i in range(steps):
         for key, (trainer, _timer) in runs.items():
@@ -283,6 +288,8 @@ def step_counts_while_warming_up(runs: Mapping[str, tuple], steps: int, warmup: 
                 c = auditors[key].count()
                 auditors[key].close()
                 counts[key] = (c["ops"], c["kernels"], c["sync"] + c["h2d"])
+                if op_sites > 0:
+                    log(f"  {key}: one selection step's aten ops by site\n" + format_op_sites(c["op_sites"], op_sites))
             else:
                 trainer.fit(duration="1ba")
     return counts

@@ -116,3 +116,28 @@ def test_the_audit_attributes_project_calls(monkeypatch):
     with types.deferring_checks(deferred):
         audit = _audit(lambda: types.check_finite("x", t=dev), [dev])  # deferred: no read
     assert not audit.events and deferred.width == 1
+
+
+def test_ops_are_filed_under_the_model_or_the_project_code_that_dispatched_them():
+    from step_audit import OpCount, format_op_sites
+
+    from composer_algos.selection import count_domains
+    from tests.common.models import tiny_llama
+
+    model = tiny_llama(seed=0)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), OpCount(attribute=True) as plain:
+        model(input_ids=ids, use_cache=False)
+    domains = torch.tensor([0, 2, 2])
+    with torch.no_grad(), OpCount(attribute=True) as ops:
+        model(input_ids=ids, use_cache=False)
+        count_domains(domains, 3)
+        torch.ones(3).sum()  # from this file: neither the project nor a model
+    sites = ops.by_site
+    assert sum(v[0] for v in sites.values()) == ops.ops
+    model_ops = sum(v[0] for k, v in sites.items() if k.startswith("modeling_llama.py"))
+    assert model_ops == sum(v[0] for k, v in plain.by_site.items() if k.startswith("modeling_llama.py")) > 0
+    assert sites["types.py count_domains"][0] > 0 and sites["other"][0] == 2  # ones, sum
+    report = format_op_sites(sites, top=3)
+    assert len(report.splitlines()) == 5 and f"the model's own code (modeling_*.py): {model_ops} of {ops.ops} ops" in report
+    assert OpCount().by_site is None  # off unless asked
