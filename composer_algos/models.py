@@ -51,6 +51,11 @@ class DomainCausalLM(HuggingFaceModel):
     def forward(self, batch: Any) -> Any:
         if self.logits_at == "targets" and isinstance(batch, Mapping) and batch.get("labels") is not None:
             return self._target_forward(batch)
+        if isinstance(batch, Mapping) and "use_cache" in self.model_forward_args and "use_cache" not in batch:
+            # A training or loss forward keeps no KV cache: Llama's config asks for one, which holds every
+            # block's keys and values until the backward ends and which a block recomputed under activation
+            # checkpointing would grow a second time (the recomputation then fails on its shapes).
+            batch = {**batch, "use_cache": False}
         return super().forward(batch)
 
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
@@ -204,6 +209,30 @@ def build_causal_lm(
         should_save_peft_only=False,
     )
     wrapped.logits_at = logits_at
+    _wrap_per_block(wrapped.model)
     if eval_prefix_cache is not None:  # the blocks below the lowest adapted one are frozen
         install_frozen_prefix_cache(wrapped.model, layers[0], eval_prefix_cache)
     return wrapped
+
+
+def _wrap_per_block(hf_model: torch.nn.Module) -> None:
+    """Under `fsdp_config`, one FSDP unit and one activation checkpoint per transformer block.
+
+    Composer wraps the model's child in FSDP units where the child's `fsdp_wrap_fn` says so, and
+    checkpoints the modules its `activation_checkpointing_fn` names (`fsdp_config:
+    activation_checkpointing`). A Hugging Face model has neither, so without these the whole model was
+    one unit (gathered whole for the forward, with no overlap of communication and compute) and
+    `activation_checkpointing: true` checkpointed nothing. Both name the decoder's blocks (the
+    model's list of same-class blocks, `features.targets.find_blocks`).
+    """
+    from composer_algos.features.targets import find_blocks
+
+    base = hf_model.get_base_model() if hasattr(hf_model, "get_base_model") else hf_model
+    block_class = type(find_blocks(base)[1][0])
+
+    def is_block(module: torch.nn.Module) -> bool:
+        return isinstance(module, block_class)
+
+    hf_model.fsdp_wrap_fn = is_block
+    hf_model.activation_checkpointing_fn = is_block
+

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "IGNORE_INDEX",
+    "checkpoint_inner",
+    "checkpoint_wrappers",
+    "unwrapped_checkpoints",
     "per_example_losses",
     "scoring_mode",
     "truncated_graph",
@@ -50,6 +53,50 @@ def scoring_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for mod, was_training in flags:
             mod.training = was_training
+
+
+def _wrapped(module: nn.Module) -> nn.Module | None:
+    # The wrapper's own submodule, not an attribute lookup: FSDP1 forwards unknown attributes to the
+    # module it wraps, so an FSDP unit around a checkpoint wrapper would look like one.
+    return module._modules.get("_checkpoint_wrapped_module")
+
+
+def checkpoint_inner(module: nn.Module) -> nn.Module:
+    """The module inside any activation-checkpoint (or offload) wrappers: what runs in their place while scoring."""
+    while _wrapped(module) is not None:
+        module = _wrapped(module)
+    return module
+
+
+def checkpoint_wrappers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """`(parent, child name, wrapper)` of every activation-checkpoint wrapper in `model` (outermost ones)."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if _wrapped(child) is not None and _wrapped(parent) is None:
+                found.append((parent, name, child))
+    return found
+
+
+@contextmanager
+def unwrapped_checkpoints(wrappers: list[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
+    """Run the forwards inside with each checkpoint wrapper's inner module in its place.
+
+    Activation checkpointing (torch's `checkpoint_wrapper`, which Composer's `fsdp_config:
+    activation_checkpointing` and llm-foundry put around each block) re-runs a block's forward in the
+    backward. The scoring pass's graph must not: its hooks record each target's output in the forward
+    and `autograd.grad` differentiates with respect to those outputs, which a reentrant checkpoint
+    computes without autograd and a non-reentrant one replaces in the recomputation. The scoring pass
+    keeps activations of the blocks from the cut up only, so it needs no checkpointing; the wrappers
+    are put back after it, for training.
+    """
+    try:
+        for parent, name, wrapper in wrappers:
+            setattr(parent, name, checkpoint_inner(wrapper))
+        yield
+    finally:
+        for parent, name, wrapper in wrappers:
+            setattr(parent, name, wrapper)
 
 
 @contextmanager

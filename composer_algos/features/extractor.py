@@ -15,7 +15,13 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from composer_algos.features.capture import capture_layer_signals, scoring_mode
+from composer_algos.features.capture import (
+    capture_layer_signals,
+    checkpoint_inner,
+    checkpoint_wrappers,
+    scoring_mode,
+    unwrapped_checkpoints,
+)
 from composer_algos.features.compiled_forward import CompiledBlocksBelowCut
 from composer_algos.features.normalize import (
     NORMALIZATIONS,
@@ -281,7 +287,10 @@ class GradFeatureExtractor:
             include_lm_head=include_lm_head,
             exact_max_numel=exact_max_numel,
         )
-        self._cut = choose_cut_module(self.model, self.targets)
+        # Checkpoint-wrapped blocks run unwrapped in the scoring pass (capture.unwrapped_checkpoints), so
+        # the cut's hook goes on the module that runs then.
+        self._checkpoint_wrappers = checkpoint_wrappers(self._forward_model)
+        self._cut = checkpoint_inner(choose_cut_module(self.model, self.targets))
         # `compile_forward`: the blocks below the cut compiled for the scoring forward (compiled_forward.py).
         self._compiled_below = CompiledBlocksBelowCut(self.model, self._cut) if compile_forward else None
         # The model's `logits_at` (composer_algos.models): with `targets` the scoring forward projects
@@ -596,7 +605,10 @@ class GradFeatureExtractor:
             part = {k: v.to(device, non_blocking=True) for k, v in part.items()}
             longest = max(longest, int(part["input_ids"].shape[1]))
             self._attempt_rows = stop - start
-            with self._compiled_below.swapped() if self._compiled_below is not None else nullcontext():
+            with (
+                unwrapped_checkpoints(self._checkpoint_wrappers),
+                self._compiled_below.swapped() if self._compiled_below is not None else nullcontext(),
+            ):
                 signals, _ = capture_layer_signals(
                     self._forward_model, part, self.targets, self._cut, precision_context, logits_at=self.logits_at
                 )

@@ -3,7 +3,8 @@
 Usage: python -m tests.training.cpu_fsdp_runs OUT.json YAML RUNS.json
 
 RUNS.json maps a run name to its list of overrides; OUT.json gets, per run, the per-step
-`selection/selected_hash` and `loss/train/total` (an in-memory logger is added). Composer 0.32.1
+`selection/selected_hash` and `loss/train/total` (an in-memory logger is added), and `wrappers`: how
+many FSDP units and activation-checkpoint wrappers the model ended with. Composer 0.32.1
 cannot build FSDP without CUDA: composer/distributed/dist_strategy.py passes
 `device_id=torch.cuda.current_device()` to FSDP unconditionally (the one call on the path of a run
 whose parameters are not on the meta device). This process answers that call with the CPU, so
@@ -38,6 +39,9 @@ def main(argv: list[str]) -> None:
         results[name] = {
             key: [float(v) for _, v in mem.data.get(key, [])] for key in ("selection/selected_hash", "loss/train/total")
         }
+        # How Composer wrapped the model: FSDP units and activation-checkpoint wrappers, by class name.
+        kinds = [type(m).__name__ for m in trainer.state.model.modules()]
+        results[name]["wrappers"] = {k: kinds.count(k) for k in ("FullyShardedDataParallel", "CheckpointWrapper")}
         trainer.close()
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)

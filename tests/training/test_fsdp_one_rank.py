@@ -38,6 +38,11 @@ def fsdp_runs(dolma_shards, tmp_path_factory) -> dict:
         )
         for u in USE_ORIG_PARAMS
     }
+    # The 1B recipe's setting: one unit and one activation checkpoint per block.
+    runs["activation_checkpointing"] = tiny_overrides(
+        dolma_shards, tmp / "run_ac", "eval_loader=null", "algorithms.data_selection.strategy=partitionsel",
+        "fsdp_config={sharding_strategy: FULL_SHARD, use_orig_params: true, activation_checkpointing: true}",
+    )
     (tmp / "runs.json").write_text(json.dumps(runs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "tests.training.cpu_fsdp_runs", str(tmp / "out.json"), str(TINY), str(tmp / "runs.json")]
@@ -56,3 +61,17 @@ def test_partitionsel_under_one_rank_fsdp_selects_as_without_fsdp(fsdp_runs, use
     assert len(got["selection/selected_hash"]) == 3
     assert got["selection/selected_hash"] == pins["selected_hash"], "selections differ from the run without FSDP"
     assert got["loss/train/total"] == pytest.approx(pins["loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(400)
+def test_activation_checkpointing_wraps_each_block_and_selection_is_unchanged(fsdp_runs):
+    """`fsdp_config: activation_checkpointing: true` (the 1B recipe's) wraps each block in an FSDP unit and a
+    checkpoint (the whole model used to be one unit and nothing was checkpointed), and the scoring pass,
+    which runs the checkpointed blocks unwrapped, selects what the run without FSDP selects."""
+    got = fsdp_runs["activation_checkpointing"]
+    blocks = 2  # yamls/testing/tiny_dolma.yaml
+    assert got["wrappers"] == {"FullyShardedDataParallel": blocks + 1, "CheckpointWrapper": blocks}, got["wrappers"]
+    pins = json.loads(PINS.read_text())["partitionsel"]
+    assert got["selection/selected_hash"] == pins["selected_hash"]
+    assert got["loss/train/total"] == pytest.approx(pins["loss"], rel=1e-5)
+

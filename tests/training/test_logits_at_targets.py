@@ -154,3 +154,18 @@ def test_the_extractor_scores_at_targets_where_the_model_trains_so():
     assert GradFeatureExtractor(full, logits_at=full.logits_at).logits_at == "all"
     # A target on the output embedding sees every position: the scoring forward keeps the full projection.
     assert GradFeatureExtractor(targets_model, logits_at="targets", include_lm_head=True).logits_at == "all"
+
+
+@pytest.mark.parametrize("lora", [None, LORA])
+def test_the_training_forward_keeps_no_kv_cache_and_names_each_block_for_fsdp(lora):
+    """A training forward used to fill a KV cache (Llama's config asks for one): every block's keys and values
+    held to the end of the backward, and grown again by a block recomputed under activation checkpointing."""
+    full, _ = _pair(lora)
+    full.train()
+    out = full(_batch())
+    assert out.past_key_values is None
+    assert full(_batch() | {"use_cache": True}).past_key_values is not None  # a caller's own choice stands
+    # Composer's FSDP reads these from the model's child: one unit and one checkpoint per decoder block
+    blocks = [m for m in full.model.modules() if full.model.fsdp_wrap_fn(m)]
+    assert len(blocks) == CONFIG["num_hidden_layers"] and all(full.model.activation_checkpointing_fn(b) for b in blocks)
+    assert not full.model.fsdp_wrap_fn(full.model) and not full.model.activation_checkpointing_fn(blocks[0].mlp)
