@@ -6,7 +6,7 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
 
 - ``exact``: the default refit (incremental active-set NNLS), its rounds decided on the host;
 - ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds, about
-  twice the ops a pick) and ``exact, on the CPU`` with ``solver_loop: cpu`` (K and mu copied to the
+  twice the ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed) and ``exact, on the CPU`` with ``solver_loop: cpu`` (K and mu copied to the
   CPU once, the solve there); which is fastest on a GPU is what this measures there;
 - ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
 - ``apga_pool``: the paper's Alg. 3 verbatim on the full pool vector (full ``N x N`` Gram in

@@ -17,8 +17,11 @@ re-runs the host loop from the start when it is set: the selection is then the h
 The arithmetic of a round is the host loop's (the same products, in the same order, over every
 slot: the host's `full_width` form), so on the common path the picks are the host loop's up to
 the rounding of the final refactorisation (tests/selection/test_active_set_device.py compares
-them). Every round has the same shapes and no host read, which is what a CUDA graph or
-`torch.compile` needs to capture the loop.
+them). Every round has the same shapes and no host read, and updates its state in place: on CUDA
+(from `GRAPH_MIN_ROUNDS` picks) the first round runs eagerly, the second is recorded as a CUDA graph
+and the rest replay it, one launch a round instead of about 50 (issue 31.3's 10 ms at n = 2048,
+kappa = 512 needs that; not yet timed on a GPU: tests/gpu/test_solver_cuda.py and tools/gpu_bench.sh
+are ready).
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceOMPResult", "omp_exact_on_device"]
+__all__ = ["GRAPH_MIN_ROUNDS", "DeviceOMPResult", "omp_exact_on_device"]
+
+# From this many rounds the CUDA rounds are recorded once as a CUDA graph and replayed: recording costs
+# about what a few eager rounds launch, and every replayed round saves about 50 launches.
+GRAPH_MIN_ROUNDS = 16
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ def omp_exact_on_device(
     k: int,
     ridge_abs: torch.Tensor | float,
     grad_tol: torch.Tensor,
+    *,
+    graph: bool | None = None,
 ) -> DeviceOMPResult:
     """Greedy OMP over the partition matroid with the exact NNLS refit, no host read (module docstring).
 
@@ -67,8 +76,16 @@ def omp_exact_on_device(
         k: rounds, ``1 <= k <= N``.
         ridge_abs: the absolute ridge (a float, or a device scalar to avoid reading it).
         grad_tol: 0-dim tensor; gradients at or below it count as zero.
+        graph: run the rounds as one CUDA graph replayed k - 1 times after an eager first round
+            (`_rounds_as_cuda_graph`: one launch a round instead of about 50); None: on CUDA from
+            `GRAPH_MIN_ROUNDS` rounds. The same kernels as the eager rounds, so the same result.
+
+    Raises:
+        ValueError: `graph=True` off CUDA.
     """
     n, dev, dt = mu_N.shape[0], mu_N.device, mu_N.dtype
+    if graph and dev.type != "cuda":
+        raise ValueError(f"omp_exact_on_device: graph=True needs CUDA tensors, got {dev.type}")
     m = k + 1
     if isinstance(ridge_abs, torch.Tensor):
         ridge_1 = ridge_abs.to(dt).reshape(1)
@@ -97,11 +114,15 @@ def omp_exact_on_device(
     minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=dev)
     penalty_N = torch.zeros(n, dtype=dt, device=dev)
     penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
-    for r in range(k):
+    r_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the round, on the device: every round is the same kernels
+
+    def one_round() -> None:
+        # Every state tensor is updated in place, so the round can be recorded once and replayed.
         scores_N = grad_N + penalty_N
         torch.max(scores_N, 0, keepdim=True, out=(g_1, j_1))
         penalty_N.index_fill_(0, j_1, float("-inf"))
-        sel_K[r : r + 1].copy_(j_1)
+        sel_K.index_copy_(0, r_1, j_1)
+        r_1.add_(1)
         # Slot h takes j's K row; q^T = k_Aj^T P over every slot (unused ones have zero P rows).
         rows_MN.index_copy_(0, h_1, gram_NN.index_select(0, j_1))
         qext_M = torch.mm(rows_MN.index_select(1, j_1).view(1, m), p_MM).view(m)
@@ -122,7 +143,7 @@ def omp_exact_on_device(
         if promote_tol > 0:
             other_branch |= schur_1 < promote_tol * diag_j
         other_branch &= positive
-        bad_1 |= other_branch
+        bad_1.logical_or_(other_branch)
         enter = positive & ~other_branch
         # Enter j at slot h (P <- P + qext qext^T / s), or leave everything as it was. Slot h is free
         # either way (slots fill in order: no drops here), so its element may be written regardless.
@@ -131,10 +152,18 @@ def omp_exact_on_device(
         used_M.index_copy_(0, h_1, enter)
         torch.where(enter, z_M, v_M, out=v_M)
         torch.where(enter, grad_new_N, grad_N, out=grad_N)
-        h_1 += enter.long()
+        h_1.add_(enter.long())
         inactive_N.index_copy_(0, j_1, ~positive)  # a pick with a gradient at or below zero stays at weight 0
         rem_C.index_add_(0, dom_N.index_select(0, j_1), minus_one)
         penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+
+    if graph is None:
+        graph = dev.type == "cuda" and k >= GRAPH_MIN_ROUNDS
+    if graph:
+        _rounds_as_cuda_graph(one_round, k)
+    else:
+        for _ in range(k):
+            one_round()
     # The host loop's finalize(): the active system solved afresh (unused slots as identity rows).
     kr_MM = rows_MN.index_select(1, elem_M)
     pair_MM = used_M.unsqueeze(1) & used_M.unsqueeze(0)
@@ -150,3 +179,22 @@ def omp_exact_on_device(
     v_K = v_N.index_select(0, sel_K)
     phi = 0.5 * (torch.dot(v_fresh_M, mu_N.index_select(0, elem_M)) + torch.dot(v_fresh_M, grad_N.index_select(0, elem_M)))
     return DeviceOMPResult(sel_K=sel_K, v_K=v_K, phi=phi, clean=clean)
+
+
+def _rounds_as_cuda_graph(one_round, k: int) -> None:
+    """Run `one_round` k times: once eagerly on a side stream (the warm-up capture needs, which also
+    initialises the libraries' handles), then recorded as a CUDA graph (recording runs nothing) and
+    replayed k - 1 times. Every tensor the round writes is allocated before it, so replays update them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        one_round()
+    torch.cuda.current_stream().wait_stream(side)
+    if k == 1:
+        return
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        one_round()
+    for _ in range(k - 1):
+        g.replay()
+

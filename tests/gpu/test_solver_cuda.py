@@ -61,3 +61,21 @@ def test_cuda_generator_is_deterministic(cuda, name):
     # A CPU generator with CUDA inputs also works (draws on the generator's device, moved over).
     c = STRATEGIES[name].fn(generator=torch.Generator().manual_seed(0), **kw)
     assert c.indices.device.type == "cuda"
+
+
+@pytest.mark.parametrize("n,k", [(64, 20), (2048, 512)])
+def test_the_device_loop_replayed_as_a_cuda_graph_is_the_eager_loop(cuda, n, k):
+    """`omp_exact_on_device(graph=True)`: one eager round, one recorded, k - 1 replays; the same kernels as
+    the eager rounds, so the same picks, weights and objective bit for bit (issue 31.3)."""
+    from composer_algos.selection.active_set_device import omp_exact_on_device
+    from composer_algos.selection.objective import build_objective
+    from composer_algos.selection.refit import default_grad_tol
+
+    features, val, dom = make_instance(5, n, dim=256, num_domains=8)
+    gram, mu, _ = build_objective(features.to(cuda), val.to(cuda), 0.3)
+    caps = torch.full((8,), k // 8 + 1, device=cuda)
+    args = (gram, mu, dom.to(cuda), caps, k, 1e-6, default_grad_tol(mu))
+    eager = omp_exact_on_device(*args, graph=False)
+    graphed = omp_exact_on_device(*args, graph=True)
+    assert torch.equal(graphed.sel_K, eager.sel_K) and torch.equal(graphed.v_K, eager.v_K)
+    assert torch.equal(graphed.phi, eager.phi) and bool(graphed.clean) == bool(eager.clean)

@@ -128,3 +128,10 @@ def test_the_cpu_solve_reads_the_device_once(kappa):
     assert syncs_cpu == 1, syncs_cpu
     assert syncs_host >= kappa  # one a pick
     assert ops_cpu < ops_host - 10 * kappa, (ops_cpu, ops_host)  # the rounds launch nothing on the device
+
+
+def test_the_cuda_graph_rounds_are_refused_off_cuda():
+    features, val, dom = make_instance(3, 24, dim=8)
+    gram, mu, _ = build_objective(features, val, ETA)
+    with pytest.raises(ValueError, match="graph=True needs CUDA tensors, got cpu"):
+        omp_exact_on_device(gram, mu, dom, torch.tensor([4, 4, 4]), 8, 1e-6, default_grad_tol(mu), graph=True)
