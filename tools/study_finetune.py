@@ -25,6 +25,7 @@ Example:
     python tools/study_finetune.py --out runs/finetune --parts setup,floor,study,report --profile quick
     python tools/study_finetune.py --out runs/finetune --parts study,report --profile full --seeds 1,2,3,4,5
     python tools/study_finetune.py --out runs/finetune_smoke --smoke     # a few steps of everything
+    python tools/study_finetune.py --gpu --out runs/finetune_gpu --seeds 1,2,3,4,5   # issue 29.6, on one GPU
 
 Every training process runs with one thread (OMP_NUM_THREADS=1); `--jobs` (default 2) run at once.
 """
@@ -69,6 +70,15 @@ EVAL_OVERRIDES = ["eval_loader.subset_num_batches=1", "eval_loader.device_eval_b
 # first pools lean towards equal domain shares (the same pools for every arm), and every sitting keeps
 # that order so that the arms and seeds stay paired on the same pools.
 STUDY_LOADER = ["train_loader.dataset.shuffle_algo=py1e"]
+# `--gpu` (issue 29.6): the study at a larger shape on one GPU, in the recipes' precision. dm_math rows are at
+# most 134 tokens, so the larger shape is more rows a step (kappa 32: pools of 64), not longer rows; more steps
+# and 50 questions a domain (400 in all: an accuracy step of 0.0025, against 0.0125 with 80). Costs are priced
+# on the wall clock (the GPU's time is not the process's CPU time).
+GPU = {
+    "overrides": ["device=gpu", "precision=amp_bf16", "global_train_batch_size=32", "device_train_microbatch_size=32",
+                  "eval_loader.subset_num_batches=4"],
+    "steps": 100, "jobs": 1, "per_domain": 50, "clock": "wall",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,10 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="setup,floor,study,report", help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--profile", choices=("quick", "full"), default="quick", help="quick (the main table) or full (every arm)")
     p.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds (default 1-5)")
-    p.add_argument("--steps", type=int, default=20, help="equal steps, and the equal-compute budget in random steps (default 20)")
-    p.add_argument("--jobs", type=int, default=2, help="training processes at once (default 2)")
+    p.add_argument("--steps", type=int, default=None, help="equal steps, and the equal-compute budget in random steps (default 20; --gpu 100)")
+    p.add_argument("--jobs", type=int, default=None, help="training processes at once (default 2; --gpu 1)")
     p.add_argument("--arms", default=None, help=f"instead of the profile's arms, a subset of {','.join(ARMS)}")
     p.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (a test of the pipeline, not a study)")
+    p.add_argument(
+        "--gpu", action="store_true",
+        help=f"the larger shape on one GPU (issue 29.6): amp_bf16, kappa 32, {GPU['steps']} steps unless --steps says, "
+        f"{GPU['per_domain']} questions a domain, wall-clock costs, one job at a time unless --jobs says",
+    )
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in parts if x not in PARTS]
@@ -95,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     for path, what in ((DATA / "dm_math" / "train.json", "the dm_math corpus"), (MODEL, "the SmolLM2 GGUF file")):
         if not path.exists():
             p.error(f"{what} is not at {path} (it ships in ../shared/data)")
+    if args.gpu and args.smoke:
+        p.error("--gpu and --smoke: choose one")
+    args.steps = args.steps if args.steps is not None else (GPU["steps"] if args.gpu else 20)
+    args.jobs = args.jobs if args.jobs is not None else (GPU["jobs"] if args.gpu else 2)
     if args.steps < 2 or args.jobs < 1:
         p.error(f"--steps must be >= 2 and --jobs >= 1, got {args.steps} and {args.jobs}")
     if args.smoke:
@@ -107,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         setup(shards, env, smoke=args.smoke)
     if "floor" in parts:
         # The floor runs alone before the trainings: it may use every core the jobs will (one thread each).
-        floor(out, shards, dict(env, OMP_NUM_THREADS=str(args.jobs)), smoke=args.smoke)
+        floor(out, shards, dict(env, OMP_NUM_THREADS=str(args.jobs)), smoke=args.smoke,
+              per_domain=GPU["per_domain"] if args.gpu else None)
     if "study" in parts:
         for cmd in study_commands(out, shards=shards, arms=arms, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
-                                  smoke=args.smoke):
+                                  smoke=args.smoke, gpu=args.gpu):
             _run(cmd, env)
     if "report" in parts:
         print(study_report(out))
@@ -131,7 +151,7 @@ def setup(shards: Path, env: dict[str, str], *, smoke: bool = False) -> None:
     _run(cmd, env)
 
 
-def floor(out: Path, shards: Path, env: dict[str, str], *, smoke: bool = False) -> None:
+def floor(out: Path, shards: Path, env: dict[str, str], *, smoke: bool = False, per_domain: int | None = None) -> None:
     """The base model's held-out loss and answer accuracy: what fine-tuning starts from (OUT/floor.json)."""
     path = out / "floor.json"
     if path.exists():
@@ -141,7 +161,7 @@ def floor(out: Path, shards: Path, env: dict[str, str], *, smoke: bool = False) 
     if not ppl.exists():  # the first batch of 16 held-out examples per domain, as the runs' evaluators
         _run([sys.executable, "tools/evaluate.py", "ppl", *common, "--max-batches", "1", "--out", str(ppl)], env)
     if not answers.exists():
-        per_domain = "2" if smoke else "10"
+        per_domain = str(per_domain) if per_domain is not None else ("2" if smoke else "10")
         _run([sys.executable, "tools/evaluate.py", "answers", *common, "--per-domain", per_domain, "--out", str(answers)], env)
     loss = json.loads(ppl.read_text())["domains"]
     acc = json.loads(answers.read_text())
@@ -157,7 +177,7 @@ def floor(out: Path, shards: Path, env: dict[str, str], *, smoke: bool = False) 
 
 
 def study_commands(
-    out: Path, *, shards: Path, arms: list[str], seeds: str, steps: int, jobs: int, smoke: bool = False
+    out: Path, *, shards: Path, arms: list[str], seeds: str, steps: int, jobs: int, smoke: bool = False, gpu: bool = False
 ) -> list[list[str]]:
     """run_experiment's command lines: equal steps, then equal compute (the cost of `steps` random steps)."""
     plain = [a for a in arms if ARMS[a][0] == a and not ARMS[a][1]]
@@ -175,6 +195,7 @@ def study_commands(
     # (composer_algos/frozen_prefix.py; the same results bit for bit).
     tail = ["--", *EVAL_OVERRIDES, f"model.eval_prefix_cache={out / 'prefix_cache'}", *STUDY_LOADER]
     tail += ["callbacks.answer_accuracy.per_domain=2"] if smoke else []
+    tail += [*GPU["overrides"], f"callbacks.answer_accuracy.per_domain={GPU['per_domain']}"] if gpu else []
     # The step costs come from the equal-steps runs just trained (each run's timed steps are one calibration
     # round, measured on this machine at the same --jobs), not from rounds of their own: 8 minutes saved in the
     # quick profile. An arm the calibration file already prices keeps its samples (the committed tables' plans).
@@ -184,7 +205,7 @@ def study_commands(
         base + ["--steps", str(steps), "--out", str(out / "equal_steps"), *tail],
         # Arms of random's work (random_stratified) train random's steps at equal compute: their equal-steps
         # runs are reused, not trained twice.
-        base + ["--compute-budget", f"random={steps}", "--cost-clock", "cpu", *calibration,
+        base + ["--compute-budget", f"random={steps}", "--cost-clock", GPU["clock"] if gpu else "cpu", *calibration,
                 "--reuse-from", str(out / "equal_steps"), "--out", str(out / "equal_compute"), *tail],
     ]
 

@@ -104,3 +104,17 @@ def test_report_also_pairs_every_arm_against_partitionsel_and_the_whole_pool(tmp
     (tmp_path / "equal_steps" / "comparison.json").write_text(json.dumps(_comparison(
         {"random": losses["random"], "greats": losses["greats"]}, {"random": [0.1] * 3, "greats": [0.1] * 3})))
     assert "loss - partitionsel" not in study.study_report(tmp_path)
+
+
+def test_the_gpu_profile_runs_the_larger_shape_in_bf16_priced_on_the_wall_clock(tmp_path):
+    steps, compute = study.study_commands(tmp_path, shards=tmp_path / "s", arms=list(study.QUICK_ARMS), seeds="1",
+                                          steps=100, jobs=1, gpu=True)
+    for cmd in (steps, compute):
+        tail = cmd[cmd.index("--") :]
+        assert {"device=gpu", "precision=amp_bf16", "global_train_batch_size=32"} <= set(tail)
+        assert "callbacks.answer_accuracy.per_domain=50" in tail
+    assert _arg(compute, "--cost-clock") == "wall" and _arg(compute, "--compute-budget") == "random=100"
+    cpu = study.study_commands(tmp_path, shards=tmp_path / "s", arms=list(study.QUICK_ARMS), seeds="1", steps=20, jobs=2)
+    assert "device=gpu" not in cpu[0] and _arg(cpu[1], "--cost-clock") == "cpu"
+    with pytest.raises(SystemExit):
+        study.main(["--gpu", "--smoke"])
