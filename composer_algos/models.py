@@ -15,6 +15,7 @@ from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from composer_algos.frozen_prefix import evaluation_forwards, install_frozen_prefix_cache
+from composer_algos.scoring_prefix import PREFIX_KEY, ScoringPrefix, install_scoring_prefix
 from composer_algos.losses import (
     IGNORE_INDEX,
     per_example_losses,
@@ -48,7 +49,22 @@ class DomainCausalLM(HuggingFaceModel):
     #: positions whose next token has a loss (`logits_at: targets`, for answer-only fine-tuning).
     logits_at: str = "all"
 
+    #: `model.reuse_scoring_prefix`: hands the scoring pass's frozen-prefix output on to the training forward.
+    scoring_prefix: ScoringPrefix | None = None
+
     def forward(self, batch: Any) -> Any:
+        hidden = batch.get(PREFIX_KEY) if isinstance(batch, Mapping) else None
+        if hidden is not None and self.scoring_prefix is not None and self.training and torch.is_grad_enabled():
+            if tuple(hidden.shape[:2]) == tuple(batch["input_ids"].shape):
+                with self.scoring_prefix.handing_on(hidden):
+                    return self._forward(batch)
+            log.warning(
+                "model.reuse_scoring_prefix: the batch's rows (%s) are not those scored (%s); running every block",
+                tuple(batch["input_ids"].shape), tuple(hidden.shape[:2]),
+            )
+        return self._forward(batch)
+
+    def _forward(self, batch: Any) -> Any:
         if self.logits_at == "targets" and isinstance(batch, Mapping) and batch.get("labels") is not None:
             return self._target_forward(batch)
         if isinstance(batch, Mapping) and "use_cache" in self.model_forward_args and "use_cache" not in batch:
@@ -104,6 +120,7 @@ def build_causal_lm(
     trust_remote_code: bool = False,
     logits_at: str = "all",
     eval_prefix_cache: str | None = None,
+    reuse_scoring_prefix: bool = False,
 ) -> DomainCausalLM:
     """Build the model described by a `ModelConfig` (fields passed as plain keyword arguments).
 
@@ -129,6 +146,9 @@ def build_causal_lm(
         eval_prefix_cache: A directory where evaluation forwards keep the outputs of the frozen blocks
             below `lora["top_blocks"]`' adapters and skip those blocks when the same inputs come again
             (`composer_algos.frozen_prefix`); needs `top_blocks`.
+        reuse_scoring_prefix: The training forward skips the frozen blocks below `lora["top_blocks"]`' adapters,
+            taking their output on the selected rows from the selection's scoring pass
+            (`composer_algos.scoring_prefix`); needs `top_blocks`.
 
     Returns:
         The Composer model, with per-token cross-entropy and perplexity as eval metrics.
@@ -137,6 +157,8 @@ def build_causal_lm(
         ValueError: the vocabulary is smaller than the tokenizer's; a `.gguf` file that is not GGUF
             or whose architecture transformers cannot load (`pipeline.gguf.gguf_model_dir`).
     """
+    if reuse_scoring_prefix and (lora is None or lora.get("top_blocks") is None):
+        raise ValueError("model.reuse_scoring_prefix needs model.lora.top_blocks (the blocks it skips lie below them)")
     if eval_prefix_cache is not None and (lora is None or lora.get("top_blocks") is None):
         raise ValueError("model.eval_prefix_cache needs model.lora.top_blocks (the frozen blocks it caches lie below them)")
     overrides = dict(config_overrides or {})
@@ -212,6 +234,8 @@ def build_causal_lm(
     _wrap_per_block(wrapped.model)
     if eval_prefix_cache is not None:  # the blocks below the lowest adapted one are frozen
         install_frozen_prefix_cache(wrapped.model, layers[0], eval_prefix_cache)
+    if reuse_scoring_prefix:
+        wrapped.scoring_prefix = install_scoring_prefix(wrapped.model, layers[0])
     return wrapped
 
 

@@ -23,6 +23,7 @@ from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
 
 from composer_algos.features.val_average import ValidationAverage
+from composer_algos.scoring_prefix import PREFIX_KEY
 from composer_algos.seeding import mix_seed
 from composer_algos.selection.conflicts import conflict_fraction
 from composer_algos.selection.types import DeferredChecks
@@ -351,6 +352,8 @@ class DataSelection(Algorithm):
         self.seed = seed
         self.log_conflicts = log_conflicts
         self._warned_log_conflicts = False
+        self._warned_prefix = False
+        self._prefix_rows: torch.Tensor | None = None
         self.domain_names = list(domain_names) if domain_names is not None else None
         self._names_given = domain_names is not None
 
@@ -609,10 +612,11 @@ class DataSelection(Algorithm):
         clock = _StageClock(next((p.device for p in model.parameters()), cpu) if model is not None else cpu)
         feats_ND, gbar_D, fallback = None, None, None  # fallback: why this step selects at random
         self._val_rows_VD, self._val_domain_V = None, None
+        self._prefix_rows = None  # the pool rows' frozen-prefix output, when the scoring pass recorded it
         if needs_features:
             with _deferring(feature_checks if deferred else None):
                 feats_ND, gbar_D, fallback = self._features(
-                    state, batch, step, defer_commits=multi or deferred, validation=not stale
+                    state, batch, step, defer_commits=multi or deferred, validation=not stale, record_prefix=True
                 )
         # log_conflicts: features of the pool for the log only (the problem below never sees them).
         probe_ND = None
@@ -721,6 +725,12 @@ class DataSelection(Algorithm):
             batch, problem, outcome.result, domain_key=self.domain_key, weighted_loss=self.weighted_loss
         )
         t_exchange = time.perf_counter() - t3 + t_gather
+        if self._prefix_rows is not None and not problem.gathered:
+            # The selected rows' frozen-prefix output rides in the batch (Composer splits it with the rows into
+            # microbatches); the training forward hands it on past the frozen blocks (composer_algos/scoring_prefix.py).
+            idx_K = outcome.result.indices.to(self._prefix_rows.device, non_blocking=True)
+            new_batch[PREFIX_KEY] = self._prefix_rows.index_select(0, idx_K)
+        self._prefix_rows = None
         state.batch = new_batch
 
         # Stage 4: record, through Composer's logger only.
@@ -830,11 +840,14 @@ class DataSelection(Algorithm):
         )
 
     def _features(
-        self, state: State, batch: Mapping[str, Any], step: int, *, defer_commits: bool = False, validation: bool = True
+        self, state: State, batch: Mapping[str, Any], step: int, *, defer_commits: bool = False, validation: bool = True,
+        record_prefix: bool = False,
     ):
         """`(features, gbar, None)`, or `(None, None, reason)` when the features are unusable.
 
         With `validation` False (a stale_topk step) no validation batch is drawn or scored: gbar is None.
+        With `record_prefix` and the model's `scoring_prefix` (`model.reuse_scoring_prefix`), the frozen
+        blocks' output on the pool rows is kept in `self._prefix_rows` when the pass scored whole rows.
         """
         from composer_algos.features import FeatureError
 
@@ -862,16 +875,21 @@ class DataSelection(Algorithm):
             def context():
                 return get_precision_context(precision, precision_config)
 
+        prefix = self._scoring_prefix(state) if record_prefix else None
         try:
-            feats, gbar = self.extractor.compute(
-                pool,
-                val,
-                step=step,
-                optimizer=state.optimizers[0] if state.optimizers else None,
-                precision_context=context,
-                auto_chunk_size=self._auto_chunk_size(state),
-                row_offset=dist.get_global_rank() * int(pool["input_ids"].shape[0]),
-            )
+            with prefix.recording() if prefix is not None else contextlib.nullcontext():
+                feats, gbar = self.extractor.compute(
+                    pool,
+                    val,
+                    step=step,
+                    optimizer=state.optimizers[0] if state.optimizers else None,
+                    precision_context=context,
+                    auto_chunk_size=self._auto_chunk_size(state),
+                    row_offset=dist.get_global_rank() * int(pool["input_ids"].shape[0]),
+                )
+            if prefix is not None:
+                n_pool = int(pool["input_ids"].shape[0])
+                self._prefix_rows = prefix.take(n_pool, n_pool + (int(val["input_ids"].shape[0]) if val is not None else 0))
             rows = self.extractor.val_features_in_use
             if rows is not None and val_domain_V is not None:
                 self._val_rows_VD = rows.float()
@@ -879,6 +897,26 @@ class DataSelection(Algorithm):
             return feats, gbar, None
         except FeatureError as e:
             return None, None, f"unusable gradient features ({e})"
+
+    def _scoring_prefix(self, state: State) -> Any:
+        """The model's `ScoringPrefix` when this step's scoring pass sees whole rows of this rank's pool, else None."""
+        model = state.model.module if isinstance(state.model, DistributedDataParallel) else state.model
+        prefix = getattr(model, "scoring_prefix", None)
+        if prefix is None or self.extractor is None:
+            return None
+        why = None
+        if self.scope == "global" or (self.scope == "auto" and dist.get_world_size() > 1):
+            why = "selection scope is global (the selected rows may come from other ranks)"
+        elif self.extractor.score_window is not None or self.extractor.score_tokens is not None:
+            why = "the scoring pass sees part of each row (score_window or score_tokens)"
+        elif self.extractor._forward_model is not self.extractor.model:
+            why = "the model is wrapped in FSDP"
+        if why is not None:
+            if not self._warned_prefix:
+                log.warning("model.reuse_scoring_prefix: the training forward runs every block: %s", why)
+                self._warned_prefix = True
+            return None
+        return prefix
 
     def _validation_domain_ids(self, val_batch: Mapping[str, Any]) -> torch.Tensor | None:
         """The validation batch's per-example domain ids (zeros when the batch has none and none are needed)."""

@@ -127,9 +127,17 @@ class ModelConfig:
     # adapters, so later evaluations of the same inputs (in this run or another) skip those blocks
     # (`composer_algos.frozen_prefix`); null: evaluate through every block.
     eval_prefix_cache: str | None = None
+    # true: the training forward skips the frozen blocks below `lora.top_blocks`' adapters, taking their
+    # output on the selected rows from the selection's scoring pass (`composer_algos.scoring_prefix`).
+    reuse_scoring_prefix: bool = False
 
     def validate(self) -> list[str]:
         errs = []
+        if self.reuse_scoring_prefix and (self.lora is None or self.lora.top_blocks is None):
+            errs.append(
+                "model.reuse_scoring_prefix needs model.lora.top_blocks: only the blocks below the adapters are "
+                "frozen, so only their output can be handed on; set lora.top_blocks or drop reuse_scoring_prefix"
+            )
         if self.eval_prefix_cache is not None and (self.lora is None or self.lora.top_blocks is None):
             errs.append(
                 f"model.eval_prefix_cache ({self.eval_prefix_cache!r}) needs model.lora.top_blocks: only the blocks "

@@ -48,12 +48,16 @@ PARTS = ("setup", "floor", "study", "report")
 SEL = "algorithms.data_selection"
 # label -> (strategy, overrides). `partitionsel` is the library's defaults; `ps_r4` the setting the dm_math
 # study found best at equal steps (pools of 4 x kappa: docs/results/study_dm_math.md, "Larger oversampling
-# helps"); `full_pool` trains on the whole pool of 2 x kappa every step (strategy none).
+# helps"); `ps_reuse` the defaults at a cheaper step; `full_pool` trains on the whole pool of 2 x kappa
+# every step (strategy none).
 ARMS: dict[str, tuple[str, list[str]]] = {
     "random": ("random", []),
     "random_stratified": ("random_stratified", []),
     "partitionsel": ("partitionsel", []),
     "ps_r4": ("partitionsel", [f"{SEL}.oversampling=4"]),
+    # The library's defaults with the training forward taking the frozen blocks' output from the scoring pass
+    # (model.reuse_scoring_prefix): the same selections up to rounding, a cheaper step.
+    "ps_reuse": ("partitionsel", ["model.reuse_scoring_prefix=true"]),
     "id": ("id", []),
     "greats": ("greats", []),
     "colm": ("colm", []),
@@ -70,6 +74,9 @@ EVAL_OVERRIDES = ["eval_loader.subset_num_batches=1", "eval_loader.device_eval_b
 # first pools lean towards equal domain shares (the same pools for every arm), and every sitting keeps
 # that order so that the arms and seeds stay paired on the same pools.
 STUDY_LOADER = ["train_loader.dataset.shuffle_algo=py1e"]
+# Likewise the recipe now hands the scoring pass's frozen-block output on to the training forward (a cheaper
+# PartitionSel step, the same losses); the study's runs were made without it, and its `ps_reuse` arm turns it on.
+STUDY_MODEL = ["model.reuse_scoring_prefix=false"]
 # `--gpu` (issue 29.6): the study at a larger shape on one GPU, in the recipes' precision. dm_math rows are at
 # most 134 tokens, so the larger shape is more rows a step (kappa 32: pools of 64), not longer rows; more steps
 # and 50 questions a domain (400 in all: an accuracy step of 0.0025, against 0.0125 with 80). Costs are priced
@@ -193,7 +200,7 @@ def study_commands(
     # Every run evaluates the same held-out examples and questions with the same frozen blocks below the
     # adapters: the first evaluation records those blocks' outputs, the others skip them
     # (composer_algos/frozen_prefix.py; the same results bit for bit).
-    tail = ["--", *EVAL_OVERRIDES, f"model.eval_prefix_cache={out / 'prefix_cache'}", *STUDY_LOADER]
+    tail = ["--", *EVAL_OVERRIDES, f"model.eval_prefix_cache={out / 'prefix_cache'}", *STUDY_LOADER, *STUDY_MODEL]
     tail += ["callbacks.answer_accuracy.per_domain=2"] if smoke else []
     tail += [*GPU["overrides"], f"callbacks.answer_accuracy.per_domain={GPU['per_domain']}"] if gpu else []
     # The step costs come from the equal-steps runs just trained (each run's timed steps are one calibration

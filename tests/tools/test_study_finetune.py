@@ -34,6 +34,8 @@ def test_quick_commands_run_equal_steps_then_equal_compute_paired_against_random
         assert f"model.eval_prefix_cache={tmp_path / 'prefix_cache'}" in cmd[cmd.index("--") :]
         # the order the study's runs were made with, whatever the recipe's shuffle
         assert "train_loader.dataset.shuffle_algo=py1e" in cmd[cmd.index("--") :]
+        # and the step its runs were made with (the recipe's reuse_scoring_prefix is newer)
+        assert "model.reuse_scoring_prefix=false" in cmd[cmd.index("--") :]
     assert _arg(steps, "--steps") == "40" and _arg(steps, "--out") == str(tmp_path / "equal_steps")
     assert _arg(compute, "--compute-budget") == "random=40" and _arg(compute, "--cost-clock") == "cpu"
     assert _arg(compute, "--out") == str(tmp_path / "equal_compute") and "--steps" not in compute
@@ -49,6 +51,7 @@ def test_full_profile_names_every_arm_and_the_variants_their_settings(tmp_path):
     assert set(plain) | set(variants) == set(study.ARMS)
     assert variants["ps_r4"] == "ps_r4=partitionsel,algorithms.data_selection.oversampling=4"
     assert variants["full_pool"] == "full_pool=none"
+    assert variants["ps_reuse"] == "ps_reuse=partitionsel,model.reuse_scoring_prefix=true"  # after the tail: it wins
 
 
 def _comparison(losses, accuracies):

@@ -169,3 +169,65 @@ def test_the_training_forward_keeps_no_kv_cache_and_names_each_block_for_fsdp(lo
     blocks = [m for m in full.model.modules() if full.model.fsdp_wrap_fn(m)]
     assert len(blocks) == CONFIG["num_hidden_layers"] and all(full.model.activation_checkpointing_fn(b) for b in blocks)
     assert not full.model.fsdp_wrap_fn(full.model) and not full.model.activation_checkpointing_fn(blocks[0].mlp)
+
+
+@pytest.mark.parametrize("logits_at", ["all", "targets"])
+def test_the_training_forward_takes_the_frozen_blocks_output_from_the_scoring_pass(math_shards, tmp_path, logits_at):
+    """`model.reuse_scoring_prefix`: the selected rows skip the frozen blocks in the training forward (their output
+    comes from the scoring pass); the same selections, the losses within rounding, no training pass through them."""
+    from composer.loggers import InMemoryLogger
+
+    import train
+    from composer_algos.registry import load_run_config
+
+    def run(name, *extra):
+        cfg = load_run_config(REPO_ROOT / "yamls" / "testing" / "tiny_finetune.yaml", [
+            f"variables.shard_dir={math_shards}", f"save_folder={tmp_path / name}", "max_duration=3ba",
+            "eval_interval=3ba", "global_train_batch_size=4", "eval_loader.subset_num_batches=1",
+            "loggers.in_memory={}", "python_log_level=error", "model.config.num_hidden_layers=3",
+            "model.lora.top_blocks=1", f"model.logits_at={logits_at}", *extra,
+        ])
+        trainer = train.build_trainer(cfg)
+        model = trainer.state.model
+        decoder = model.model.get_base_model().get_decoder()
+        trained_through = []  # the bottom block's forwards in training mode with autograd on
+        decoder.layers[0].register_forward_hook(
+            lambda m, a, o: trained_through.append(1) if m.training and torch.is_grad_enabled() else None
+        )
+        trainer.fit()
+        mem = next(d for d in trainer.logger.destinations if isinstance(d, InMemoryLogger))
+        series = {k: [float(v) for _, v in mem.data[k]] for k in ("loss/train/total", "selection/selected_hash")}
+        prefix = model.scoring_prefix
+        trainer.close()
+        return series, len(trained_through), prefix
+
+    plain, plain_through, no_prefix = run("plain")
+    reused, reused_through, prefix = run("reused", "model.reuse_scoring_prefix=true")
+    assert no_prefix is None and prefix is not None and prefix.handed_on == 3
+    assert plain_through == 3 and reused_through == 0
+    assert reused["selection/selected_hash"] == plain["selection/selected_hash"]
+    assert reused["loss/train/total"] == pytest.approx(plain["loss/train/total"], rel=1e-4)
+
+
+def test_reuse_scoring_prefix_needs_frozen_blocks_below_the_adapters():
+    from pipeline.config import ModelConfig
+
+    errs = ModelConfig(config={"model_type": "llama"}, reuse_scoring_prefix=True).validate()
+    assert any("model.reuse_scoring_prefix needs model.lora.top_blocks" in e for e in errs), errs
+
+
+@pytest.mark.timeout(900)
+def test_bench_prefix_runs_both_and_hands_every_step_on(math_shards, capsys):
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    import bench_prefix
+
+    rc = bench_prefix.main([
+        str(REPO_ROOT / "yamls" / "testing" / "tiny_finetune.yaml"), f"variables.shard_dir={math_shards}",
+        "model.config.num_hidden_layers=3", "model.lora.top_blocks=1", "global_train_batch_size=4", "--steps", "2",
+    ])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "training forwards that skipped the frozen blocks: 3 of 3" in out
+    ratios = out.split("reuse / every block: wall ", 1)[1].split(";")[0]
+    assert all(float(x.split()[-1]) > 0 for x in ratios.split(","))
+    assert float(out.rsplit("largest relative training-loss difference:", 1)[1].split()[0]) <= 1e-4
