@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     no_answers = ["~callbacks.answer_accuracy"] if "answer_accuracy" in load_run_config(args.yaml, args.overrides).callbacks else []
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("every block", []), ("reuse_scoring_prefix", ["model.reuse_scoring_prefix=true"])):
+        for name, extra in (("every block", ["model.reuse_scoring_prefix=false"]),
+                            ("reuse_scoring_prefix", ["model.reuse_scoring_prefix=true"])):
             cfg = load_run_config(args.yaml, [
                 *args.overrides, f"save_folder={Path(tmp) / name.replace(' ', '_')}", f"max_duration={args.steps + WARMUP}ba",
                 "eval_interval=1000000ba", "eval_loader=null", *no_answers, "algorithms.data_selection.strategy=partitionsel",
