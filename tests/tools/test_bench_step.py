@@ -178,7 +178,7 @@ def test_long_batch_sets_the_rows_the_long_table_trains_and_its_floors(monkeypat
     monkeypatch.setattr(wc, "write_long_shards", lambda corpus, shards, S: 0)
     monkeypatch.setattr(wc, "bench_long", fake_bench_long)
     monkeypatch.setattr(wc, "format_long_table", fake_table)
-    args = argparse.Namespace(long_model="proportioned", long_batch=8, long_steps=3, device="cpu")
+    args = argparse.Namespace(long_model="proportioned", long_batch=8, long_steps=3, device="cpu", op_sites=0)
     bench_step.long_table(tmp_path, args, [2048], [2], [64], [])
     assert "global_train_batch_size=8" in seen["overrides"]
     assert seen["kappa"] == 8 and seen["val_rows"] == 1

@@ -182,8 +182,9 @@ def test_cpu_time_of_a_step_ends_at_after_train_batch_not_at_callbacks_before_it
 
 
 def test_a_callback_working_at_the_last_batch_end_is_not_counted_as_training_cpu(dolma_shards, tmp_path):
-    """A callback ahead of train_budget burning 1.5 CPU s at the last step's BATCH_END (as answer_accuracy
-    generates there) leaves every recorded step far below it, and the file says where a step's CPU time ends."""
+    """A callback ahead of train_budget burning 4 CPU s at the last step's BATCH_END (as answer_accuracy
+    generates there) leaves every recorded step far below it, and the file says where a step's CPU time ends.
+    (A tiny step takes 0.4-1.1 CPU s on the 2-core machine, depending on its load.)"""
     import time as _time
 
     from composer.core import Callback
@@ -192,7 +193,7 @@ def test_a_callback_working_at_the_last_batch_end_is_not_counted_as_training_cpu
         def batch_end(self, state, logger):
             if int(state.timestamp.batch.value) == 3:
                 t0 = _time.process_time()
-                while _time.process_time() - t0 < 1.5:
+                while _time.process_time() - t0 < 4.0:
                     pass
 
     run_dir = tmp_path / "run"
@@ -204,5 +205,5 @@ def test_a_callback_working_at_the_last_batch_end_is_not_counted_as_training_cpu
     trainer.close()
     budget = json.loads((run_dir / "train_budget.json").read_text())
     assert budget["cpu_step_end"] == "after_train_batch"
-    assert len(budget["step_cpu_times_s"]) == 2 and max(budget["step_cpu_times_s"]) < 1.0, budget["step_cpu_times_s"]
+    assert len(budget["step_cpu_times_s"]) == 2 and max(budget["step_cpu_times_s"]) < 2.5, budget["step_cpu_times_s"]
     assert abs(budget["train_cpu_s"] - budget["warmup_cpu_s"] - sum(budget["step_cpu_times_s"])) < 1e-6
