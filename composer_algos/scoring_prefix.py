@@ -13,9 +13,9 @@ as before, so the gradients are the same computation; the frozen part's output d
 forward only by the rounding of a batch of different size.
 
 Only where the scoring pass saw whole rows of this rank's pool: local selection scope (under global
-scope rows move between ranks), no `score_window` or `score_tokens` (those score part of a row), a
-step that computed features (not a random or stale step). Elsewhere the training forward runs every
-block, as without the option.
+scope rows move between ranks), no `score_window` or `score_tokens` (those score part of a row), no
+FSDP, a step whose scoring pass ran (not a step of a strategy without features). Elsewhere the
+training forward runs every block, as without the option.
 
 Legend: B rows, T tokens, H hidden size.
 """
