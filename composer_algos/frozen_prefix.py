@@ -70,14 +70,7 @@ class FrozenPrefixCache:
     """
 
     def __init__(self, decoder: torch.nn.Module, n_frozen: int, cache_dir: str | os.PathLike) -> None:
-        layers = getattr(decoder, "layers", None)
-        if not isinstance(layers, torch.nn.ModuleList) or not hasattr(decoder, "embed_tokens"):
-            raise ValueError(
-                f"model.eval_prefix_cache needs a decoder with `embed_tokens` and a `layers` list of blocks; "
-                f"{type(decoder).__name__} has none"
-            )
-        if not 0 < n_frozen < len(layers):
-            raise ValueError(f"model.eval_prefix_cache: {n_frozen} frozen blocks of {len(layers)}; needs 1 to {len(layers) - 1}")
+        layers = check_frozen_blocks(decoder, n_frozen, "model.eval_prefix_cache")
         self.decoder, self.n_frozen = decoder, n_frozen
         self.cache_dir = Path(cache_dir)
         self.hits = self.misses = 0
@@ -194,10 +187,28 @@ class FrozenPrefixCache:
 
 def install_frozen_prefix_cache(causal_lm: torch.nn.Module, n_frozen: int, cache_dir: str | os.PathLike) -> FrozenPrefixCache:
     """Hook a transformers causal LM (or a peft model around one) with a `FrozenPrefixCache`."""
+    return FrozenPrefixCache(decoder_of(causal_lm, "model.eval_prefix_cache"), n_frozen, cache_dir)
+
+
+def decoder_of(causal_lm: torch.nn.Module, option: str) -> torch.nn.Module:
+    """The decoder (`get_decoder()`) of a transformers causal LM or a peft model around one; `option` names the
+    setting that needs it in the error."""
     base = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
     if not hasattr(base, "get_decoder"):
-        raise ValueError(f"model.eval_prefix_cache needs a decoder-only model with get_decoder; {type(base).__name__} has none")
-    return FrozenPrefixCache(base.get_decoder(), n_frozen, cache_dir)
+        raise ValueError(f"{option} needs a decoder-only model with get_decoder; {type(base).__name__} has none")
+    return base.get_decoder()
+
+
+def check_frozen_blocks(decoder: torch.nn.Module, n_frozen: int, option: str) -> torch.nn.ModuleList:
+    """The decoder's block list, after checking it has `embed_tokens`, blocks, and 1 to depth - 1 frozen ones."""
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not hasattr(decoder, "embed_tokens"):
+        raise ValueError(
+            f"{option} needs a decoder with `embed_tokens` and a `layers` list of blocks; {type(decoder).__name__} has none"
+        )
+    if not 0 < n_frozen < len(layers):
+        raise ValueError(f"{option}: {n_frozen} frozen blocks of {len(layers)}; needs 1 to {len(layers) - 1}")
+    return layers
 
 
 class _ReplayBlock(torch.nn.Module):

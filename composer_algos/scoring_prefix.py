@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from composer_algos.frozen_prefix import check_frozen_blocks, decoder_of
+
 __all__ = ["PREFIX_KEY", "ScoringPrefix", "install_scoring_prefix"]
 
 #: The training batch's field holding the selected rows' frozen-prefix output, (B, T, H).
@@ -47,14 +49,7 @@ class ScoringPrefix:
     """
 
     def __init__(self, decoder: torch.nn.Module, n_frozen: int) -> None:
-        layers = getattr(decoder, "layers", None)
-        if not isinstance(layers, torch.nn.ModuleList) or not hasattr(decoder, "embed_tokens"):
-            raise ValueError(
-                f"model.reuse_scoring_prefix needs a decoder with `embed_tokens` and a `layers` list of blocks; "
-                f"{type(decoder).__name__} has none"
-            )
-        if not 0 < n_frozen < len(layers):
-            raise ValueError(f"model.reuse_scoring_prefix: {n_frozen} frozen blocks of {len(layers)}; needs 1 to {len(layers) - 1}")
+        layers = check_frozen_blocks(decoder, n_frozen, "model.reuse_scoring_prefix")
         self.decoder, self.n_frozen = decoder, n_frozen
         self._parts: list[torch.Tensor] | None = None  # the outputs while recording
         self._recorded: list[torch.Tensor] = []  # those of the last recording
@@ -131,10 +126,7 @@ class ScoringPrefix:
 
 def install_scoring_prefix(causal_lm: torch.nn.Module, n_frozen: int) -> ScoringPrefix:
     """A `ScoringPrefix` on a transformers causal LM (or a peft model around one)."""
-    base = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
-    if not hasattr(base, "get_decoder"):
-        raise ValueError(f"model.reuse_scoring_prefix needs a decoder-only model with get_decoder; {type(base).__name__} has none")
-    prefix = ScoringPrefix(base.get_decoder(), n_frozen)
+    prefix = ScoringPrefix(decoder_of(causal_lm, "model.reuse_scoring_prefix"), n_frozen)
     prefix.check_frozen()
     return prefix
 

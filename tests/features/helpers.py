@@ -8,7 +8,7 @@ from torch.func import functional_call, grad, vmap
 
 from tests.common.models import tiny_llama
 
-__all__ = ["make_batch", "tiny_lora", "func_per_example_grads", "loop_per_example_grads", "loop_example_loss"]
+__all__ = ["compute_or_skip_without_compiler", "make_batch", "tiny_lora", "func_per_example_grads", "loop_per_example_grads", "loop_example_loss"]
 
 
 def make_batch(n: int = 6, T: int = 16, vocab: int = 128, seed: int = 0, prompt_len: int = 4, pad_rows: int = 0) -> dict:
@@ -76,3 +76,17 @@ def loop_example_loss(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.
         if labels_T[t + 1] != -100
     ]
     return torch.stack(terms).mean() if terms else logits_TV.new_zeros((), dtype=torch.float64)
+
+
+def compute_or_skip_without_compiler(extractor, pool: dict, val: dict, step: int):
+    """`extractor.compute(pool, val, step=step)` with torch.compile inside; a skip, with the reason, where inductor
+    has no C++ toolchain to build CPU kernels (any other error is raised)."""
+    import pytest
+
+    try:
+        return extractor.compute(pool, val, step=step)
+    except Exception as e:  # noqa: BLE001
+        if "compiler" in str(e).lower() or "InvalidCxxCompiler" in type(e).__name__:
+            pytest.skip(f"torch.compile cannot build CPU kernels on this machine: {e}")
+        raise
+
