@@ -262,6 +262,20 @@ def _ps_counts(row: Mapping[str, Any]) -> tuple[int | str, int | str]:
     return (counted[0], counted[2]) if counted else ("-", "-")
 
 
+def parse_ps_variants(specs: list[str]) -> dict[str, list[str]]:
+    """`["c:a.b=1,c.d=2"]` -> `{"c": ["a.b=1", "c.d=2"]}` (`--ps-variant`); a clear error for a malformed one."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition(":")
+        overrides = [o.strip() for o in rest.split(",") if o.strip()]
+        if not sep or not name.strip() or not overrides or any("=" not in o for o in overrides):
+            raise ValueError(f"{spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        if name in out:
+            raise ValueError(f"{spec!r}: the name {name!r} is given twice")
+        out[name.strip()] = overrides
+    return out
+
+
 def make_step_timer():
     """A Composer callback timing each step: from asking the loader for a batch to the end of the optimizer step."""
     from composer.core import Callback
@@ -340,7 +354,22 @@ def main(argv: list[str] | None = None) -> int:
         help="long rows: also print each arm's counted selection step's N busiest op sites (who dispatched the aten "
         "ops: the model's own forward apart from the project's features, solver and step code) (default: 0, off)",
     )
+    parser.add_argument(
+        "--ps-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+        help="long rows: also a partitionsel arm at each window with these config overrides, labelled "
+        "t+NAME (repeatable), e.g. c:algorithms.data_selection.features.compile_forward=true",
+    )
+    parser.add_argument(
+        "--long-override", action="append", default=[], metavar="KEY=VALUE",
+        help="long rows: a config override for every arm (repeatable), e.g. the recipe's optimizer",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.ps_variants = parse_ps_variants(args.ps_variant)
+    except ValueError as e:
+        parser.error(f"--ps-variant: {e}")
+    if bad := [o for o in args.long_override if "=" not in o]:
+        parser.error(f"--long-override takes KEY=VALUE, got {bad}")
     if args.solver_threads:
         return solver_threads(args.threads or 2)
     if args.quick:
@@ -446,6 +475,7 @@ def long_table(root: Path, args: argparse.Namespace, seqs, ratios, windows, head
         overrides = []
     if args.long_batch is not None:
         overrides = [*overrides, f"global_train_batch_size={args.long_batch}"]
+    overrides = [*overrides, *args.long_override]
     cfg = load_config(wc.LONG_YAML, overrides)
     kappa = int(cfg.global_train_batch_size)
     val = int(cfg.algorithms["data_selection"]["validation"]["batch_size"])
@@ -458,7 +488,7 @@ def long_table(root: Path, args: argparse.Namespace, seqs, ratios, windows, head
             raise RuntimeError(f"sharding the long-sequence corpus at S={S} failed (tools/shard.py exit {rc})")
         rows += wc.bench_long(
             shards, root / "runs-long", S, ratios, windows, head_windows=head_windows, steps=args.long_steps,
-            device=args.device, model_overrides=overrides, op_sites=args.op_sites,
+            device=args.device, model_overrides=overrides, op_sites=args.op_sites, ps_variants=args.ps_variants,
             log=lambda line: print(line, flush=True),
         )
     print()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31's GPU figures in one command, for a session that is lent a GPU (H100/H200; about 7 minutes):
+# Issue 31's GPU figures in one command, for a session that is lent a GPU (H200: 4 Llama-3.2-1B trainers resident in step 1; about 7 minutes):
 #
 #   OUT=/tmp/gpu31 bash tools/gpu_bench.sh        # from the project root
 #
@@ -10,18 +10,20 @@
 # /tmp/site and puts it first on PYTHONPATH. Without .gpu/whl it uses the python it finds.
 #
 # Steps, each under its own timeout and within a global deadline (GPU_BUDGET_S, default 540 s),
-# each logged to $OUT; a failed step does not stop the next:
-#   1 syncs   pytest tests/gpu/test_syncs_cuda.py: a selection step's host syncs counted by torch
-#             (set_sync_debug_mode) for every strategy, against the CPU emulation's budget
-#   2 step    bench_step.py: Llama-3.2-1B shape (random weights), S = 2048, 8 rows a step, r = 2,
-#             64-token windows, amp_bf16: ps/random beside its FLOP floor (1.026 for the recipe), the
-#             selection step's aten ops and syncs (target: ps/random <= 1.05)
-#   2b features  bench_features.py: the scoring pass eager (feat_sketch) and with the blocks below the
-#             cut compiled (feat_compiled, features.compile_forward; mode reduce-overhead), their times,
-#             aten ops and kernel launches side by side, at llama1b_cpu's structure and the small model
-#   3 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
+# each logged to $OUT; a failed step does not stop the next; ordered by what the acceptance needs first:
+#   1 step    bench_step.py: Llama-3.2-1B shape (random weights), S = 2048, 8 rows a step, r = 2,
+#             64-token windows, amp_bf16, the recipe's optimizer (torch AdamW): ps/random beside its FLOP
+#             floor (1.026 for the recipe) and the selection step's aten ops and syncs (target <= 1.05),
+#             for the eager scoring pass (t=64), the blocks below the cut compiled (64+c,
+#             features.compile_forward) and that with the solver's rounds on the device (64+cd)
+#   2 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
 #             ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms)
-#   4 optim   bench_optimizer.py: Composer's DecoupledAdamW against torch's fused AdamW, the same
+#   3 tests   pytest -m gpu tests/gpu but the bench's own test: features, solver (the CUDA-graph rounds
+#             bit for bit), trainer, and a selection step's host syncs counted by torch
+#             (set_sync_debug_mode) for every strategy against the CPU emulation's budget
+#   4 features  bench_features.py: the scoring pass eager (feat_sketch) and compiled (feat_compiled;
+#             mode reduce-overhead): times, aten ops and kernel launches, llama1b_cpu's structure and small
+#   5 optim   bench_optimizer.py: Composer's DecoupledAdamW against torch's fused AdamW, the same
 #             update, on Llama-3.2-1B's 146 tensors
 set -u
 
@@ -64,17 +66,22 @@ run_step() {  # NAME CAP_S LOGFILE CMD...
   SUMMARY+=("$name|$rc|$(( $(date +%s) - t ))")
 }
 
-run_step "1 syncs (pytest, torch's count)" 150 1_syncs.log \
-  "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_syncs_cuda.py
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "2 step (llama1b, S=2048, 8 rows, t=64)" 240 2_step.log \
+# In order of what issue 31's acceptance needs first (a step skipped at the deadline loses the least):
+PS=algorithms.data_selection
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "1 step (llama1b, S=2048, 8 rows, t=64)" 200 1_step.log \
   "$PY" tools/bench_step.py --device cuda --long only --long-model llama1b --long-seqs 2048 --long-ratios 2 \
-  --windows 64 --head-windows "" --long-batch 8 --long-steps 12
-run_step "2b features (compiled forward)" 150 2b_features.log \
+  --windows 64 --head-windows "" --long-batch 8 --long-steps 12 \
+  --long-override optimizer.name=adamw --long-override optimizer.weight_decay=0.1 \
+  --ps-variant "c:$PS.features.compile_forward=true" \
+  --ps-variant "cd:$PS.features.compile_forward=true,$PS.strategy_options.partitionsel.solver_loop=device"
+run_step "2 solver (n=2048, kappa=512, D=4096)" 100 2_solver.log \
+  "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1
+run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 150 3_tests.log \
+  "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu --deselect tests/gpu/test_bench_cuda.py
+run_step "4 features (compiled forward)" 100 4_features.log \
   "$PY" tools/bench_features.py --device cuda --configs llama1b_cpu small \
   --methods forward batch_grad feat_sketch feat_compiled --repeats 7
-run_step "3 solver (n=2048, kappa=512, D=4096)" 120 3_solver.log \
-  "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1
-run_step "4 optimizer (146 tensors)" 90 4_optimizer.log "$PY" tools/bench_optimizer.py --device cuda
+run_step "5 optimizer (146 tensors)" 60 5_optimizer.log "$PY" tools/bench_optimizer.py --device cuda
 
 {
   echo "## GPU figures ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null))"
@@ -85,16 +92,16 @@ run_step "4 optimizer (146 tensors)" 90 4_optimizer.log "$PY" tools/bench_optimi
   for row in "${SUMMARY[@]}"; do IFS='|' read -r name rc secs <<<"$row"; printf '%-45s rc %-8s %5s s\n' "$name" "$rc" "$secs"; done
   echo '```'
   echo
-  echo "### 1. Host syncs of one selection step (torch's count)"
-  echo '```'; grep -E "passed|failed|PASSED|FAILED|Error" "$OUT/1_syncs.log" | tail -15; echo '```'
-  echo "### 2. Step cost at the recipe's shape"
-  echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/2_step.log"; echo '```'
-  echo "### 2b. The scoring pass, eager and with the blocks below the cut compiled"
-  echo '```'; grep -E "^\| (model|llama1b_cpu|small) \||feat_compiled /" "$OUT/2b_features.log"; echo '```'
-  echo "### 3. The exact OMP solve"
-  echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  cpu solve" "$OUT/3_solver.log"; echo '```'
-  echo "### 4. Optimizer step"
-  echo '```'; grep -E "hidden|adamw|relative difference" "$OUT/4_optimizer.log"; echo '```'
+  echo "### 1. Step cost at the recipe's shape (t=64: eager scoring, host solver loop; +c: compile_forward; +cd: and solver_loop device)"
+  echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/1_step.log"; echo '```'
+  echo "### 2. The exact OMP solve"
+  echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  cpu solve" "$OUT/2_solver.log"; echo '```'
+  echo "### 3. GPU tests (host syncs of one selection step by torch's count among them)"
+  echo '```'; grep -E "passed|failed|PASSED|FAILED|Error" "$OUT/3_tests.log" | tail -15; echo '```'
+  echo "### 4. The scoring pass, eager and with the blocks below the cut compiled"
+  echo '```'; grep -E "^\| (model|llama1b_cpu|small) \||feat_compiled /" "$OUT/4_features.log"; echo '```'
+  echo "### 5. Optimizer step"
+  echo '```'; grep -E "hidden|adamw|relative difference" "$OUT/5_optimizer.log"; echo '```'
 } > "$OUT/bench_gpu_figures.md"
 echo
 echo "=== tools/gpu_bench.sh: $(( $(date +%s) - T_START )) s; figures in $OUT/bench_gpu_figures.md ==="

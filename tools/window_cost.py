@@ -124,7 +124,7 @@ def format_long_table(
         f"long sequences (kappa {kappa} rows trained a step, {val_rows} validation row(s) scored, "
         "random window positions; median ms per step; ops, launches, syncs: one selection step's aten ops,",
         "the kernel launches among them (on a CPU: those the GPU would run) and host syncs, tools/step_audit.py):",
-        f"{'S':>6}{'r':>4}{'t':>9}{'random':>10}{'ps':>10}{'ps/random':>11}{'floor':>8}{'ops':>8}{'launches':>10}{'syncs':>7}",
+        f"{'S':>6}{'r':>4}{'t':>12}{'random':>10}{'ps':>10}{'ps/random':>11}{'floor':>8}{'ops':>8}{'launches':>10}{'syncs':>7}",
     ]
     for row in rows:
         S, r = int(row["S"]), float(row["r"])
@@ -133,12 +133,12 @@ def format_long_table(
             floor = window_step_floor(config, S, window, r, kappa=kappa, val_rows=val_rows, last_n_blocks=blocks)
             ops, kernels, syncs = counts.get(label, ("-", "-", "-"))
             lines.append(
-                f"{S:>6}{r:>4g}{label:>9}{1000 * row['random']:>10.1f}{1000 * ps:>10.1f}"
+                f"{S:>6}{r:>4g}{label:>12}{1000 * row['random']:>10.1f}{1000 * ps:>10.1f}"
                 f"{ps / row['random']:>11.3f}{floor:>8.3f}{ops:>8}{kernels:>10}{syncs:>7}"
             )
         if "random" in counts:
             ops, kernels, syncs = counts["random"]
-            lines.append(f"{S:>6}{r:>4g}{'random':>9}{'':>10}{'':>10}{'':>11}{'':>8}{ops:>8}{kernels:>10}{syncs:>7}")
+            lines.append(f"{S:>6}{r:>4g}{'random':>12}{'':>10}{'':>10}{'':>11}{'':>8}{ops:>8}{kernels:>10}{syncs:>7}")
     if reference is not None:
         lines.append("")
         lines.append(
@@ -210,12 +210,15 @@ def bench_long(
     device: str,
     model_overrides: Sequence[str] = (),
     op_sites: int = 0,
+    ps_variants: Mapping[str, Sequence[str]] | None = None,
     log=print,
 ) -> list[dict]:
     """Measured rows at one S: per r, random and partitionsel at each window, stepped round robin.
 
     Returns one dict per r: `S`, `r`, `random` (median s per step after the warm-up) and `ps`
-    {label: (window, last_n_blocks, median s)}; `head_windows` adds lm_head-feature arms.
+    {label: (window, last_n_blocks, median s)}; `head_windows` adds lm_head-feature arms, and each
+    `ps_variants` entry `{name: overrides}` one more partitionsel arm per window, labelled `t+name`,
+    with those config overrides (e.g. the compiled scoring forward).
     """
     from bench_step import make_step_timer, prepare_for_stepping
 
@@ -225,9 +228,15 @@ def bench_long(
     out = []
     for r in ratios:
         runs: dict[str, tuple] = {}
-        arms = [("random", "random", None, 1)] + [(lab, "partitionsel", w, b) for lab, w, b in long_arms(r, windows, head_windows)]
-        shape = {lab: (w, b) for lab, _s, w, b in arms}
-        for key, strategy, window, blocks in arms:
+        ps_arms = [(lab, "partitionsel", w, b, ()) for lab, w, b in long_arms(r, windows, head_windows)]
+        ps_arms += [
+            (f"{lab}+{name}", "partitionsel", w, b, tuple(extra))
+            for name, extra in (ps_variants or {}).items()
+            for lab, w, b in long_arms(r, windows, ())
+        ]
+        arms = [("random", "random", None, 1, ())] + ps_arms
+        shape = {lab: (w, b) for lab, _s, w, b, _x in arms}
+        for key, strategy, window, blocks, extra in arms:
             overrides = [
                 f"variables.shard_dir={shards}",
                 f"variables.max_seq_len={seq_len}",
@@ -247,6 +256,7 @@ def bench_long(
                 ]
             if blocks == 0:
                 overrides += HEAD_ONLY
+            overrides += extra
             trainer = train.build_trainer(load_config(LONG_YAML, overrides))
             timer = make_step_timer()
             prepare_for_stepping(trainer)

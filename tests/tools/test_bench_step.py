@@ -178,13 +178,27 @@ def test_long_batch_sets_the_rows_the_long_table_trains_and_its_floors(monkeypat
     monkeypatch.setattr(wc, "write_long_shards", lambda corpus, shards, S: 0)
     monkeypatch.setattr(wc, "bench_long", fake_bench_long)
     monkeypatch.setattr(wc, "format_long_table", fake_table)
-    args = argparse.Namespace(long_model="proportioned", long_batch=8, long_steps=3, device="cpu", op_sites=0)
+    args = argparse.Namespace(long_model="proportioned", long_batch=8, long_steps=3, device="cpu", op_sites=0,
+                              long_override=["optimizer.name=adamw"], ps_variants={})
     bench_step.long_table(tmp_path, args, [2048], [2], [64], [])
     assert "global_train_batch_size=8" in seen["overrides"]
+    assert "optimizer.name=adamw" in seen["overrides"]  # --long-override reaches every arm
     assert seen["kappa"] == 8 and seen["val_rows"] == 1
     args.long_batch = None
     bench_step.long_table(tmp_path, args, [2048], [2], [64], [])
     assert seen["kappa"] == 2  # yamls/testing/long_proportioned.yaml's global_train_batch_size
+
+
+def test_ps_variants_parse_and_malformed_ones_are_refused_with_the_spec():
+    assert bench_step.parse_ps_variants(["c:a.b=true", "cd:a.b=true, x.y=device"]) == {
+        "c": ["a.b=true"], "cd": ["a.b=true", "x.y=device"]}
+    for bad in (["c"], ["c:"], [":a=1"], ["c:a"], ["c:a=1", "c:b=2"]):
+        with pytest.raises(ValueError, match="c|a"):
+            bench_step.parse_ps_variants(bad)
+    with pytest.raises(SystemExit):
+        bench_step.main(["--long", "only", "--ps-variant", "c:nokey"])
+    with pytest.raises(SystemExit):
+        bench_step.main(["--long", "only", "--long-override", "novalue"])
 
 
 def test_long_batch_below_one_is_refused():

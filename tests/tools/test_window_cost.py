@@ -83,6 +83,37 @@ def test_bench_long_smoke(tmp_path):
     assert row["ps"]["16/head"][:2] == (16, 0) and row["ps"]["S"][:2] == (None, 1)
 
 
+def test_bench_long_ps_variants_reach_their_arms_only(tmp_path, monkeypatch):
+    # A variant adds one partitionsel arm per window (none for the lm_head windows), built with its
+    # overrides on top of the window's; the other arms do not get them.
+    import types
+
+    import bench_step
+    import train
+
+    built = {}
+
+    def fake_build(cfg):
+        key = str(cfg.save_folder).rsplit("-", 1)[-1]
+        built[key] = cfg
+        return types.SimpleNamespace(state=types.SimpleNamespace(callbacks=[]), close=lambda: None)
+
+    monkeypatch.setattr(train, "build_trainer", fake_build)
+    monkeypatch.setattr(bench_step, "prepare_for_stepping", lambda trainer: None)
+    monkeypatch.setattr(bench_step, "make_step_timer", lambda: types.SimpleNamespace(times=[1.0] * 4))
+    monkeypatch.setattr(wc, "step_counts_while_warming_up", lambda runs, *a, **k: {})
+    loop = "algorithms.data_selection.strategy_options.partitionsel.solver_loop"
+    (row,) = wc.bench_long(tmp_path, tmp_path / "runs", 64, [2.0], [16, None], head_windows=[16], steps=4,
+                           device="cpu", ps_variants={"d": [f"{loop}=device"]}, log=lambda *_: None)
+    assert set(row["ps"]) == {"16", "S", "16/head", "16+d", "S+d"}
+    assert row["ps"]["16+d"][:2] == (16, 1) and row["ps"]["S+d"][:2] == (None, 1)
+    sel = {k: cfg.algorithms["data_selection"] for k, cfg in built.items()}
+    loops = {k: s["strategy_options"]["partitionsel"].get("solver_loop") for k, s in sel.items()}
+    assert loops["16+d"] == loops["S+d"] == "device"
+    assert "device" not in (loops["16"], loops["S"], loops["16_head"], loops["random"])
+    assert sel["16+d"]["features"]["score_window"] == 16 and sel["16+d"]["strategy"] == "partitionsel"
+
+
 @pytest.mark.timeout(600)
 def test_bench_step_long_only_prints_the_long_table(capsys):
     import bench_step
