@@ -28,7 +28,8 @@ ratios and `tests/training/test_step_syncs.py` bounds them:
   (`.cpu()`, `.to("cpu")`, `.to(host_tensor.device)`, `copy_` into a host tensor); ops whose
   output size depends on device data (`nonzero`, `argwhere`, `masked_select`, `unique`,
   `unique_consecutive`, `bincount` (CUDA's reads the max), `histc`, `repeat_interleave` without
-  `output_size`, one-argument `where`, indexing with a bool tensor) and ops that check values on
+  `output_size`, one-argument `where`, indexing with a bool tensor, assigning a Python number or a
+  host tensor through a tensor index, `x[idx] = 0`) and ops that check values on
   the host (`equal`, `allclose`, `linalg.cholesky`/`inv`/`solve`/`eigh` without `_ex`,
   `multinomial`); `h2d`: a blocking copy of host data to the device (`.to(device)` without
   `non_blocking=True`, `torch.tensor(data, device=d)`, `new_tensor`, indexing a device tensor
@@ -305,6 +306,13 @@ class SyncAudit(TorchFunctionMode):
             value = args[2]
             if self.on_device(value) and not self_dev and value.dim() > 0:
                 return "mixed"
+        if name == "__setitem__" and self_dev and idx_tensors and len(args) > 2:
+            value = args[2]
+            if isinstance(value, (bool, int, float)) or (isinstance(value, torch.Tensor) and not self.on_device(value)):
+                # `x[index_tensor] = 0`: the value becomes a host tensor that index_put_ copies to the
+                # device from pageable memory, a sync (torch 2.11 on an H200, set_sync_debug_mode);
+                # `index_fill_` takes the scalar as a kernel argument instead.
+                return "sync"
         for t in idx_tensors:
             t_dev = self.on_device(t)
             if t.dtype in (torch.bool, torch.uint8) and (t_dev or self_dev):

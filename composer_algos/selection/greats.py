@@ -100,7 +100,7 @@ def greats_greedy(
         score_N = torch.where(eligible_N, align_N - eta * penalty_N, neg_inf)
         j1 = score_N.argmax().view(1)
         picks.append(j1)
-        open_N[j1] = False
+        open_N.index_fill_(0, j1, False)  # `open_N[j1] = False` would copy the value to the device: a sync
         if rem_C is not None:
             assert domain_ids_N is not None
             rem_C.index_add_(0, domain_ids_N.index_select(0, j1), minus_one)

@@ -30,7 +30,7 @@ def segmented_argmax_mask(
     first_C = torch.full((num_domains,), n, dtype=torch.long, device=device)
     first_C = first_C.scatter_reduce(0, domain_ids_N, cand_N, reduce="amin", include_self=True)
     picked = torch.zeros(n + 1, dtype=torch.bool, device=device)
-    picked[first_C] = True
+    picked.index_fill_(0, first_C, True)  # not `picked[first_C] = True`: a sync on CUDA
     return picked[:n]
 
 

@@ -104,6 +104,17 @@ def test_the_audit_counts_what_syncs_on_cuda_and_not_host_work():
     assert audit.events == {}  # none of it was the project's code
 
 
+def test_assigning_a_number_through_a_device_index_is_a_sync_and_index_fill_is_not():
+    # Measured on CUDA (torch 2.11, an H200, set_sync_debug_mode): `open_N[j] = False` synced once a pick
+    # in greats_greedy and once in segmented_argmax_mask; the emulation missed it until this rule.
+    dev = torch.ones(6)
+    audit = _audit(lambda: dev.__setitem__(dev.argmax().view(1), 0.0), [dev])
+    assert [kind for (kind, _s, _c) in audit.other] == ["sync"]
+    dev = torch.ones(6)
+    audit = _audit(lambda: (dev.index_fill_(0, dev.argmax().view(1), 0.0), dev.__setitem__(slice(0, 2), 0.0)), [dev])
+    assert audit.other == {} and audit.events == {}
+
+
 def test_the_audit_attributes_project_calls(monkeypatch):
     from composer_algos.selection import types
 
