@@ -6,8 +6,6 @@ import math
 import os
 import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from composer.loggers import InMemoryLogger
@@ -15,7 +13,7 @@ from composer.loggers import InMemoryLogger
 import train
 from composer_algos.selection_algorithm import find_data_selection
 from pipeline.config import load_config
-from tests.common.paths import REPO_ROOT
+from tests.common.paths import COMPOSER_LAUNCHER, REPO_ROOT
 from tests.training.conftest import tiny_overrides
 
 pytestmark = pytest.mark.gpu
@@ -55,9 +53,8 @@ def test_fsdp_on_one_gpu_runs_partitionsel(cuda, dolma_shards, tmp_path):
     """The 1B recipe's FSDP settings on one GPU, where FSDP makes FULL_SHARD NO_SHARD (issue 30.4)."""
     run = tmp_path / "fsdp1"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "0"}
-    composer = Path(sys.executable).with_name("composer")
     cmd = [
-        str(composer), "-n", "1", "--master_port", str(_free_port()), str(REPO_ROOT / "train.py"), str(TINY),
+        *COMPOSER_LAUNCHER, "-n", "1", "--master_port", str(_free_port()), str(REPO_ROOT / "train.py"), str(TINY),
         *tiny_overrides(dolma_shards, run, *GPU_RUN, "max_duration=6ba"),
         "fsdp_config={sharding_strategy: FULL_SHARD, mixed_precision: PURE, activation_checkpointing: true}",
     ]
@@ -72,9 +69,8 @@ def test_fsdp_on_one_gpu_runs_partitionsel(cuda, dolma_shards, tmp_path):
 def test_fsdp_two_gpus_selects_identically_on_both_ranks(two_gpus, dolma_shards, tmp_path, sharding):
     run = tmp_path / "fsdp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    composer = Path(sys.executable).with_name("composer")
     cmd = [
-        str(composer),
+        *COMPOSER_LAUNCHER,
         "-n",
         "2",
         "--master_port",

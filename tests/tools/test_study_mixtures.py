@@ -65,7 +65,12 @@ def test_the_command_pairs_every_arm_against_proportional_partitionsel(corpus, t
 @pytest.mark.parametrize("corpus", list(CORPORA))
 @pytest.mark.parametrize("label", list(study_mixtures.arms(REPO_ROOT / "w.json")))
 def test_each_arm_loads_as_a_config_with_the_policy_it_names(corpus, label, weights_file):
-    from composer_algos.capacity_policy import AdaptivePolicy, FractionsPolicy, ProportionalPolicy, SlackPolicy
+    from composer_algos.capacity_policy import (
+        AdaptivePolicy,
+        FractionsPolicy,
+        ProportionalPolicy,
+        SlackPolicy,
+    )
     from composer_algos.registry import load_run_config
     from composer_algos.selection_algorithm import DataSelection
 

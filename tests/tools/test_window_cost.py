@@ -89,6 +89,7 @@ def test_bench_long_ps_variants_reach_their_arms_only(tmp_path, monkeypatch):
     import types
 
     import bench_step
+
     import train
 
     built = {}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pipeline.streaming_cleanup import clean_stale_streaming_resources
-from tests.common.paths import REPO_ROOT
+from tests.common.paths import COMPOSER_LAUNCHER, REPO_ROOT
 from tests.training.conftest import tiny_overrides
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
@@ -179,9 +179,8 @@ def test_one_rank_killed_under_composer_launcher_fails_within_60s(dolma_shards, 
     if not os.path.isdir("/proc"):
         pytest.skip("needs /proc to find the rank's process")
     run = tmp_path / "dist"
-    composer = Path(sys.executable).with_name("composer")
     cmd = [
-        str(composer), "-n", "2", "--master_port", str(_free_port()), str(REPO_ROOT / "train.py"), str(TINY),
+        *COMPOSER_LAUNCHER, "-n", "2", "--master_port", str(_free_port()), str(REPO_ROOT / "train.py"), str(TINY),
         *tiny_overrides(dolma_shards, run, "eval_loader=null", "max_duration=100000ba", "save_interval=2ba"),
     ]  # fmt: skip
     log_path = tmp_path / "launcher.log"

@@ -6,13 +6,12 @@ import os
 import re
 import socket
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from tests.common.paths import REPO_ROOT
+from tests.common.paths import COMPOSER_LAUNCHER, REPO_ROOT
 from tests.training.conftest import tiny_overrides
 
 # Two launcher processes on a loaded 2-core machine can time out; one rerun, never more.
@@ -30,9 +29,8 @@ def _free_port() -> int:
 
 def _launch(shards: Path, run_dir: Path, *extra: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    composer = Path(sys.executable).with_name("composer")
     cmd = [
-        str(composer), "-n", "2", "--master_port", str(_free_port()), str(REPO_ROOT / "train.py"), str(TINY),
+        *COMPOSER_LAUNCHER, "-n", "2", "--master_port", str(_free_port()), str(REPO_ROOT / "train.py"), str(TINY),
         *tiny_overrides(shards, run_dir, "eval_loader=null", *extra),
     ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
