@@ -15,7 +15,6 @@ from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from composer_algos.frozen_prefix import evaluation_forwards, install_frozen_prefix_cache
-from composer_algos.scoring_prefix import PREFIX_KEY, ScoringPrefix, install_scoring_prefix
 from composer_algos.losses import (
     IGNORE_INDEX,
     per_example_losses,
@@ -24,6 +23,7 @@ from composer_algos.losses import (
     target_position_logits,
     target_token_losses,
 )
+from composer_algos.scoring_prefix import PREFIX_KEY, ScoringPrefix, install_scoring_prefix
 from pipeline.gguf import resolve_pretrained
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import math
 import os
 import tempfile

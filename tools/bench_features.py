@@ -210,7 +210,6 @@ def _run_worker(job: dict) -> dict:
 
 def _profile_counts(fn, device) -> dict:
     """One call's aten ops (torch.profiler events named aten::*) and, on CUDA, its kernel launches."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

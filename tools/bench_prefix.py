@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         handed = runs["reuse_scoring_prefix"][0].state.model.scoring_prefix.handed_on
         for trainer, _clocks in runs.values():
             trainer.close()
-    (base, base_c), (reuse, reuse_c) = runs["every block"], runs["reuse_scoring_prefix"]
+    (_, base_c), (_, reuse_c) = runs["every block"], runs["reuse_scoring_prefix"]
     print(f"{args.yaml.name}: {args.steps} timed steps each (after {WARMUP}), interleaved; medians:")
     print(f"{'':<22}{'wall s':>10}{'cpu s':>10}")
     for name, (_t, c) in runs.items():
