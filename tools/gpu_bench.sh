@@ -14,8 +14,9 @@
 #   1 step    bench_step.py: Llama-3.2-1B shape (random weights), S = 2048, 8 rows a step, r = 2,
 #             64-token windows, amp_bf16, the recipe's optimizer (torch AdamW): ps/random beside its FLOP
 #             floor (1.026 for the recipe) and the selection step's aten ops and syncs (target <= 1.05),
-#             for the eager scoring pass (t=64), the blocks below the cut compiled (64+c,
-#             features.compile_forward) and that with the solver's rounds on the device (64+cd)
+#             for the eager scoring pass (t=64) and the blocks below the cut compiled (64+c,
+#             features.compile_forward). Three 1B trainers are resident (a fourth ran an H200 out of
+#             memory); the device loop is timed by step 2 (at 8 rows a step it picks too few to graph)
 #   2 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
 #             ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms)
 #   3 tests   pytest -m gpu tests/gpu but the bench's own test: features, solver (the CUDA-graph rounds
@@ -44,6 +45,8 @@ if [ -d .gpu/whl ]; then
   echo "### wheels from .gpu/whl: pip rc=$?" | tee -a "$OUT/0_setup.log"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The project itself, for the tools that import it without putting the root on sys.path themselves.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no nvidia-smi"
   "$PY" -c "import torch, composer, transformers; print('torch', torch.__version__, 'composer', composer.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee -a "$OUT/0_setup.log"
@@ -72,13 +75,12 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "1 step (llama1b, S=20
   "$PY" tools/bench_step.py --device cuda --long only --long-model llama1b --long-seqs 2048 --long-ratios 2 \
   --windows 64 --head-windows "" --long-batch 8 --long-steps 12 \
   --long-override optimizer.name=adamw --long-override optimizer.weight_decay=0.1 \
-  --ps-variant "c:$PS.features.compile_forward=true" \
-  --ps-variant "cd:$PS.features.compile_forward=true,$PS.strategy_options.partitionsel.solver_loop=device"
+  --ps-variant "c:$PS.features.compile_forward=true"
 run_step "2 solver (n=2048, kappa=512, D=4096)" 100 2_solver.log \
   "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1
 run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 150 3_tests.log \
   "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu --deselect tests/gpu/test_bench_cuda.py
-run_step "4 features (compiled forward)" 100 4_features.log \
+run_step "4 features (compiled forward)" 180 4_features.log \
   "$PY" tools/bench_features.py --device cuda --configs llama1b_cpu small \
   --methods forward batch_grad feat_sketch feat_compiled --repeats 7
 run_step "5 optimizer (146 tensors)" 60 5_optimizer.log "$PY" tools/bench_optimizer.py --device cuda
@@ -92,7 +94,7 @@ run_step "5 optimizer (146 tensors)" 60 5_optimizer.log "$PY" tools/bench_optimi
   for row in "${SUMMARY[@]}"; do IFS='|' read -r name rc secs <<<"$row"; printf '%-45s rc %-8s %5s s\n' "$name" "$rc" "$secs"; done
   echo '```'
   echo
-  echo "### 1. Step cost at the recipe's shape (t=64: eager scoring, host solver loop; +c: compile_forward; +cd: and solver_loop device)"
+  echo "### 1. Step cost at the recipe's shape (t=64: eager scoring; 64+c: compile_forward)"
   echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/1_step.log"; echo '```'
   echo "### 2. The exact OMP solve"
   echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  cpu solve" "$OUT/2_solver.log"; echo '```'
