@@ -26,6 +26,8 @@
 #             mode reduce-overhead): times, aten ops and kernel launches, llama1b_cpu's structure and small
 #   5 optim   bench_optimizer.py: Composer's DecoupledAdamW against torch's fused AdamW, the same
 #             update, on Llama-3.2-1B's 146 tensors
+#   6 profile profile_gpu_step.py: stage tables of random, partitionsel and compiled at step 1's shape
+#             (add --trace-dir for Chrome traces of where the GPU idles)
 set -u
 
 T_START=$(date +%s)
@@ -84,6 +86,7 @@ run_step "4 features (compiled forward)" 180 4_features.log \
   "$PY" tools/bench_features.py --device cuda --configs llama1b_cpu small \
   --methods forward batch_grad feat_sketch feat_compiled --repeats 7
 run_step "5 optimizer (146 tensors)" 60 5_optimizer.log "$PY" tools/bench_optimizer.py --device cuda
+run_step "6 profile (stage tables, host waits)" 200 6_profile.log "$PY" tools/profile_gpu_step.py
 
 {
   echo "## GPU figures ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null))"
@@ -104,6 +107,8 @@ run_step "5 optimizer (146 tensors)" 60 5_optimizer.log "$PY" tools/bench_optimi
   echo '```'; grep -E "^\| (model|llama1b_cpu|small) \||feat_compiled /" "$OUT/4_features.log"; echo '```'
   echo "### 5. Optimizer step"
   echo '```'; grep -E "hidden|adamw|relative difference" "$OUT/5_optimizer.log"; echo '```'
+  echo "### 6. Profile (host ms a step by stage)"
+  echo '```'; grep -E "^=====|^GPU:|^host wait|^  (selection|train|rest)|^    selection/(features|solve)" "$OUT/6_profile.log"; echo '```'
 } > "$OUT/bench_gpu_figures.md"
 echo
 echo "=== tools/gpu_bench.sh: $(( $(date +%s) - T_START )) s; figures in $OUT/bench_gpu_figures.md ==="
