@@ -12,11 +12,13 @@
 # Steps, each under its own timeout and within a global deadline (GPU_BUDGET_S, default 540 s),
 # each logged to $OUT; a failed step does not stop the next; ordered by what the acceptance needs first:
 #   1 step    bench_step.py: Llama-3.2-1B shape (random weights), S = 2048, 8 rows a step, r = 2,
-#             64-token windows, amp_bf16, the recipe's optimizer (torch AdamW): ps/random beside its FLOP
+#             64-token windows, amp_bf16, the recipe's optimizer (torch AdamW) and loader workers (4 a
+#             trainer; the recipe has 8: the pool's loading is prefetched): ps/random beside its FLOP
 #             floor (1.026 for the recipe) and the selection step's aten ops and syncs (target <= 1.05),
-#             for the eager scoring pass (t=64) and the blocks below the cut compiled (64+c,
-#             features.compile_forward). Three 1B trainers are resident (a fourth ran an H200 out of
-#             memory); the device loop is timed by step 2 (at 8 rows a step it picks too few to graph)
+#             with the solver's rounds on the host (t=64, the default) and on the CPU after one read
+#             (64+cpu, solver_loop: cpu). Three 1B trainers are resident (a fourth ran an H200 out of
+#             memory); compile_forward (no gain on the H200) is in step 6's profile, the device loop in
+#             step 2 (at 8 rows a step it picks too few to graph)
 #   2 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
 #             ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms)
 #   3 tests   pytest -m gpu tests/gpu but the bench's own test: features, solver (the CUDA-graph rounds
@@ -77,7 +79,8 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "1 step (llama1b, S=20
   "$PY" tools/bench_step.py --device cuda --long only --long-model llama1b --long-seqs 2048 --long-ratios 2 \
   --windows 64 --head-windows "" --long-batch 8 --long-steps 12 \
   --long-override optimizer.name=adamw --long-override optimizer.weight_decay=0.1 \
-  --ps-variant "c:$PS.features.compile_forward=true"
+  --long-override train_loader.num_workers=4 --long-override train_loader.persistent_workers=true \
+  --ps-variant "cpu:$PS.strategy_options.partitionsel.solver_loop=cpu"
 run_step "2 solver (n=2048, kappa=512, D=4096)" 100 2_solver.log \
   "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1
 run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 150 3_tests.log \
@@ -97,7 +100,7 @@ run_step "6 profile (stage tables, host waits)" 200 6_profile.log "$PY" tools/pr
   for row in "${SUMMARY[@]}"; do IFS='|' read -r name rc secs <<<"$row"; printf '%-45s rc %-8s %5s s\n' "$name" "$rc" "$secs"; done
   echo '```'
   echo
-  echo "### 1. Step cost at the recipe's shape (t=64: eager scoring; 64+c: compile_forward)"
+  echo "### 1. Step cost at the recipe's shape (t=64: solver_loop host; 64+cpu: solver_loop cpu)"
   echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/1_step.log"; echo '```'
   echo "### 2. The exact OMP solve"
   echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  cpu solve" "$OUT/2_solver.log"; echo '```'
