@@ -82,9 +82,9 @@ class PartitionSelOptions:
             at n = 2048). ``"device"`` (``active_set_device.omp_exact_on_device``; greedy exact OMP
             on a full Gram, no ``refine``): no sync in the rounds and one read of a flag at the end;
             a round that needs a Lawson-Hanson drop, a KKT re-entry or a float64 promotion sets the
-            flag and the host loop then runs from the start; about 50 launches a pick. Which is
-            fastest on a GPU no GPU run has measured (``tools/gpu_bench.sh`` times all three), so
-            the default stays the host loop. Other settings than those named always use it.
+            flag and the host loop then runs from the start; about 50 launches a pick. On an H200 at n = 2048, kappa = 512: host 122 ms, device 168 ms
+            (a drop handed it back), cpu 86 ms, the same picks (docs/results/bench_gpu.md); the
+            default stays the host loop until the recipes' shape tells them apart. Other settings than those named always use it.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
             on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
             `tools/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
