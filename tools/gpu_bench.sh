@@ -83,6 +83,8 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "1 step (llama1b, S=20
   --ps-variant "cpu:$PS.strategy_options.partitionsel.solver_loop=cpu"
 run_step "2 solver (n=2048, kappa=512, D=4096)" 100 2_solver.log \
   "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1
+run_step "2' solver, an instance without drops (seed 1)" 80 2_solver.log \
+  "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --seed 1
 run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 150 3_tests.log \
   "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu --deselect tests/gpu/test_bench_cuda.py
 run_step "4 features (compiled forward)" 180 4_features.log \

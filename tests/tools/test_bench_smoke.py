@@ -56,6 +56,19 @@ def test_bench_features_exits_nonzero_when_a_method_fails():
 _RAISE = "def _boom(*a, **k):\n    raise RuntimeError('injected failure')\n"
 
 
+def test_bench_selection_seed_picks_another_instance():
+    def exact_objective(*extra):
+        proc = run_tool("bench_selection.py", "--quick", "--threads", "1", *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("exact "))
+        return proc.stdout, float(re.search(rf"f\(S\) = ({NUMBER})", line).group(1))
+
+    out0, f0 = exact_objective()
+    out1, f1 = exact_objective("--seed", "1")
+    assert "seed=0" in out0 and "seed=1" in out1
+    assert f0 != f1
+
+
 def test_bench_selection_quick_table():
     proc = run_tool("bench_selection.py", "--quick", "--threads", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
