@@ -267,12 +267,13 @@ def parse_ps_variants(specs: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for spec in specs:
         name, sep, rest = spec.partition(":")
+        name = name.strip()
         overrides = [o.strip() for o in rest.split(",") if o.strip()]
-        if not sep or not name.strip() or not overrides or any("=" not in o for o in overrides):
+        if not sep or not name or not overrides or any("=" not in o for o in overrides):
             raise ValueError(f"{spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
         if name in out:
             raise ValueError(f"{spec!r}: the name {name!r} is given twice")
-        out[name.strip()] = overrides
+        out[name] = overrides
     return out
 
 

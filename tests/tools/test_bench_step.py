@@ -192,7 +192,7 @@ def test_long_batch_sets_the_rows_the_long_table_trains_and_its_floors(monkeypat
 def test_ps_variants_parse_and_malformed_ones_are_refused_with_the_spec():
     assert bench_step.parse_ps_variants(["c:a.b=true", "cd:a.b=true, x.y=device"]) == {
         "c": ["a.b=true"], "cd": ["a.b=true", "x.y=device"]}
-    for bad in (["c"], ["c:"], [":a=1"], ["c:a"], ["c:a=1", "c:b=2"]):
+    for bad in (["c"], ["c:"], [":a=1"], ["c:a"], ["c:a=1", "c:b=2"], ["c:a=1", " c :b=2"]):
         with pytest.raises(ValueError, match="c|a"):
             bench_step.parse_ps_variants(bad)
     with pytest.raises(SystemExit):
