@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/step_audit.py
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # tools/, the project
 
 # torch and the selection core load in the functions that use them, so --help is fast.
 

@@ -6,11 +6,13 @@
 
 Three arms, built and profiled one after the other (each 4 warm-up steps, then `--steps` profiled):
 random, partitionsel with 64-token windows at random positions (eager scoring pass), and the same with
-`features.compile_forward: true`; amp_bf16 and the 1B recipe's optimizer (torch's AdamW) in all three.
+`features.compile_forward: true`; amp_bf16, the 1B recipe's optimizer (torch's AdamW) and 4 loader
+workers in all three.
 For each: wall milliseconds a step under the profiler, the GPU time and count of its kernels, the
 stage table of `tools/profile_step.py` (host milliseconds a step: selection, features, solve, train,
 the rest), and for the partitionsel arms the busiest ops by host and by GPU time and the host reads
-(`aten::item`, stream synchronisations). docs/results/bench_gpu.md quotes its H200 run.
+(`aten::item`, stream synchronisations). docs/results/bench_gpu.md quotes an H200 run of its first
+form (no loader workers).
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         parser.error(f"--steps must be at least 1 (got {args.steps})")
 
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     import profile_step as ps
-    import train
+    import torch
     import window_cost as wc
     from bench_step import LLAMA_1B, prepare_for_stepping
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import train
     from pipeline.config import load_config
 
     cuda = not args.smoke
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             f"variables.shard_dir={shards}", f"variables.max_seq_len={S}", f"save_folder={root / name}",
             "max_duration=20ba", "python_log_level=error", "console_log_interval=1000ba",
             f"{sel}.oversampling=2", "global_train_batch_size=8", "optimizer.name=adamw", "optimizer.weight_decay=0.1",
+            # the recipe's loader prefetches in workers (it has 8); on the step's thread the pool's loading is the step's
+            "train_loader.num_workers=4", "train_loader.persistent_workers=true",
             *(["device=gpu", "precision=amp_bf16", *wc.llama_1b_overrides(LLAMA_1B)] if cuda else ["device=cpu", "precision=fp32"]),
             *extra, *(window if name != "random" else []),
         ]

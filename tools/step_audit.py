@@ -29,7 +29,7 @@ ratios and `tests/training/test_step_syncs.py` bounds them:
   output size depends on device data (`nonzero`, `argwhere`, `masked_select`, `unique`,
   `unique_consecutive`, `bincount` (CUDA's reads the max), `histc`, `repeat_interleave` without
   `output_size`, one-argument `where`, indexing with a bool tensor, assigning a Python number or a
-  host tensor through a tensor index, `x[idx] = 0`) and ops that check values on
+  0-dim host tensor through an integer index tensor, `x[idx] = 0`) and ops that check values on
   the host (`equal`, `allclose`, `linalg.cholesky`/`inv`/`solve`/`eigh` without `_ex`,
   `multinomial`); `h2d`: a blocking copy of host data to the device (`.to(device)` without
   `non_blocking=True`, `torch.tensor(data, device=d)`, `new_tensor`, indexing a device tensor
@@ -306,12 +306,16 @@ class SyncAudit(TorchFunctionMode):
             value = args[2]
             if self.on_device(value) and not self_dev and value.dim() > 0:
                 return "mixed"
-        if name == "__setitem__" and self_dev and idx_tensors and len(args) > 2:
+        masks = any(t.dtype in (torch.bool, torch.uint8) for t in idx_tensors)
+        if name == "__setitem__" and self_dev and idx_tensors and not masks and len(args) > 2:
             value = args[2]
+            if isinstance(value, torch.Tensor) and not self.on_device(value) and value.dim() > 0:
+                return "mixed"  # a host tensor of values into a device tensor: an error on CUDA
             if isinstance(value, (bool, int, float)) or (isinstance(value, torch.Tensor) and not self.on_device(value)):
-                # `x[index_tensor] = 0`: the value becomes a host tensor that index_put_ copies to the
-                # device from pageable memory, a sync (torch 2.11 on an H200, set_sync_debug_mode);
-                # `index_fill_` takes the scalar as a kernel argument instead.
+                # `x[index_tensor] = 0`: the value becomes a 0-dim host tensor that index_put_ copies to
+                # the device from pageable memory, a sync (torch 2.11 on an H200, set_sync_debug_mode);
+                # `index_fill_` takes the scalar as a kernel argument instead. (A bool mask index is
+                # the mask rule's below.)
                 return "sync"
         for t in idx_tensors:
             t_dev = self.on_device(t)

@@ -357,8 +357,8 @@ class ActiveSetState:
         self.v_M.zero_()
         self.z_M.zero_()
         self.inactive_N.zero_()
-        self.inactive_N[self.sel_M] = True
-        self.inactive_N[act_A] = False
+        self.inactive_N.index_fill_(0, self.sel_M, True)  # index_fill_: a number assigned through a
+        self.inactive_N.index_fill_(0, act_A, False)  # device index would be copied to it (a sync)
         self.num_inactive = self.m - a
         self.rows_MN[:a] = self.gram_NN.index_select(0, act_A)
         if a == 0:

@@ -74,7 +74,8 @@ class PartitionSelOptions:
         gram_batch_rows: rows per speculative batch of the lazy Gram (default 32).
         solver_loop: where the rounds run when the features are on an accelerator (on a CPU the three
             are the same computation). ``"host"`` (default): beside the features, each exact round
-            deciding on the host (``ActiveSetState``: one host sync a pick, about 28 launches).
+            deciding on the host (``ActiveSetState``: one host sync a pick, about 18 launches and 29
+            aten ops; 17.6 and 29.0 counted on an H200 at n = 2048, kappa = 512).
             ``"cpu"``: ``K`` and ``mu`` copied to the CPU in one transfer and the whole solve (OMP,
             refit, swap) run there, the selection copied back without blocking: one sync and no
             launch whatever ``kappa``, but the same ops at the CPU's per-op cost (0.4-1.0 ms a pick
@@ -82,9 +83,10 @@ class PartitionSelOptions:
             at n = 2048). ``"device"`` (``active_set_device.omp_exact_on_device``; greedy exact OMP
             on a full Gram, no ``refine``): no sync in the rounds and one read of a flag at the end;
             a round that needs a Lawson-Hanson drop, a KKT re-entry or a float64 promotion sets the
-            flag and the host loop then runs from the start; about 50 launches a pick. On an H200 at n = 2048, kappa = 512: host 122 ms, device 168 ms
-            (a drop handed it back), cpu 86 ms, the same picks (docs/results/bench_gpu.md); the
-            default stays the host loop until the recipes' shape tells them apart. Other settings than those named always use it.
+            flag and the host loop then runs from the start; about 50 launches a pick. On an H200 at
+            n = 2048, kappa = 512: host 122 ms, device 168 ms (a drop handed it back), cpu 86 ms, the
+            same picks (docs/results/bench_gpu.md); the default stays the host loop until the
+            recipes' shape tells them apart. Other settings than those named always use it.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
             on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
             `tools/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op

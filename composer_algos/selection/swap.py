@@ -168,7 +168,7 @@ def estimate_swap_gains(
     n = rows.n
     dt = gram_NN.dtype
     unsel_mask_N = torch.ones(n, dtype=torch.bool, device=gram_NN.device)
-    unsel_mask_N[sel_S] = False
+    unsel_mask_N.index_fill_(0, sel_S, False)
     unsel_U = torch.nonzero(unsel_mask_N).flatten()
     ia_A = torch.nonzero(v_S > 0).flatten()
     act_A = sel_S[ia_A]

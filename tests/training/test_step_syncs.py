@@ -113,6 +113,9 @@ def test_assigning_a_number_through_a_device_index_is_a_sync_and_index_fill_is_n
     dev = torch.ones(6)
     audit = _audit(lambda: (dev.index_fill_(0, dev.argmax().view(1), 0.0), dev.__setitem__(slice(0, 2), 0.0)), [dev])
     assert audit.other == {} and audit.events == {}
+    dev = torch.ones(6)  # a 0-dim host tensor is copied like a number; a bool mask is the mask rule's one sync
+    audit = _audit(lambda: (dev.__setitem__(dev.argsort()[:2], torch.tensor(0.0)), dev.__setitem__(dev > 0, 1.0)), [dev])
+    assert [kind for (kind, _s, _c) in audit.other for _ in range(audit.other[(kind, _s, _c)])] == ["sync", "sync"]
 
 
 def test_the_audit_attributes_project_calls(monkeypatch):
