@@ -187,6 +187,8 @@ def _instrument(trainer) -> None:
     alg_mod.DataSelection._features = _ranged(alg_mod.DataSelection._features, "selection/features")
     ValidationSource.batch_for_step = _ranged(ValidationSource.batch_for_step, "selection/validation_draw")
     features = GradFeatureExtractor._features_of
+    if getattr(features, "_profile_range", None) == "features/*":
+        features = None  # labelled by an earlier trainer's instrumentation
     calls = {"n": 0}
 
     def labelled_features(self, parts, *a, **kw):
@@ -198,7 +200,9 @@ def _instrument(trainer) -> None:
         with record_function("features/pool" if len(parts) > 1 or calls["n"] % 2 == 1 else "features/validation"):
             return features(self, parts, *a, **kw)
 
-    GradFeatureExtractor._features_of = labelled_features
+    if features is not None:
+        labelled_features._profile_range = "features/*"
+        GradFeatureExtractor._features_of = labelled_features
 
     composer_model = trainer.state.model
     composer_model.forward = _ranged(composer_model.forward, "train/forward")
@@ -237,11 +241,15 @@ def _ranged(fn, label: str):
 
     from torch.profiler import record_function
 
+    if getattr(fn, "_profile_range", None) == label:  # instrumented already (one process, several trainers)
+        return fn
+
     @wraps(fn)
     def wrapper(*a, **kw):
         with record_function(label):
             return fn(*a, **kw)
 
+    wrapper._profile_range = label
     return wrapper
 
 
