@@ -195,8 +195,8 @@ class StepWork:
         train_flops: the training step, 3 forwards of the trained rows at the trained width.
         score_flops: the selection's model pass (the feature pass on the pool and, when the strategy
             is validation-guided, the validation batch, at the scored width); 0 without one.
-        solver: the strategy whose solve follows the model pass (None: no model pass); each solver's
-            time per step is measured (it is not FLOPs).
+        solver: the strategy whose solve follows the model pass (None: no model pass); the solve's
+            time per step is measured per configuration (it is not FLOPs).
     """
 
     train_flops: float
@@ -259,9 +259,9 @@ class StepSamples:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per step from `StepWork`: one measured factor per kind of work.
+    """Seconds per step of each calibrated configuration, split by kind of work.
 
-    ``cost = train factor * train_flops + [model pass] (score_s_per_flop * score_flops + solve_s[solver])``
+    ``cost = train factor * train_flops + [model pass] (score_s_per_flop * score_flops + solve_s[key])``
 
     The train factor is that of the calibrated configurations without a model pass whose training
     step has the same FLOPs (`train_s_per_flop_at`), else the pooled `train_s_per_flop`: a step of
@@ -269,56 +269,70 @@ class CostModel:
     shared), so each training size is priced by its own measurement, and calibrating another size
     later leaves the costs of the sizes already measured as they were.
 
+    What the factors leave of a configuration with a model pass (its solve, its bookkeeping, and
+    whatever its FLOP count does not see) is that configuration's own, keyed like the calibration
+    (`work_key`): two configurations of one strategy may do different work that their `StepWork`
+    cannot tell apart (with `model.reuse_scoring_prefix` the training forward skips the frozen
+    blocks below the adapters, which the FLOP convention counts all the same; the solver's options),
+    and pooling their remainders priced both at their average (the fine-tuning study planned
+    PartitionSel's 17.8 CPU s step and the reuse arm's 13.2 s at 13.8 s each). So a configuration
+    with a model pass costs what its own calibration measured, and the factors say where it went.
+
     Attributes:
         train_s_per_flop: seconds per FLOP of the training step (data loading and the optimizer
             ride on it: they scale with the trained batch), pooled over every calibrated size.
         score_s_per_flop: seconds per FLOP of the selection's model pass.
-        solve_s: per solver strategy, the rest of its selection's time per step (the solve and the
-            bookkeeping), which is not FLOPs.
+        solve_s: per configuration key with a model pass, the rest of its step's time (the solve
+            and the bookkeeping), which is not FLOPs.
         train_s_per_flop_at: per training FLOP count measured without a model pass, its own factor.
+        works: per configuration key, its `StepWork`.
     """
 
     train_s_per_flop: float
     score_s_per_flop: float
     solve_s: Mapping[str, float]
     train_s_per_flop_at: Mapping[float, float] = dataclasses.field(default_factory=dict)
+    works: Mapping[str, StepWork] = dataclasses.field(default_factory=dict)
 
     def train_factor(self, train_flops: float) -> float:
         return self.train_s_per_flop_at.get(train_flops, self.train_s_per_flop)
 
-    def step_cost(self, work: StepWork) -> float:
+    def step_cost(self, key: str) -> float:
+        """The step cost of the calibrated configuration `key`."""
+        work = self.works[key]
         cost = self.train_factor(work.train_flops) * work.train_flops
         if work.solver is not None:
-            cost += self.score_s_per_flop * work.score_flops + self.solve_s[work.solver]
+            cost += self.score_s_per_flop * work.score_flops + self.solve_s[key]
         return cost
 
 
-def fit_cost_model(classes: Sequence[tuple[StepWork, StepSamples]]) -> CostModel:
-    """The factors of `CostModel` from calibrated configurations (one per distinct `StepWork`).
+def fit_cost_model(classes: Mapping[str, tuple[StepWork, StepSamples]]) -> CostModel:
+    """The factors of `CostModel` from calibrated configurations (configuration key -> work, samples).
 
     - `train_s_per_flop`: the pooled ratio of step time to training FLOPs over the configurations
       without a model pass; with none calibrated, the step time less the selection's over the
       others. `train_s_per_flop_at`: the same ratio per training size (FLOPs) among the former; a
       configuration with a model pass takes its training size's factor when one was measured.
     - `score_s_per_flop`: the pooled ratio of the model pass's time to its FLOPs.
-    - `solve_s[solver]`: the mean over that solver's steps of what the two factors leave of the step.
+    - `solve_s[key]`: the mean over that configuration's steps of what the two factors leave of the
+      step (so its cost is its own mean step time).
 
     Raises:
         ValueError: no configuration, or a FLOP count that is not positive.
     """
     if not classes:
         raise ValueError("fit_cost_model: no calibrated configuration")
-    bad = [w for w, _ in classes if not w.train_flops > 0 or (w.solver is not None and not w.score_flops > 0)]
+    bad = [w for w, _ in classes.values() if not w.train_flops > 0 or (w.solver is not None and not w.score_flops > 0)]
     if bad:
         raise ValueError(f"fit_cost_model: FLOP counts must be > 0, got {bad}")
-    plain = [(w, s) for w, s in classes if w.solver is None]
-    passes = [(w, s) for w, s in classes if w.solver is not None]
+    plain = [(w, s) for w, s in classes.values() if w.solver is None]
+    passes = {k: (w, s) for k, (w, s) in classes.items() if w.solver is not None}
     if plain:
         train_s = sum(sum(s.step_s) for _, s in plain)
         train_flops = sum(w.train_flops * len(s.step_s) for w, s in plain)
     else:
-        train_s = sum(sum(y - x for y, x in zip(s.step_s, s.selection_s)) for _, s in passes)
-        train_flops = sum(w.train_flops * len(s.step_s) for w, s in passes)
+        train_s = sum(sum(y - x for y, x in zip(s.step_s, s.selection_s)) for _, s in passes.values())
+        train_flops = sum(w.train_flops * len(s.step_s) for w, s in passes.values())
     a_train = train_s / train_flops
     by_size: dict[float, list[float]] = {}  # training FLOPs -> [seconds, FLOPs] over the plain samples
     for w, s in plain:
@@ -328,17 +342,17 @@ def fit_cost_model(classes: Sequence[tuple[StepWork, StepSamples]]) -> CostModel
     at = {flops: secs / total for flops, (secs, total) in by_size.items()}
     a_score = 0.0
     if passes:
-        a_score = sum(sum(s.features_s) for _, s in passes) / sum(w.score_flops * len(s.step_s) for w, s in passes)
-    rest: dict[str, list[float]] = {}
-    for w, s in passes:
-        assert w.solver is not None
+        a_score = sum(sum(s.features_s) for _, s in passes.values()) / sum(w.score_flops * len(s.step_s) for w, s in passes.values())
+    rest = {}
+    for key, (w, s) in passes.items():
         base = at.get(w.train_flops, a_train) * w.train_flops + a_score * w.score_flops
-        rest.setdefault(w.solver, []).extend(y - base for y in s.step_s)
+        rest[key] = sum(y - base for y in s.step_s) / len(s.step_s)
     return CostModel(
         train_s_per_flop=a_train,
         score_s_per_flop=a_score,
-        solve_s={k: sum(v) / len(v) for k, v in rest.items()},
+        solve_s=rest,
         train_s_per_flop_at=at,
+        works={k: w for k, (w, _) in classes.items()},
     )
 
 
@@ -375,10 +389,10 @@ def cost_spread(
             work, samples = classes[key]
             index = rng.integers(0, len(samples.step_s), size=len(samples.step_s)).tolist()
             resampled[key] = (work, samples.take(index))
-        model = fit_cost_model(list(resampled.values()))
-        ref = model.step_cost(classes[arms[reference]][0]) if reference is not None else 1.0
+        model = fit_cost_model(resampled)
+        ref = model.step_cost(arms[reference]) if reference is not None else 1.0
         for label, key in arms.items():
-            ratios[label].append(model.step_cost(classes[key][0]) / ref)
+            ratios[label].append(model.step_cost(key) / ref)
     out = {}
     for label, values in ratios.items():
         if reference is not None and arms[label] == arms[reference]:

@@ -31,8 +31,8 @@ Budgets (one of):
   `--calibration-from DIR` takes the timed steps of finished runs of the same configurations, e.g.
   the equal-steps runs of the same study, instead of running rounds of its own) or given
   (`--step-costs random=0.41,partitionsel=0.97`, e.g. from tools/bench_step.py). The calibrated
-  cost is a model (`compute_plan.fit_cost_model`: seconds per training FLOP, per scoring FLOP, per
-  solver) fitted to interleaved rounds of every group of configurations that do the same work
+  cost is a model (`compute_plan.fit_cost_model`: seconds per training FLOP, per scoring FLOP, and
+  the rest of each configuration's step) fitted to interleaved rounds of every group of configurations that do the same work
   (random and random_stratified are one group: the same cost, the same steps), run until each
   arm's cost spread against the reference is within `--calibration-target` (docs/evaluation.md).
   Each run then
@@ -437,7 +437,7 @@ def calibrate(
     round so that drifts in the machine's load fall on all of them); rounds go on until every
     arm's cost relative to the reference has a bootstrap spread at most `--calibration-target`, or
     `--calibration-rounds` ran. The model (`compute_plan.fit_cost_model`: seconds per training
-    FLOP, per scoring FLOP, and per solver) is fitted to all timed steps.
+    FLOP, per scoring FLOP, and the rest of each configuration's step) is fitted to all timed steps.
 
     The samples are kept in the calibration file (`--calibration`, default OUT/calibration.json)
     under each group's key and reused by any later plan on the same machine settings (clock,
@@ -479,8 +479,8 @@ def calibrate(
         k: (WorkShape(**known["groups"][k]["work"]).work(known["groups"][k]["model"]), _samples(known["groups"][k], machine["clock"]))
         for k in groups
     }
-    model = fit_cost_model(list(classes.values()))
-    costs = {label: model.step_cost(classes[key][0]) for label, (key, _) in arms.items()}
+    model = fit_cost_model(classes)
+    costs = {label: model.step_cost(key) for label, (key, _) in arms.items()}
     worst = max(spread.values(), default=0.0)
     if worst > args.calibration_target:
         print(
@@ -497,7 +497,7 @@ def calibrate(
         "model": {
             "train_s_per_tflop": 1e12 * model.train_s_per_flop,
             "score_s_per_tflop": 1e12 * model.score_s_per_flop,
-            "solve_s": dict(model.solve_s),
+            "solve_s": {label: model.solve_s[key] for label, (key, _) in arms.items() if key in model.solve_s},
         },
         "max_spread": worst,
         "from_runs": {groups[k]: known["groups"][k]["from_runs"] for k in groups if known["groups"][k].get("from_runs")},

@@ -291,20 +291,40 @@ def test_cost_model_factors_hand_computed():
     plain = StepWork(train_flops=100.0)
     ps = StepWork(train_flops=100.0, score_flops=50.0, solver="partitionsel")
     ps_small = StepWork(train_flops=100.0, score_flops=10.0, solver="partitionsel")
-    model = fit_cost_model([
-        (plain, _samples([1.0, 3.0])),  # 2 s / 100 FLOPs
-        (ps, _samples([4.0, 4.0], features=[1.5, 1.5], selection=[2.0, 2.0])),
-        (ps_small, _samples([2.5], features=[0.3], selection=[0.5])),
-    ])
+    model = fit_cost_model({
+        "plain": (plain, _samples([1.0, 3.0])),  # 2 s / 100 FLOPs
+        "ps": (ps, _samples([4.0, 4.0], features=[1.5, 1.5], selection=[2.0, 2.0])),
+        "ps_small": (ps_small, _samples([2.5], features=[0.3], selection=[0.5])),
+    })
     assert model.train_s_per_flop == pytest.approx(0.02)
     assert model.score_s_per_flop == pytest.approx((1.5 + 1.5 + 0.3) / (50 + 50 + 10))
     a = model.score_s_per_flop
-    rest = [4.0 - 2.0 - 50 * a, 4.0 - 2.0 - 50 * a, 2.5 - 2.0 - 10 * a]
-    assert model.solve_s["partitionsel"] == pytest.approx(sum(rest) / 3)
-    assert model.step_cost(ps) == pytest.approx(2.0 + 50 * a + sum(rest) / 3)
+    assert model.solve_s == pytest.approx({"ps": 4.0 - 2.0 - 50 * a, "ps_small": 2.5 - 2.0 - 10 * a})
+    assert model.step_cost("ps") == pytest.approx(4.0) and model.step_cost("ps_small") == pytest.approx(2.5)
+    assert model.step_cost("plain") == pytest.approx(2.0)
     # Without a plain configuration, training is the step less the whole selection.
-    alone = fit_cost_model([(ps, _samples([4.0, 4.0], features=[1.5, 1.5], selection=[2.0, 2.0]))])
-    assert alone.train_s_per_flop == pytest.approx(0.02) and alone.step_cost(ps) == pytest.approx(4.0)
+    alone = fit_cost_model({"ps": (ps, _samples([4.0, 4.0], features=[1.5, 1.5], selection=[2.0, 2.0]))})
+    assert alone.train_s_per_flop == pytest.approx(0.02) and alone.step_cost("ps") == pytest.approx(4.0)
+
+
+def test_two_configurations_of_one_strategy_keep_their_own_costs():
+    """PartitionSel with and without `model.reuse_scoring_prefix` have one `StepWork` (the FLOP count does not
+    see the frozen blocks the training forward skips) but different work keys and steps of 17.8 and 13.2 CPU s:
+    the plan must price each at its own step, not both at their average (the fine-tuning study's 13.76)."""
+    from composer_algos.compute_plan import StepWork, fit_cost_model
+
+    plain = StepWork(train_flops=100.0)
+    ps = StepWork(train_flops=100.0, score_flops=50.0, solver="partitionsel")
+    model = fit_cost_model({
+        "random": (plain, _samples([4.2, 4.2])),
+        "ps": (ps, _samples([17.8, 17.9, 17.7], features=[9.0, 9.1, 8.9], selection=[12.0, 12.1, 11.9])),
+        "ps_reuse": (ps, _samples([13.2, 13.1, 13.3], features=[9.0, 9.1, 8.9], selection=[12.0, 12.1, 11.9])),
+    })
+    assert model.step_cost("ps") == pytest.approx(17.8) and model.step_cost("ps_reuse") == pytest.approx(13.2)
+    steps = plan_steps({"random": model.step_cost("random"), "partitionsel": model.step_cost("ps"),
+                        "ps_reuse": model.step_cost("ps_reuse")},
+                       ComputeBudget(reference="random", steps=20), ["random", "partitionsel", "ps_reuse"])
+    assert steps == {"random": 20, "partitionsel": 4, "ps_reuse": 6}
 
 
 def test_each_training_size_keeps_its_own_measured_cost():
@@ -316,11 +336,12 @@ def test_each_training_size_keeps_its_own_measured_cost():
     plain = StepWork(train_flops=100.0)
     double = StepWork(train_flops=200.0)
     ps = StepWork(train_flops=100.0, score_flops=50.0, solver="partitionsel")
-    classes = [(plain, _samples([2.0, 2.0])), (ps, _samples([5.0, 5.0], features=[1.5, 1.5], selection=[2.5, 2.5]))]
+    classes = {"plain": (plain, _samples([2.0, 2.0])),
+               "ps": (ps, _samples([5.0, 5.0], features=[1.5, 1.5], selection=[2.5, 2.5]))}
     before = fit_cost_model(classes)
-    after = fit_cost_model(classes + [(double, _samples([3.4, 3.4]))])
-    assert after.step_cost(double) == pytest.approx(3.4) and after.step_cost(plain) == pytest.approx(2.0)
-    assert after.step_cost(ps) == pytest.approx(before.step_cost(ps)) == pytest.approx(5.0)
+    after = fit_cost_model({**classes, "double": (double, _samples([3.4, 3.4]))})
+    assert after.step_cost("double") == pytest.approx(3.4) and after.step_cost("plain") == pytest.approx(2.0)
+    assert after.step_cost("ps") == pytest.approx(before.step_cost("ps")) == pytest.approx(5.0)
     assert after.train_s_per_flop == pytest.approx((4.0 + 6.8) / (200 + 400))  # the pooled factor, reported
 
 
@@ -337,8 +358,8 @@ def test_equal_work_gets_equal_steps_for_any_calibration_noise(seed):
     ps_steps = noisy(1.4, 12)
     classes = {"plain": (plain, _samples(noisy(1.0, 12))), "ps": (ps, _samples(ps_steps, [0.3 * t for t in ps_steps]))}
     arms = {"random": "plain", "random_stratified": "plain", "partitionsel": "ps"}
-    model = fit_cost_model(list(classes.values()))
-    costs = {label: model.step_cost(classes[key][0]) for label, key in arms.items()}
+    model = fit_cost_model(classes)
+    costs = {label: model.step_cost(key) for label, key in arms.items()}
     steps = plan_steps(costs, ComputeBudget(reference="random", steps=80), list(arms))
     assert steps["random_stratified"] == steps["random"] == 80
     spread = cost_spread(classes, arms, reference="random", draws=50, seed=seed)
