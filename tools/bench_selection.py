@@ -6,8 +6,11 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
 
 - ``exact``: the default refit (incremental active-set NNLS), its rounds decided on the host;
 - ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds, about
-  twice the ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed) and ``exact, on the CPU`` with ``solver_loop: cpu`` (K and mu copied to the
-  CPU once, the solve there); which is fastest on a GPU is what this measures there;
+  twice the ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed), ``exact,
+  compiled rounds`` with ``solver_loop: device_compiled`` (each round compiled into a few fused
+  kernels; the count is printed from inductor's code) and ``exact, on the CPU`` with
+  ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there); which is fastest on a
+  GPU is what this measures there;
 - ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
 - ``apga_pool``: the paper's Alg. 3 verbatim on the full pool vector (full ``N x N`` Gram in
   every iteration, step from ``||K||`` once per call), 128 iterations per refit: the reference
@@ -131,6 +134,27 @@ def per_solve_counts(fn, device_tensors) -> tuple[int, int, int]:
     return ops.ops, ops.kernels, syncs
 
 
+def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int) -> int:
+    """Kernels one compiled round of `solver_loop: device_compiled` runs: the calls in the code inductor
+    generated for it (fused kernels, the library GEMMs, any aten fallback). On a GPU each is a launch, or a
+    node of the CUDA graph the rounds are replayed as; the eager round is about 45. Resets dynamo's caches
+    (the code is only generated when the round compiles)."""
+    import re
+
+    import torch
+    from torch._inductor.utils import run_and_get_code
+
+    from composer_algos.selection.active_set_device import omp_exact_on_device
+    from composer_algos.selection.refit import default_grad_tol
+
+    torch._dynamo.reset()
+    _, sources = run_and_get_code(
+        lambda: omp_exact_on_device(gram_NN, mu_N, dom_N, caps_C, k, 1e-6, default_grad_tol(mu_N), graph=False, compile=True)
+    )
+    call = re.compile(r"^\s+(?:buf\w+ = )?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|(?:torch\.ops\.)?aten\.\w+)")
+    return sum(1 for src in sources for line in src.splitlines() if call.match(line) and "async_compile" not in line)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of exact and exact+swap (median)")
@@ -168,6 +192,7 @@ def main() -> int:
     import torch
 
     from composer_algos.selection import compute_gram, select_partitionsel
+    from composer_algos.selection.objective import build_objective
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
@@ -198,6 +223,7 @@ def main() -> int:
             "gram": lambda: compute_gram(features),
             "exact": lambda: select_partitionsel(**common, refit="exact", solver_loop="host"),
             "device": lambda: select_partitionsel(**common, refit="exact", solver_loop="device"),
+            "compiled": lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"),
             "cpu": lambda: select_partitionsel(**common, refit="exact", solver_loop="cpu"),
             "swap": lambda: select_partitionsel(**common, refit="exact", refine="swap"),
             "apga": lambda: select_partitionsel(**common, refit="apga", **apga),
@@ -206,6 +232,7 @@ def main() -> int:
             "gram": args.repeats,
             "exact": args.repeats,
             "device": args.repeats,
+            "compiled": args.repeats,
             "cpu": args.repeats,
             "swap": args.repeats,
             "apga": args.apga_repeats,
@@ -222,9 +249,10 @@ def main() -> int:
         w_ex, c_ex, res_ex = timed["exact"]
         w_sw, c_sw, res_sw = timed["swap"]
         w_dv, c_dv, res_dv = timed["device"]
+        w_dc, c_dc, res_dc = timed["compiled"]
         w_cp, c_cp, res_cp = timed["cpu"]
         w_ap, c_ap, res_ap = timed["apga"]
-        rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
+        rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, compiled rounds", w_dc, c_dc, res_dc), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
         if not args.skip_pool:
             w_po, c_po, res_po = timed["pool"]
             rows.append(("apga_pool (paper) x128", w_po, c_po, res_po))
@@ -262,6 +290,18 @@ def main() -> int:
         print(
             f"  device loop / host loop {w_dv / w_ex:6.2f}x wall, {c_dv / c_ex:6.2f}x cpu; the same picks: {same};"
             f" handed over to the host loop: {bool(fallback)}"
+        )
+        print(
+            f"  compiled rounds / host loop {w_dc / w_ex:6.2f}x wall, {c_dc / c_ex:6.2f}x cpu; the same picks:"
+            f" {res_dc.indices.tolist() == res_ex.indices.tolist()}; handed over:"
+            f" {bool(res_dc.info.get('device_loop_fallback', 0))}"
+        )
+        gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
+        caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
+        dom_dev = domain_ids.to(gram_NN.device)
+        print(
+            f"  one compiled round: {compiled_round_kernels(gram_NN, mu_N, dom_dev, caps_C, min(k, 16))} kernels"
+            f" (inductor's generated code, {args.device}); the eager round about 45 ops"
         )
         print(
             f"  cpu solve / host loop   {w_cp / w_ex:6.2f}x wall, {c_cp / c_ex:6.2f}x cpu; the same picks:"

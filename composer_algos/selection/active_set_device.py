@@ -66,6 +66,7 @@ def omp_exact_on_device(
     grad_tol: torch.Tensor,
     *,
     graph: bool | None = None,
+    compile: bool = False,
 ) -> DeviceOMPResult:
     """Greedy OMP over the partition matroid with the exact NNLS refit, no host read (module docstring).
 
@@ -80,6 +81,10 @@ def omp_exact_on_device(
         graph: run the rounds as one CUDA graph replayed k - 1 times after an eager first round
             (`_rounds_as_cuda_graph`: one launch a round instead of about 50); None: on CUDA from
             `GRAPH_MIN_ROUNDS` rounds. The same kernels as the eager rounds, so the same result.
+        compile: run each round as `_round` compiled (`torch.compile`, one graph, static shapes): the
+            same arithmetic in a few fused kernels instead of about 45 ops (the picks are the eager
+            rounds'; weights may differ in the last bits, as fused reductions round in their own
+            order). With `graph`, the compiled round is what the CUDA graph records.
 
     Raises:
         ValueError: `graph=True` off CUDA.
@@ -116,47 +121,12 @@ def omp_exact_on_device(
     penalty_N = torch.zeros(n, dtype=dt, device=dev)
     penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
     r_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the round, on the device: every round is the same kernels
+    state = (gram_NN, diag_N, dom_N, ridge_1, tol_1, rows_MN, p_MM, v_M, elem_M, used_M, grad_N, inactive_N, sel_K,
+             bad_1, h_1, rem_C, penalty_N, r_1, minus_one)
+    round_fn = _compiled_round() if compile else _round
 
     def one_round() -> None:
-        # Every state tensor is updated in place, so the round can be recorded once and replayed.
-        scores_N = grad_N + penalty_N
-        torch.max(scores_N, 0, keepdim=True, out=(g_1, j_1))
-        penalty_N.index_fill_(0, j_1, float("-inf"))
-        sel_K.index_copy_(0, r_1, j_1)
-        r_1.add_(1)
-        # Slot h takes j's K row; q^T = k_Aj^T P over every slot (unused ones have zero P rows).
-        rows_MN.index_copy_(0, h_1, gram_NN.index_select(0, j_1))
-        qext_M = torch.mm(rows_MN.index_select(1, j_1).view(1, m), p_MM).view(m)
-        qext_M.index_fill_(0, h_1, -1.0)
-        t_N = torch.mv(rows_NM, qext_M)
-        schur_1 = ridge_1 - t_N.index_select(0, j_1)
-        z_j = g_1 / schur_1
-        z_M = torch.addcmul(v_M, qext_M, z_j, value=-1.0)
-        grad_new_N = torch.addcmul(grad_N, t_N, z_j)
-        diag_j = diag_N.index_select(0, j_1)
-        positive = g_1 > tol_1
-        # The host loop's other branches, each a hand-over: a dependent column (a slow refit there), an
-        # ill-conditioned float32 one (promotion to float64) and a Lawson-Hanson drop. Its KKT re-entry
-        # needs an element at weight zero, which only a drop or a pick without a positive gradient
-        # leaves; after such a pick no later pick has one either (grad does not move and the feasible
-        # set only shrinks), so an entering round never meets one.
-        other_branch = ~(schur_1 > pivot_tol * diag_j) | (torch.amin(z_M, 0, keepdim=True) < 0)
-        if promote_tol > 0:
-            other_branch |= schur_1 < promote_tol * diag_j
-        other_branch &= positive
-        bad_1.logical_or_(other_branch)
-        enter = positive & ~other_branch
-        # Enter j at slot h (P <- P + qext qext^T / s), or leave everything as it was. Slot h is free
-        # either way (slots fill in order: no drops here), so its element may be written regardless.
-        p_MM.addr_(torch.where(enter, qext_M / schur_1, 0.0), qext_M)
-        elem_M.index_copy_(0, h_1, j_1)
-        used_M.index_copy_(0, h_1, enter)
-        torch.where(enter, z_M, v_M, out=v_M)
-        torch.where(enter, grad_new_N, grad_N, out=grad_N)
-        h_1.add_(enter.long())
-        inactive_N.index_copy_(0, j_1, ~positive)  # a pick with a gradient at or below zero stays at weight 0
-        rem_C.index_add_(0, dom_N.index_select(0, j_1), minus_one)
-        penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+        round_fn(*state, pivot_tol, promote_tol)
 
     if graph is None:
         graph = dev.type == "cuda" and k >= GRAPH_MIN_ROUNDS
@@ -180,6 +150,88 @@ def omp_exact_on_device(
     v_K = v_N.index_select(0, sel_K)
     phi = 0.5 * (torch.dot(v_fresh_M, mu_N.index_select(0, elem_M)) + torch.dot(v_fresh_M, grad_N.index_select(0, elem_M)))
     return DeviceOMPResult(sel_K=sel_K, v_K=v_K, phi=phi, clean=clean)
+
+
+def _round(
+    gram_NN: torch.Tensor,
+    diag_N: torch.Tensor,
+    dom_N: torch.Tensor,
+    ridge_1: torch.Tensor,
+    tol_1: torch.Tensor,
+    rows_MN: torch.Tensor,
+    p_MM: torch.Tensor,
+    v_M: torch.Tensor,
+    elem_M: torch.Tensor,
+    used_M: torch.Tensor,
+    grad_N: torch.Tensor,
+    inactive_N: torch.Tensor,
+    sel_K: torch.Tensor,
+    bad_1: torch.Tensor,
+    h_1: torch.Tensor,
+    rem_C: torch.Tensor,
+    penalty_N: torch.Tensor,
+    r_1: torch.Tensor,
+    minus_one: torch.Tensor,
+    pivot_tol: float,
+    promote_tol: float,
+) -> None:
+    """One common round of `omp_exact_on_device`, every state tensor (from `rows_MN` on) updated in place,
+    so the round can be recorded once and replayed, and compiled as one graph (`_compiled_round`)."""
+    m = p_MM.shape[0]
+    rows_NM = rows_MN.T
+    scores_N = grad_N + penalty_N
+    g_1, j_1 = torch.max(scores_N, 0, keepdim=True)
+    penalty_N.index_fill_(0, j_1, float("-inf"))
+    sel_K.index_copy_(0, r_1, j_1)
+    r_1.add_(1)
+    # Slot h takes j's K row; q^T = k_Aj^T P over every slot (unused ones have zero P rows).
+    rows_MN.index_copy_(0, h_1, gram_NN.index_select(0, j_1))
+    qext_M = torch.mm(rows_MN.index_select(1, j_1).view(1, m), p_MM).view(m)
+    qext_M = qext_M.index_fill(0, h_1, -1.0)
+    t_N = torch.mv(rows_NM, qext_M)
+    schur_1 = ridge_1 - t_N.index_select(0, j_1)
+    z_j = g_1 / schur_1
+    z_M = torch.addcmul(v_M, qext_M, z_j, value=-1.0)
+    grad_new_N = torch.addcmul(grad_N, t_N, z_j)
+    diag_j = diag_N.index_select(0, j_1)
+    positive = g_1 > tol_1
+    # The host loop's other branches, each a hand-over: a dependent column (a slow refit there), an
+    # ill-conditioned float32 one (promotion to float64) and a Lawson-Hanson drop. Its KKT re-entry
+    # needs an element at weight zero, which only a drop or a pick without a positive gradient
+    # leaves; after such a pick no later pick has one either (grad does not move and the feasible
+    # set only shrinks), so an entering round never meets one.
+    other_branch = ~(schur_1 > pivot_tol * diag_j) | (torch.amin(z_M, 0, keepdim=True) < 0)
+    if promote_tol > 0:
+        other_branch = other_branch | (schur_1 < promote_tol * diag_j)
+    other_branch = other_branch & positive
+    bad_1.logical_or_(other_branch)
+    enter = positive & ~other_branch
+    # Enter j at slot h (P <- P + qext qext^T / s), or leave everything as it was. Slot h is free
+    # either way (slots fill in order: no drops here), so its element may be written regardless.
+    p_MM.addr_(torch.where(enter, qext_M / schur_1, 0.0), qext_M)
+    elem_M.index_copy_(0, h_1, j_1)
+    used_M.index_copy_(0, h_1, enter)
+    torch.where(enter, z_M, v_M, out=v_M)
+    torch.where(enter, grad_new_N, grad_N, out=grad_N)
+    h_1.add_(enter.long())
+    inactive_N.index_copy_(0, j_1, ~positive)  # a pick with a gradient at or below zero stays at weight 0
+    rem_C.index_add_(0, dom_N.index_select(0, j_1), minus_one)
+    penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+
+
+_COMPILED: list = []  # the compiled round, made on first use (torch.compile is lazy, but importing dynamo is not free)
+
+
+def _compiled_round():
+    """`_round` compiled as one graph (`solver_loop: device_compiled`): its ~45 ops become a few fused
+    kernels around the two products (on a CPU, 3 loops and one GEMM; the CUDA count is gpu_bench's).
+    Static shapes: one compilation per pool size, kappa and dtype, which a run keeps fixed."""
+    if not _COMPILED:
+        # On a CPU, one thread: a round's loops are a few thousand elements, and OpenMP's barriers between
+        # them cost milliseconds a round when the cores are shared (measured: 31 ms a round with 2 threads
+        # beside a training run, on the 2-core VM). The CUDA code is not affected.
+        _COMPILED.append(torch.compile(_round, fullgraph=True, dynamic=False, options={"cpp.threads": 1}))
+    return _COMPILED[0]
 
 
 def _rounds_as_cuda_graph(one_round, k: int) -> None:

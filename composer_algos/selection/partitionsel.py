@@ -35,7 +35,7 @@ _PICKS = ("greedy", "randomized")
 _REFITS = ("exact", "apga", "apga_pool")
 _REFINES = (None, "swap")
 _GRAM_ROWS = ("auto", "full", "lazy")
-_SOLVER_LOOPS = ("host", "cpu", "device")
+_SOLVER_LOOPS = ("host", "cpu", "device", "device_compiled")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +86,11 @@ class PartitionSelOptions:
             flag and the host loop then runs from the start; about 50 launches a pick. On an H200 at
             n = 2048, kappa = 512: host 122 ms, device 168 ms (a drop handed it back), cpu 86 ms, the
             same picks (docs/results/bench_gpu.md); the default stays the host loop until the
-            recipes' shape tells them apart. Other settings than those named always use it.
+            recipes' shape tells them apart. ``"device_compiled"``: the device loop with each round
+            compiled (``torch.compile``, static shapes, one compilation per pool size and kappa): the
+            same picks in a few fused kernels a round instead of about 45 (on CUDA still recorded as
+            one CUDA graph); not yet timed on a GPU (``tools/bench_selection.py``'s ``device_compiled``
+            arm). Other settings than those named always use the host loop.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
             on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
             `tools/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
@@ -596,7 +600,7 @@ def _device_loop(opts: PartitionSelOptions, inputs: SelectionInputs, gram: GramR
     """Whether the OMP rounds run on the device (``PartitionSelOptions.solver_loop``)."""
     if opts.refit != "exact" or opts.pick != "greedy" or opts.refine is not None or gram.lazy:
         return False
-    return opts.solver_loop == "device"
+    return opts.solver_loop in ("device", "device_compiled")
 
 
 def _cpu_solve(opts: PartitionSelOptions, inputs: SelectionInputs) -> bool:
@@ -659,7 +663,10 @@ def _solve_on_device(
     """
     ridge_abs: torch.Tensor | float = opts.ridge * gram.diag_N.mean() if opts.ridge > 0 else 0.0
     with single_thread_on_cpu(mu_N.device, opts.cpu_single_thread):
-        res = omp_exact_on_device(gram.gram_NN, mu_N, inputs.domain_ids, caps_C, inputs.k, ridge_abs, grad_tol)
+        res = omp_exact_on_device(
+            gram.gram_NN, mu_N, inputs.domain_ids, caps_C, inputs.k, ridge_abs, grad_tol,
+            compile=opts.solver_loop == "device_compiled",
+        )
     if not bool(res.clean):  # the solver's one host read
         return None
     info = {"slow_refits": 0, "weight_drops": 0, "weight_reentries": 0, "singular_pivots": 0, "device_loop_fallback": 0}

@@ -79,3 +79,24 @@ def test_the_device_loop_replayed_as_a_cuda_graph_is_the_eager_loop(cuda, n, k):
     graphed = omp_exact_on_device(*args, graph=True)
     assert torch.equal(graphed.sel_K, eager.sel_K) and torch.equal(graphed.v_K, eager.v_K)
     assert torch.equal(graphed.phi, eager.phi) and bool(graphed.clean) == bool(eager.clean)
+
+
+@pytest.mark.parametrize("n,k", [(64, 20), (2048, 512)])
+def test_the_compiled_rounds_replayed_as_a_cuda_graph_pick_what_the_eager_rounds_pick(cuda, n, k):
+    """`solver_loop: device_compiled` on CUDA: the compiled round (Triton kernels) recorded as one CUDA graph
+    and replayed; a round needing a drop is flagged as the eager rounds flag it, and otherwise the same picks,
+    the weights up to rounding (fused reductions round in their own order)."""
+    from composer_algos.selection.active_set_device import omp_exact_on_device
+    from composer_algos.selection.objective import build_objective
+    from composer_algos.selection.refit import default_grad_tol
+
+    features, val, dom = make_instance(5, n, dim=256, num_domains=8)
+    gram, mu, _ = build_objective(features.to(cuda), val.to(cuda), 0.3)
+    caps = torch.full((8,), k // 8 + 1, device=cuda)
+    args = (gram, mu, dom.to(cuda), caps, k, 1e-6, default_grad_tol(mu))
+    eager = omp_exact_on_device(*args, graph=False)
+    compiled = omp_exact_on_device(*args, graph=True, compile=True)
+    assert bool(compiled.clean) == bool(eager.clean)
+    if bool(eager.clean):
+        assert torch.equal(compiled.sel_K, eager.sel_K)
+        torch.testing.assert_close(compiled.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))
