@@ -186,10 +186,13 @@ def plan_steps(costs: Mapping[str, float], budget: ComputeBudget, labels: Sequen
 class StepWork:
     """What one training step of a configuration computes, from its settings alone (no measurement).
 
-    Two configurations with equal `StepWork` do the same work by construction (random and
-    random_stratified: their selections draw a few indices and run no model pass), so the cost
-    model gives them the same cost and an equal-compute plan the same steps, whatever the
-    calibration measured.
+    Configurations of one work key (`work_key`: random and random_stratified, whose selections
+    draw a few indices and run no model pass) are one calibrated configuration, so the cost model
+    gives them the same cost and an equal-compute plan the same steps, whatever the calibration
+    measured. Equal `StepWork` alone does not mean equal cost: the FLOP count does not see
+    everything a configuration does (the frozen blocks `model.reuse_scoring_prefix` skips, a
+    solver's options, the optimizer), so each calibrated configuration is priced by its own
+    measurement (`CostModel`).
 
     Attributes:
         train_flops: the training step, 3 forwards of the trained rows at the trained width.
@@ -274,16 +277,21 @@ class CostModel:
     (`work_key`): two configurations of one strategy may do different work that their `StepWork`
     cannot tell apart (with `model.reuse_scoring_prefix` the training forward skips the frozen
     blocks below the adapters, which the FLOP convention counts all the same; the solver's options),
-    and pooling their remainders priced both at their average (the fine-tuning study planned
-    PartitionSel's 17.8 CPU s step and the reuse arm's 13.2 s at 13.8 s each). So a configuration
+    and pooling their remainders priced both at one sample-weighted mean (the fine-tuning study
+    planned PartitionSel's 17.8 CPU s step and the reuse arm's 13.2 s at 13.8 s each).
+    Likewise for configurations without a model pass: two of one training size that differ in what
+    FLOPs do not see (the optimizer, the precision) share `train_s_per_flop_at`, and each keeps what
+    that factor leaves of its own step. So every calibrated configuration costs its own measured
+    mean step, and the factors say where the time went. So a configuration
     with a model pass costs what its own calibration measured, and the factors say where it went.
 
     Attributes:
         train_s_per_flop: seconds per FLOP of the training step (data loading and the optimizer
             ride on it: they scale with the trained batch), pooled over every calibrated size.
         score_s_per_flop: seconds per FLOP of the selection's model pass.
-        solve_s: per configuration key with a model pass, the rest of its step's time (the solve
-            and the bookkeeping), which is not FLOPs.
+        solve_s: per configuration key, the rest of its step's time: with a model pass the solve,
+            the bookkeeping and what its FLOPs do not see; without one, what its training size's
+            factor leaves (0 when it is the only configuration of that size).
         train_s_per_flop_at: per training FLOP count measured without a model pass, its own factor.
         works: per configuration key, its `StepWork`.
     """
@@ -300,9 +308,9 @@ class CostModel:
     def step_cost(self, key: str) -> float:
         """The step cost of the calibrated configuration `key`."""
         work = self.works[key]
-        cost = self.train_factor(work.train_flops) * work.train_flops
+        cost = self.train_factor(work.train_flops) * work.train_flops + self.solve_s[key]
         if work.solver is not None:
-            cost += self.score_s_per_flop * work.score_flops + self.solve_s[key]
+            cost += self.score_s_per_flop * work.score_flops
         return cost
 
 
@@ -314,8 +322,8 @@ def fit_cost_model(classes: Mapping[str, tuple[StepWork, StepSamples]]) -> CostM
       others. `train_s_per_flop_at`: the same ratio per training size (FLOPs) among the former; a
       configuration with a model pass takes its training size's factor when one was measured.
     - `score_s_per_flop`: the pooled ratio of the model pass's time to its FLOPs.
-    - `solve_s[key]`: the mean over that configuration's steps of what the two factors leave of the
-      step (so its cost is its own mean step time).
+    - `solve_s[key]`: the mean over that configuration's steps of what the factors leave of the step
+      (so its cost is its own mean step time).
 
     Raises:
         ValueError: no configuration, or a FLOP count that is not positive.
@@ -344,8 +352,8 @@ def fit_cost_model(classes: Mapping[str, tuple[StepWork, StepSamples]]) -> CostM
     if passes:
         a_score = sum(sum(s.features_s) for _, s in passes.values()) / sum(w.score_flops * len(s.step_s) for w, s in passes.values())
     rest = {}
-    for key, (w, s) in passes.items():
-        base = at.get(w.train_flops, a_train) * w.train_flops + a_score * w.score_flops
+    for key, (w, s) in classes.items():
+        base = at.get(w.train_flops, a_train) * w.train_flops + (a_score * w.score_flops if w.solver is not None else 0.0)
         rest[key] = sum(y - base for y in s.step_s) / len(s.step_s)
     return CostModel(
         train_s_per_flop=a_train,

@@ -6,9 +6,9 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
 
 - ``exact``: the default refit (incremental active-set NNLS), its rounds decided on the host;
 - ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds, about
-  twice the ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed), ``exact,
-  compiled rounds`` with ``solver_loop: device_compiled`` (each round compiled into a few fused
-  kernels; the count is printed from inductor's code) and ``exact, on the CPU`` with
+  twice the ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed), with
+  ``--compiled`` ``exact, compiled rounds`` with ``solver_loop: device_compiled`` (each round
+  compiled into a few fused kernels; the count is printed from inductor's code) and ``exact, on the CPU`` with
   ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there); which is fastest on a
   GPU is what this measures there;
 - ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
@@ -134,6 +134,22 @@ def per_solve_counts(fn, device_tensors) -> tuple[int, int, int]:
     return ops.ops, ops.kernels, syncs
 
 
+def cuda_syncs(fn) -> int:
+    """Host syncs torch reports (`set_sync_debug_mode`) during one call of `fn` on CUDA."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int) -> int:
     """Kernels one compiled round of `solver_loop: device_compiled` runs: the calls in the code inductor
     generated for it (fused kernels, the library GEMMs, any aten fallback). On a GPU each is a launch, or a
@@ -183,6 +199,10 @@ def main() -> int:
         help="smoke run, not a measurement: --cases small with one timed run of every variant (overrides those)",
     )
     parser.add_argument(
+        "--compiled", action="store_true",
+        help="add the compiled rounds (solver_loop: device_compiled): compiles twice, tens of seconds on a CPU",
+    )
+    parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu",
         help="where the features live and the solver runs (cuda: every call bracketed by a synchronize)",
     )
@@ -223,7 +243,6 @@ def main() -> int:
             "gram": lambda: compute_gram(features),
             "exact": lambda: select_partitionsel(**common, refit="exact", solver_loop="host"),
             "device": lambda: select_partitionsel(**common, refit="exact", solver_loop="device"),
-            "compiled": lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"),
             "cpu": lambda: select_partitionsel(**common, refit="exact", solver_loop="cpu"),
             "swap": lambda: select_partitionsel(**common, refit="exact", refine="swap"),
             "apga": lambda: select_partitionsel(**common, refit="apga", **apga),
@@ -232,11 +251,13 @@ def main() -> int:
             "gram": args.repeats,
             "exact": args.repeats,
             "device": args.repeats,
-            "compiled": args.repeats,
             "cpu": args.repeats,
             "swap": args.repeats,
             "apga": args.apga_repeats,
         }
+        if args.compiled:
+            fns["compiled"] = lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled")
+            repeats["compiled"] = args.repeats
         warmup = dict.fromkeys(fns, True)
         if not args.skip_pool:
             fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)
@@ -249,10 +270,12 @@ def main() -> int:
         w_ex, c_ex, res_ex = timed["exact"]
         w_sw, c_sw, res_sw = timed["swap"]
         w_dv, c_dv, res_dv = timed["device"]
-        w_dc, c_dc, res_dc = timed["compiled"]
         w_cp, c_cp, res_cp = timed["cpu"]
         w_ap, c_ap, res_ap = timed["apga"]
-        rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, compiled rounds", w_dc, c_dc, res_dc), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
+        rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
+        if args.compiled:
+            w_dc, c_dc, res_dc = timed["compiled"]
+            rows.insert(2, ("exact, compiled rounds", w_dc, c_dc, res_dc))
         if not args.skip_pool:
             w_po, c_po, res_po = timed["pool"]
             rows.append(("apga_pool (paper) x128", w_po, c_po, res_po))
@@ -285,24 +308,26 @@ def main() -> int:
                 f" ({'torch' if args.device == 'cuda' else 'emulated'}); per pick {ops / k:.1f} ops,"
                 f" {kernels / k:.1f} launches, {syncs / k:.2f} syncs"
             )
+        if args.compiled and args.device == "cuda":
+            # torch's sync count only: the op count's dispatch mode would run under the compiled code's feet.
+            syncs = cuda_syncs(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"))
+            print(f"  exact (compiled rounds), one solve: {syncs} host syncs (torch)")
         same = res_dv.indices.tolist() == res_ex.indices.tolist()
         fallback = int(res_dv.info.get("device_loop_fallback", 0))
         print(
             f"  device loop / host loop {w_dv / w_ex:6.2f}x wall, {c_dv / c_ex:6.2f}x cpu; the same picks: {same};"
             f" handed over to the host loop: {bool(fallback)}"
         )
-        print(
-            f"  compiled rounds / host loop {w_dc / w_ex:6.2f}x wall, {c_dc / c_ex:6.2f}x cpu; the same picks:"
-            f" {res_dc.indices.tolist() == res_ex.indices.tolist()}; handed over:"
-            f" {bool(res_dc.info.get('device_loop_fallback', 0))}"
-        )
-        gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
-        caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
-        dom_dev = domain_ids.to(gram_NN.device)
-        print(
-            f"  one compiled round: {compiled_round_kernels(gram_NN, mu_N, dom_dev, caps_C, min(k, 16))} kernels"
-            f" (inductor's generated code, {args.device}); the eager round about 45 ops"
-        )
+        if args.compiled:
+            print(
+                f"  compiled rounds / host loop {w_dc / w_ex:6.2f}x wall, {c_dc / c_ex:6.2f}x cpu; the same picks:"
+                f" {res_dc.indices.tolist() == res_ex.indices.tolist()}; handed over:"
+                f" {bool(res_dc.info.get('device_loop_fallback', 0))}"
+            )
+            gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
+            caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
+            calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16))
+            print(f"  one compiled round: {calls} kernels (inductor's generated code, {args.device}); the eager round about 45 ops")
         print(
             f"  cpu solve / host loop   {w_cp / w_ex:6.2f}x wall, {c_cp / c_ex:6.2f}x cpu; the same picks:"
             f" {res_cp.indices.tolist() == res_ex.indices.tolist()}"

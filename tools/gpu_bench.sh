@@ -34,7 +34,8 @@
 #             mode reduce-overhead): times, aten ops and kernel launches, llama1b_cpu's structure and small
 # Measured on an H200 (seconds): step 1 about 130, step 2 about 30 each before the compiled rounds (their
 # Triton compilation not yet timed: capped at 160 and 120), step 3 about 55 (the compiled rounds' test
-# added since), step 4 about 20, step 5 about 160; step 6 compiles for minutes and runs last, so with the default deadline it
+# added since), step 4 about 20, step 5 about 160: the caps of steps 1-3 (200 + 160 + 120 + 160) exceed
+# the default deadline, so when the compilations run long, steps 4 and 5 are cut (GPU_BUDGET_S=720 runs all); step 6 compiles for minutes and runs last, so with the default deadline it
 # is cut short: give it GPU_BUDGET_S=600 alone when its figures are wanted.
 set -u
 
@@ -88,9 +89,9 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "1 step (llama1b, S=20
   --long-override train_loader.num_workers=4 --long-override train_loader.persistent_workers=true \
   --ps-variant "cpu:$PS.strategy_options.partitionsel.solver_loop=cpu"
 run_step "2 solver (n=2048, kappa=512, D=4096)" 160 2_solver.log \
-  "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1
+  "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --compiled
 run_step "2' solver, an instance without drops (seed 1)" 120 2_solver.log \
-  "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --seed 1
+  "$PY" tools/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --seed 1 --compiled
 run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 160 3_tests.log \
   "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu --deselect tests/gpu/test_bench_cuda.py
 run_step "4 optimizer (146 tensors)" 45 4_optimizer.log "$PY" tools/bench_optimizer.py --device cuda

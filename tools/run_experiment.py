@@ -497,7 +497,7 @@ def calibrate(
         "model": {
             "train_s_per_tflop": 1e12 * model.train_s_per_flop,
             "score_s_per_tflop": 1e12 * model.score_s_per_flop,
-            "solve_s": {label: model.solve_s[key] for label, (key, _) in arms.items() if key in model.solve_s},
+            "solve_s": {label: model.solve_s[key] for label, (key, _) in arms.items()},
         },
         "max_spread": worst,
         "from_runs": {groups[k]: known["groups"][k]["from_runs"] for k in groups if known["groups"][k].get("from_runs")},

@@ -83,8 +83,9 @@ def omp_exact_on_device(
             `GRAPH_MIN_ROUNDS` rounds. The same kernels as the eager rounds, so the same result.
         compile: run each round as `_round` compiled (`torch.compile`, one graph, static shapes): the
             same arithmetic in a few fused kernels instead of about 45 ops (the picks are the eager
-            rounds'; weights may differ in the last bits, as fused reductions round in their own
-            order). With `graph`, the compiled round is what the CUDA graph records.
+            rounds' but among near-ties, and the weights may differ in the last bits: fused
+            reductions round in their own order). Dynamo compiles at most 8 shapes of the round
+            per process (its recompile limit); past that the rounds run eagerly. With `graph`, the compiled round is what the CUDA graph records.
 
     Raises:
         ValueError: `graph=True` off CUDA.
@@ -113,16 +114,14 @@ def omp_exact_on_device(
     inactive_N = torch.zeros(n, dtype=torch.bool, device=dev)
     sel_K = torch.zeros(k, dtype=torch.long, device=dev)
     bad_1 = torch.zeros(1, dtype=torch.bool, device=dev)
-    g_1 = torch.zeros(1, dtype=dt, device=dev)
-    j_1 = torch.zeros(1, dtype=torch.long, device=dev)
     h_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the next slot: no drops here, so slots fill in order
     rem_C = capacities_C.to(dev, non_blocking=True).clone()  # capacities are often resolved on the host
-    minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=dev)
+    domains_C = torch.arange(rem_C.shape[0], dtype=dom_N.dtype, device=dev)
     penalty_N = torch.zeros(n, dtype=dt, device=dev)
     penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
     r_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the round, on the device: every round is the same kernels
     state = (gram_NN, diag_N, dom_N, ridge_1, tol_1, rows_MN, p_MM, v_M, elem_M, used_M, grad_N, inactive_N, sel_K,
-             bad_1, h_1, rem_C, penalty_N, r_1, minus_one)
+             bad_1, h_1, rem_C, penalty_N, r_1, domains_C)
     round_fn = _compiled_round() if compile else _round
 
     def one_round() -> None:
@@ -171,7 +170,7 @@ def _round(
     rem_C: torch.Tensor,
     penalty_N: torch.Tensor,
     r_1: torch.Tensor,
-    minus_one: torch.Tensor,
+    domains_C: torch.Tensor,
     pivot_tol: float,
     promote_tol: float,
 ) -> None:
@@ -187,7 +186,7 @@ def _round(
     # Slot h takes j's K row; q^T = k_Aj^T P over every slot (unused ones have zero P rows).
     rows_MN.index_copy_(0, h_1, gram_NN.index_select(0, j_1))
     qext_M = torch.mm(rows_MN.index_select(1, j_1).view(1, m), p_MM).view(m)
-    qext_M = qext_M.index_fill(0, h_1, -1.0)
+    qext_M.index_fill_(0, h_1, -1.0)
     t_N = torch.mv(rows_NM, qext_M)
     schur_1 = ridge_1 - t_N.index_select(0, j_1)
     z_j = g_1 / schur_1
@@ -202,8 +201,8 @@ def _round(
     # set only shrinks), so an entering round never meets one.
     other_branch = ~(schur_1 > pivot_tol * diag_j) | (torch.amin(z_M, 0, keepdim=True) < 0)
     if promote_tol > 0:
-        other_branch = other_branch | (schur_1 < promote_tol * diag_j)
-    other_branch = other_branch & positive
+        other_branch |= schur_1 < promote_tol * diag_j
+    other_branch &= positive
     bad_1.logical_or_(other_branch)
     enter = positive & ~other_branch
     # Enter j at slot h (P <- P + qext qext^T / s), or leave everything as it was. Slot h is free
@@ -215,7 +214,9 @@ def _round(
     torch.where(enter, grad_new_N, grad_N, out=grad_N)
     h_1.add_(enter.long())
     inactive_N.index_copy_(0, j_1, ~positive)  # a pick with a gradient at or below zero stays at weight 0
-    rem_C.index_add_(0, dom_N.index_select(0, j_1), minus_one)
+    # j's domain loses one unit of capacity: a comparison with the domain ids, not a scatter (an int64
+    # scatter-add is not fused by inductor: on CUDA it falls back to a sorting index_put_ of ~10 kernels).
+    rem_C.sub_((domains_C == dom_N.index_select(0, j_1)).to(rem_C.dtype))
     penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
 
 

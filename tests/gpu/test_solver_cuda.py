@@ -97,6 +97,9 @@ def test_the_compiled_rounds_replayed_as_a_cuda_graph_pick_what_the_eager_rounds
     eager = omp_exact_on_device(*args, graph=False)
     compiled = omp_exact_on_device(*args, graph=True, compile=True)
     assert bool(compiled.clean) == bool(eager.clean)
+    # On the CPU the n = 64 instance stays on the common path and the n = 2048 one needs a drop: at least the
+    # first must compare picks here, or the test compared nothing but flags.
+    assert bool(eager.clean) or n > 64
     if bool(eager.clean):
         assert torch.equal(compiled.sel_K, eager.sel_K)
         torch.testing.assert_close(compiled.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))

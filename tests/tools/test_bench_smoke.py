@@ -69,8 +69,9 @@ def test_bench_selection_seed_picks_another_instance():
     assert f0 != f1
 
 
+@pytest.mark.timeout(400)  # --compiled compiles two shapes of the round: about 100 s here with an empty cache
 def test_bench_selection_quick_table():
-    proc = run_tool("bench_selection.py", "--quick", "--threads", "1")
+    proc = run_tool("bench_selection.py", "--quick", "--threads", "1", "--compiled")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "[small] n=256 kappa=64 C=8 D=1024" in out, out

@@ -299,7 +299,7 @@ def test_cost_model_factors_hand_computed():
     assert model.train_s_per_flop == pytest.approx(0.02)
     assert model.score_s_per_flop == pytest.approx((1.5 + 1.5 + 0.3) / (50 + 50 + 10))
     a = model.score_s_per_flop
-    assert model.solve_s == pytest.approx({"ps": 4.0 - 2.0 - 50 * a, "ps_small": 2.5 - 2.0 - 10 * a})
+    assert model.solve_s == pytest.approx({"plain": 0.0, "ps": 4.0 - 2.0 - 50 * a, "ps_small": 2.5 - 2.0 - 10 * a})
     assert model.step_cost("ps") == pytest.approx(4.0) and model.step_cost("ps_small") == pytest.approx(2.5)
     assert model.step_cost("plain") == pytest.approx(2.0)
     # Without a plain configuration, training is the step less the whole selection.
@@ -310,7 +310,7 @@ def test_cost_model_factors_hand_computed():
 def test_two_configurations_of_one_strategy_keep_their_own_costs():
     """PartitionSel with and without `model.reuse_scoring_prefix` have one `StepWork` (the FLOP count does not
     see the frozen blocks the training forward skips) but different work keys and steps of 17.8 and 13.2 CPU s:
-    the plan must price each at its own step, not both at their average (the fine-tuning study's 13.76)."""
+    the plan must price each at its own step, not both at one pooled mean (the fine-tuning study's 13.76)."""
     from composer_algos.compute_plan import StepWork, fit_cost_model
 
     plain = StepWork(train_flops=100.0)
@@ -325,6 +325,17 @@ def test_two_configurations_of_one_strategy_keep_their_own_costs():
                         "ps_reuse": model.step_cost("ps_reuse")},
                        ComputeBudget(reference="random", steps=20), ["random", "partitionsel", "ps_reuse"])
     assert steps == {"random": 20, "partitionsel": 4, "ps_reuse": 6}
+
+
+def test_plain_configurations_of_one_size_keep_their_own_costs():
+    """Two arms without a model pass and of one training size (random with two optimizers: FLOPs do not see the
+    optimizer) measured at 2.0 and 3.0 s a step cost 2.0 and 3.0, not their pooled 2.5."""
+    from composer_algos.compute_plan import StepWork, fit_cost_model
+
+    plain = StepWork(train_flops=100.0)
+    model = fit_cost_model({"adamw": (plain, _samples([2.0, 2.0])), "decoupled": (plain, _samples([3.0, 3.0]))})
+    assert model.step_cost("adamw") == pytest.approx(2.0) and model.step_cost("decoupled") == pytest.approx(3.0)
+    assert model.train_s_per_flop_at == pytest.approx({100.0: 0.025})  # the factor, pooled, says where time went
 
 
 def test_each_training_size_keeps_its_own_measured_cost():
