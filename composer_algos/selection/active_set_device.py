@@ -225,7 +225,7 @@ _COMPILED: list = []  # the compiled round, made on first use (torch.compile is 
 
 def _compiled_round():
     """`_round` compiled as one graph (`solver_loop: device_compiled`): its ~45 ops become a few fused
-    kernels around the two products (on a CPU, 3 loops and one GEMM; the CUDA count is gpu_bench's).
+    kernels around the two products (on a CPU, 2 fused loops and the GEMM; the CUDA count is gpu_bench's).
     Static shapes: one compilation per pool size, kappa and dtype, which a run keeps fixed."""
     if not _COMPILED:
         # On a CPU, one thread: a round's loops are a few thousand elements, and OpenMP's barriers between
