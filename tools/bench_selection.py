@@ -110,21 +110,12 @@ def _synchronized(fn):
 
 def per_solve_counts(fn, device_tensors) -> tuple[int, int, int]:
     """`(aten ops, kernel launches, host syncs)` of one call (tools/step_audit.py; torch's syncs on CUDA)."""
-    import warnings
-
-    import torch
     from step_audit import OpCount, SyncAudit
 
     if any(t.is_cuda for t in device_tensors):
-        ops = OpCount()
-        with warnings.catch_warnings(record=True) as caught, ops:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return ops.ops, ops.kernels, sum("synchroniz" in str(w.message) for w in caught)
+        with OpCount() as ops:
+            syncs = cuda_syncs(fn)
+        return ops.ops, ops.kernels, syncs
     audit = SyncAudit(device_tensors)
     ops = OpCount(on_device=lambda: audit.device_call)
     audit._pause = ops.pause
