@@ -264,7 +264,7 @@ class StepSamples:
 class CostModel:
     """Seconds per step of each calibrated configuration, split by kind of work.
 
-    ``cost = train factor * train_flops + [model pass] (score_s_per_flop * score_flops + solve_s[key])``
+    ``cost = train factor * train_flops + [model pass] score_s_per_flop * score_flops + solve_s[key]``
 
     The train factor is that of the calibrated configurations without a model pass whose training
     step has the same FLOPs (`train_s_per_flop_at`), else the pooled `train_s_per_flop`: a step of
@@ -282,8 +282,7 @@ class CostModel:
     Likewise for configurations without a model pass: two of one training size that differ in what
     FLOPs do not see (the optimizer, the precision) share `train_s_per_flop_at`, and each keeps what
     that factor leaves of its own step. So every calibrated configuration costs its own measured
-    mean step, and the factors say where the time went. So a configuration
-    with a model pass costs what its own calibration measured, and the factors say where it went.
+    mean step, and the factors say where the time went.
 
     Attributes:
         train_s_per_flop: seconds per FLOP of the training step (data loading and the optimizer

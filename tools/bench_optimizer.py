@@ -59,21 +59,14 @@ def _optimizers(params_a, params_b, device: str):
 
 def _counts(opt, params, device: str) -> tuple[int, int]:
     """`(aten ops, host syncs)` of one step (syncs: torch's own on CUDA, emulated elsewhere)."""
-    import warnings
-
     import torch
-    from step_audit import OpCount, SyncAudit
+    from step_audit import OpCount, SyncAudit, cuda_sync_count
 
     ops = OpCount()
     if device == "cuda":
-        with warnings.catch_warnings(record=True) as caught, ops:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return ops.ops, sum("synchroniz" in str(w.message) for w in caught)
+        with ops:
+            syncs = cuda_sync_count(opt.step)
+        return ops.ops, syncs
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     on_device_step = type(opt).__name__ == "DecoupledAdamW" or any(g.get("fused") for g in opt.param_groups)
     device_tensors = list(params) + [t for t in state if t.dim() > 0 or on_device_step]

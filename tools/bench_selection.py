@@ -8,8 +8,8 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
 - ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds, about
   twice the ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed), with
   ``--compiled`` ``exact, compiled rounds`` with ``solver_loop: device_compiled`` (each round
-  compiled into a few fused kernels; the count is printed from inductor's code) and ``exact, on the CPU`` with
-  ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there); which is fastest on a
+  compiled into a few fused kernels; the count is printed from inductor's code) and ``exact, on
+  the CPU`` with ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there); which is fastest on a
   GPU is what this measures there;
 - ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
 - ``apga_pool``: the paper's Alg. 3 verbatim on the full pool vector (full ``N x N`` Gram in
@@ -110,11 +110,11 @@ def _synchronized(fn):
 
 def per_solve_counts(fn, device_tensors) -> tuple[int, int, int]:
     """`(aten ops, kernel launches, host syncs)` of one call (tools/step_audit.py; torch's syncs on CUDA)."""
-    from step_audit import OpCount, SyncAudit
+    from step_audit import OpCount, SyncAudit, cuda_sync_count
 
     if any(t.is_cuda for t in device_tensors):
         with OpCount() as ops:
-            syncs = cuda_syncs(fn)
+            syncs = cuda_sync_count(fn)
         return ops.ops, ops.kernels, syncs
     audit = SyncAudit(device_tensors)
     ops = OpCount(on_device=lambda: audit.device_call)
@@ -123,22 +123,6 @@ def per_solve_counts(fn, device_tensors) -> tuple[int, int, int]:
         fn()
     syncs = sum(n for (kind, _site, _call), n in audit.events.items() if kind in ("sync", "h2d"))
     return ops.ops, ops.kernels, syncs
-
-
-def cuda_syncs(fn) -> int:
-    """Host syncs torch reports (`set_sync_debug_mode`) during one call of `fn` on CUDA."""
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int) -> int:
@@ -301,7 +285,9 @@ def main() -> int:
             )
         if args.compiled and args.device == "cuda":
             # torch's sync count only: the op count's dispatch mode would run under the compiled code's feet.
-            syncs = cuda_syncs(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"))
+            from step_audit import cuda_sync_count
+
+            syncs = cuda_sync_count(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"))
             print(f"  exact (compiled rounds), one solve: {syncs} host syncs (torch)")
         same = res_dv.indices.tolist() == res_ex.indices.tolist()
         fallback = int(res_dv.info.get("device_loop_fallback", 0))

@@ -35,8 +35,9 @@
 # Measured on an H200 (seconds): step 1 about 130, step 2 about 30 each before the compiled rounds (their
 # Triton compilation not yet timed: capped at 160 and 120), step 3 about 55 (the compiled rounds' test
 # added since), step 4 about 20, step 5 about 160: the caps of steps 1-3 (200 + 160 + 120 + 160) exceed
-# the default deadline, so when the compilations run long, steps 4 and 5 are cut (GPU_BUDGET_S=720 runs all); step 6 compiles for minutes and runs last, so with the default deadline it
-# is cut short: give it GPU_BUDGET_S=600 alone when its figures are wanted.
+# the default deadline, so when the compilations run long, steps 4 and 5 are cut (GPU_BUDGET_S=720 runs
+# all); step 6 compiles for minutes and runs last, so with the default deadline it is cut short: give it
+# GPU_BUDGET_S=600 alone when its figures are wanted.
 set -u
 
 T_START=$(date +%s)

@@ -62,7 +62,10 @@ PROJECT_ROOTS = (str(REPO / "composer_algos") + os.sep, str(REPO / "pipeline") +
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
 _HERE = str(Path(__file__).resolve())
 
-__all__ = ["OpCount", "StepAuditor", "StepCounts", "SyncAudit", "device_tensors_of", "format_counts", "format_op_sites", "op_site"]
+__all__ = [
+    "OpCount", "StepAuditor", "StepCounts", "SyncAudit", "cuda_sync_count", "device_tensors_of", "format_counts",
+    "format_op_sites", "op_site",
+]
 
 # Reading a device tensor's value on the host.
 _HOST_READS = {
@@ -408,6 +411,18 @@ class OpCount(TorchDispatchMode):
                 counts[0] += 1
                 counts[1] += kernel
         return out
+
+
+def cuda_sync_count(fn: Callable[[], Any]) -> int:
+    """Host syncs torch itself reports (`torch.cuda.set_sync_debug_mode("warn")`) during one call of `fn` on CUDA."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def device_tensors_of(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> list[torch.Tensor]:

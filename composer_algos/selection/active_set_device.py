@@ -27,6 +27,7 @@ still about 50 small kernels each; docs/results/bench_gpu.md).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,8 @@ def omp_exact_on_device(
             same arithmetic in a few fused kernels instead of about 45 ops (the picks are the eager
             rounds' but among near-ties, and the weights may differ in the last bits: fused
             reductions round in their own order). Dynamo compiles at most 8 shapes of the round
-            per process (its recompile limit); past that the rounds run eagerly. With `graph`, the compiled round is what the CUDA graph records.
+            per process (its recompile limit); past that the rounds run eagerly. With `graph`, the
+            compiled round is what the CUDA graph records.
 
     Raises:
         ValueError: `graph=True` off CUDA.
@@ -220,19 +222,15 @@ def _round(
     penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
 
 
-_COMPILED: list = []  # the compiled round, made on first use (torch.compile is lazy, but importing dynamo is not free)
-
-
+@functools.cache
 def _compiled_round():
     """`_round` compiled as one graph (`solver_loop: device_compiled`): its ~45 ops become a few fused
     kernels around the two products (on a CPU, 2 fused loops and the GEMM; the CUDA count is gpu_bench's).
     Static shapes: one compilation per pool size, kappa and dtype, which a run keeps fixed."""
-    if not _COMPILED:
-        # On a CPU, one thread: a round's loops are a few thousand elements, and OpenMP's barriers between
-        # them cost milliseconds a round when the cores are shared (measured: 31 ms a round with 2 threads
-        # beside a training run, on the 2-core VM). The CUDA code is not affected.
-        _COMPILED.append(torch.compile(_round, fullgraph=True, dynamic=False, options={"cpp.threads": 1}))
-    return _COMPILED[0]
+    # On a CPU, one thread: a round's loops are a few thousand elements, and OpenMP's barriers between them
+    # cost milliseconds a round when the cores are shared (measured: 31 ms a round with 2 threads beside a
+    # training run, on the 2-core VM). The CUDA code is not affected.
+    return torch.compile(_round, fullgraph=True, dynamic=False, options={"cpp.threads": 1})
 
 
 def _rounds_as_cuda_graph(one_round, k: int) -> None:

@@ -90,7 +90,8 @@ class PartitionSelOptions:
             compiled (``torch.compile``, static shapes, one compilation per pool size and kappa): the
             same picks but among near-ties, in a few fused kernels a round instead of about 45 (on
             CUDA still recorded as one CUDA graph); not yet timed on a GPU
-            (``tools/bench_selection.py``'s "exact, compiled rounds"). Other settings than those named always use the host loop.
+            (``tools/bench_selection.py --compiled``: "exact, compiled rounds"). Other settings than
+            those named always use the host loop.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
             on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
             `tools/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
