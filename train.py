@@ -37,11 +37,11 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from composer.utils import dist, reproducibility
 
     from composer_algos.builders import build_component, build_optimizer, build_scheduler
-    from composer_algos.file_logger import AppendFileLogger
+    from composer_algos.callbacks.file_logger import AppendFileLogger
+    from composer_algos.data_selection.algorithm import find_data_selection_in
     from composer_algos.mixture_io import stream_weights
-    from composer_algos.models import build_causal_lm
+    from composer_algos.models.causal_lm import build_causal_lm
     from composer_algos.registry import type_components
-    from composer_algos.selection_algorithm import find_data_selection_in
     from pipeline.dataset import split_samples
     from pipeline.loaders import build_domain_evaluators, train_dataloader_from_config
     from pipeline.manifest import load_manifest

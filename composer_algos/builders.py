@@ -30,7 +30,7 @@ def build_optimizer(
     `.item()`: a host sync per parameter tensor every step on a GPU (146 for Llama-3.2-1B). The two
     make the same update when torch's `weight_decay` is Composer's divided by the initial learning
     rate: Composer multiplies the weights by `1 - (lr / initial_lr) wd`, torch by `1 - lr wd`
-    (tests/training/test_optimizer_equivalence.py; tools/bench_optimizer.py times both).
+    (tests/training/test_optimizer_equivalence.py; tools/bench/bench_optimizer.py times both).
     """
     betas_t = (float(betas[0]), float(betas[1]))
     if name == "decoupled_adamw":

@@ -4,8 +4,8 @@ llm-foundry 0.22 builds every component of a training yaml from its catalogue re
 also read Python entry points (`llmfoundry/registry.py`: group `llmfoundry_<registry>`). This
 package's `pyproject.toml` registers (installed with `pip install -e '.[foundry]'`):
 
-- `llmfoundry_algorithms`: `data_selection` -> `composer_algos.selection_algorithm.DataSelection`;
-- `llmfoundry_callbacks`: `mixture_monitor` -> `composer_algos.mixture_monitor.MixtureMonitor`;
+- `llmfoundry_algorithms`: `data_selection` -> `composer_algos.data_selection.algorithm.DataSelection`;
+- `llmfoundry_callbacks`: `mixture_monitor` -> `composer_algos.data_selection.mixture_monitor.MixtureMonitor`;
 - `llmfoundry_dataloaders`: `domain_shards` -> `build_domain_shards` (training: the oversampled pool
   over the shards of `tools/shard.py`, one stream per domain, a domain id per sample; text
   pretraining and prompt/response fine-tuning shards alike, the manifest's mode picks the

@@ -56,7 +56,7 @@ def per_token_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> tuple
 def target_token_losses(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of `(N, V)` logits at their `(N,)` targets, in float32, one value each.
 
-    The loss of `model.logits_at: targets` (`composer_algos.models.DomainCausalLM`), which projects
+    The loss of `model.logits_at: targets` (`composer_algos.models.causal_lm.DomainCausalLM`), which projects
     only the positions that have a target, so there is nothing to mask or shift here.
     """
     return F.cross_entropy(logits_NV.float(), targets_N, reduction="none")
@@ -132,7 +132,7 @@ class _TokenCrossEntropy(torch.autograd.Function):
     computes the same formula out of place.
     """
 
-    # torch.func transforms (grad, vmap, jacrev: tools/bench_features.py's per-example reference)
+    # torch.func transforms (grad, vmap, jacrev: tools/bench/bench_features.py's per-example reference)
     # need the forward without ctx, a setup_context, and a vmap rule (generated: every op here batches).
     generate_vmap_rule = True
 

@@ -98,7 +98,7 @@ def shard_problems(cfg: TrainConfig) -> list[str]:
         return problems
     where = "algorithms.data_selection.capacities"
     try:
-        from composer_algos.capacity_policy import parse_capacity_policy
+        from composer_algos.data_selection.capacity_policy import parse_capacity_policy
         from composer_algos.mixture_io import read_mixture_json
 
         manifest = load_manifest(data.shard_dir)
@@ -123,7 +123,7 @@ def _answer_accuracy_problems(cfg: TrainConfig) -> list[str]:
     """`callbacks.answer_accuracy` reads the per-domain evaluators' held-out questions of fine-tuning shards."""
     if "answer_accuracy" not in cfg.callbacks:
         return []
-    from composer_algos.answer_accuracy import AnswerAccuracy
+    from composer_algos.callbacks.answer_accuracy import AnswerAccuracy
 
     try:  # its own value checks (cheap: it builds nothing)
         AnswerAccuracy(**dict(cfg.callbacks["answer_accuracy"] or {}))
@@ -189,7 +189,7 @@ def component_section(kind: str, name: str) -> type[ConfigSection]:
     Annotations of this project's classes are checked; Composer's are left to its constructors.
     """
     cls = component_class(kind, name)
-    if cls.__module__.startswith("composer_algos.selection_algorithm"):
+    if cls.__module__.startswith("composer_algos.data_selection.algorithm"):
         return _data_selection_section()
     return _section_from_signature(f"{cls.__name__}Options", _parameters(cls))
 
@@ -231,15 +231,15 @@ def parse_component(
 @functools.cache
 def _project(kind: str) -> dict[str, type]:
     if kind == "algorithm":
+        from composer_algos.data_selection.algorithm import DataSelection
         from composer_algos.doremi import DoReMi
-        from composer_algos.selection_algorithm import DataSelection
 
         return {"data_selection": DataSelection, "doremi": DoReMi}
     if kind == "callback":
-        from composer_algos.answer_accuracy import AnswerAccuracy
-        from composer_algos.eval_history import EvalHistory
-        from composer_algos.mixture_monitor import MixtureMonitor
-        from composer_algos.train_budget import TrainTimeBudget
+        from composer_algos.callbacks.answer_accuracy import AnswerAccuracy
+        from composer_algos.callbacks.eval_history import EvalHistory
+        from composer_algos.callbacks.train_budget import TrainTimeBudget
+        from composer_algos.data_selection.mixture_monitor import MixtureMonitor
 
         return {
             "mixture_monitor": MixtureMonitor,
@@ -248,7 +248,7 @@ def _project(kind: str) -> dict[str, type]:
             "train_budget": TrainTimeBudget,
         }
     if kind == "logger":
-        from composer_algos.file_logger import AppendFileLogger
+        from composer_algos.callbacks.file_logger import AppendFileLogger
 
         return {"file": AppendFileLogger}
     raise ValueError(f"component kind must be one of {KINDS}, got {kind!r}")
@@ -346,8 +346,8 @@ def _features_section() -> type[ConfigSection]:
 
 @functools.cache
 def _validation_section() -> type[ConfigSection]:
-    from composer_algos.selection_algorithm import VALIDATION_KEYS
-    from composer_algos.validation_source import ValidationSource
+    from composer_algos.data_selection.algorithm import VALIDATION_KEYS
+    from composer_algos.data_selection.validation_source import ValidationSource
 
     # The keys are the algorithm's; types and defaults come from ValidationSource where it takes the key.
     source = {name: (name, tp, default) for name, tp, default in _parameters(ValidationSource)}
@@ -371,7 +371,7 @@ def _options_section(options_cls: type) -> type[ConfigSection]:
 
 @functools.cache
 def _data_selection_section() -> type[ConfigSection]:
-    from composer_algos.selection_algorithm import DataSelection
+    from composer_algos.data_selection.algorithm import DataSelection
 
     params = []
     for name, tp, default in _parameters(DataSelection):
@@ -386,8 +386,8 @@ def _data_selection_section() -> type[ConfigSection]:
 
 
 def _parse_data_selection(data: dict[str, Any], where: str, problems: list[str]) -> ConfigSection | None:
+    from composer_algos.data_selection.algorithm import SELECTION_STRATEGIES, DataSelection
     from composer_algos.selection import get_strategy, strategy_names
-    from composer_algos.selection_algorithm import SELECTION_STRATEGIES, DataSelection
 
     before = len(problems)
     known = [*dict.fromkeys([*SELECTION_STRATEGIES, *strategy_names()])]

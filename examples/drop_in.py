@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from anywhere without installing the package
 
-from composer_algos.selection_algorithm import DataSelection  # noqa: E402  (the one import selection needs)
+from composer_algos.data_selection import DataSelection  # noqa: E402  (the one import selection needs)
 
 SEQ_LEN = 32
 DOMAINS = ("arithmetic", "animals")

@@ -121,14 +121,14 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     # `targets`: the vocabulary projection only at positions whose next token has a loss (answer-only
-    # fine-tuning; `composer_algos.models.DomainCausalLM`), `all`: at every position.
+    # fine-tuning; `composer_algos.models.causal_lm.DomainCausalLM`), `all`: at every position.
     logits_at: str = "all"
     # A directory where evaluation keeps the outputs of the frozen blocks below `lora.top_blocks`'
     # adapters, so later evaluations of the same inputs (in this run or another) skip those blocks
-    # (`composer_algos.frozen_prefix`); null: evaluate through every block.
+    # (`composer_algos.models.frozen_prefix`); null: evaluate through every block.
     eval_prefix_cache: str | None = None
     # true: the training forward skips the frozen blocks below `lora.top_blocks`' adapters, taking their
-    # output on the selected rows from the selection's scoring pass (`composer_algos.scoring_prefix`).
+    # output on the selected rows from the selection's scoring pass (`composer_algos.models.scoring_prefix`).
     reuse_scoring_prefix: bool = False
 
     def validate(self) -> list[str]:

@@ -121,7 +121,7 @@ class ShardOptions:
         workers: Tokenizer processes (default 1); each uses one thread. Output does not depend on it.
         start_method: How worker processes start (`multiprocessing` start methods): None (default) for
             forkserver, or spawn where there is none. "fork" is accepted for comparisons
-            (tools/bench_shard.py) but is unsafe in a process that runs threads (see `_pool_context`).
+            (tools/bench/bench_shard.py) but is unsafe in a process that runs threads (see `_pool_context`).
             Under forkserver and spawn the workers import the main module, so a script that shards with
             workers > 1 keeps its top-level code under `if __name__ == "__main__":`.
         on_error: "stop" (default: raise `ShardError` naming file:line) or "skip" (write the bad

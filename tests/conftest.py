@@ -10,6 +10,15 @@ import warnings
 
 import pytest
 
+from tests.common.paths import REPO_ROOT
+
+# The tools are scripts, not a package: the tests import them by module name, as they import each other
+# when run (the user's commands and their helpers in tools/, benchmarks in tools/bench/, study drivers
+# in tools/studies/).
+for _folder in ("tools/studies", "tools/bench", "tools"):
+    if str(REPO_ROOT / _folder) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / _folder))
+
 try:
     from _pytest.faulthandler import fault_handler_stderr_fd_key  # pytest's copy of the terminal's stderr
 except ImportError:  # another pytest layout: the process's stderr (captured while a test runs)

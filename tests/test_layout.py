@@ -219,3 +219,121 @@ def test_strategies_share_one_prologue(fn):
     # Every strategy file gets its validated inputs and options from the `strategy` decorator in
     # types.py instead of repeating the calls.
     assert sorted(set(_calls(fn, "composer_algos/selection"))) == ["composer_algos/selection/types.py"]
+
+
+# Issue 33: the layers of composer_algos, lowest first. A module may import its own layer and the ones
+# below it, never one above: the cores never see the Composer shell, the shell never sees the analysis
+# or the wiring. docs/architecture.md draws the same table.
+LAYERS = (
+    ("composer_algos.losses", "composer_algos.seeding", "composer_algos.mixture_io"),  # shared vocabulary
+    ("composer_algos.selection", "composer_algos.features", "composer_algos.doremi"),  # pure cores
+    ("composer_algos.models",),  # the causal LM and its frozen-block caches
+    ("composer_algos.data_selection",),  # the Composer shell: DataSelection and its step
+    ("composer_algos.analysis", "composer_algos.callbacks"),  # studies' arithmetic; training callbacks
+    ("composer_algos.registry", "composer_algos.builders", "composer_algos.foundry"),  # yaml names -> objects
+)
+
+
+def _layer(module: str) -> int | None:
+    for level, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return level
+    return None
+
+
+def test_every_library_module_has_a_layer():
+    # A new top-level module or package must be placed in LAYERS (and in docs/architecture.md).
+    unplaced = [m for m in _library_graph() if m.startswith("composer_algos.") and _layer(m) is None]
+    assert not unplaced, f"modules outside the layer table: {unplaced}"
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{mod} (layer {_layer(mod)}) imports {dep} (layer {_layer(dep)})"
+        for mod, deps in graph.items()
+        if _layer(mod) is not None
+        for dep in deps
+        if _layer(dep) is not None and _layer(dep) > _layer(mod)
+    )
+
+
+def test_no_library_module_imports_a_higher_layer():
+    upward = _upward(_library_graph())
+    assert not upward, "imports from a lower layer up:\n" + "\n".join(upward)
+
+
+def test_the_layer_and_cycle_checks_can_fail():
+    # A core importing the shell, and two tools importing each other (bench_step and window_cost did), are caught.
+    assert _upward({"composer_algos.selection.partitionsel": {"composer_algos.data_selection.algorithm"}})
+    assert _upward({"composer_algos.data_selection.step": {"composer_algos.analysis.compute_plan"}})
+    assert not _upward({"composer_algos.data_selection.step": {"composer_algos.selection.types"}})
+    assert _cycles({"bench_step": {"window_cost"}, "window_cost": {"bench_step"}}) == [["bench_step", "window_cost"]]
+
+
+TOOL_FOLDERS = {"tools": "commands", "tools/bench": "bench", "tools/studies": "studies"}
+
+
+def _tool_modules() -> dict[str, str]:
+    """Module name (tools are imported by file name) -> its folder's role."""
+    out = {}
+    for folder, role in TOOL_FOLDERS.items():
+        for p in (REPO_ROOT / folder).glob("*.py"):
+            out[p.stem] = role
+    return out
+
+
+def _tool_imports() -> list[tuple[str, str, int, str, list[str]]]:
+    """(file, its role, line, imported tool module, imported names) for each import of a tool module by a tool."""
+    modules = _tool_modules()
+    out = []
+    for folder, role in TOOL_FOLDERS.items():
+        for path in sorted((REPO_ROOT / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+                    out.append((str(path.relative_to(REPO_ROOT)), role, node.lineno, node.module, [a.name for a in node.names]))
+                elif isinstance(node, ast.Import):
+                    for alias in node.names:
+                        if alias.name in modules:
+                            out.append((str(path.relative_to(REPO_ROOT)), role, node.lineno, alias.name, []))
+    return out
+
+
+def test_tool_module_names_are_unique_across_folders():
+    # The tools import each other by file name, so one name must mean one file.
+    seen: dict[str, list[str]] = {}
+    for folder in TOOL_FOLDERS:
+        for p in (REPO_ROOT / folder).glob("*.py"):
+            seen.setdefault(p.stem, []).append(folder)
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+def test_no_tool_imports_another_tools_internals():
+    private = [
+        f"{file}:{line} imports {', '.join(n for n in names if n.startswith('_'))} from {mod}"
+        for file, _, line, mod, names in _tool_imports()
+        if any(n.startswith("_") for n in names)
+    ]
+    assert not private, "a tool reaches into another tool's private names:\n" + "\n".join(private)
+
+
+def test_the_users_commands_never_import_benchmarks_or_studies():
+    # tools/ holds the user's commands and their helpers; tools/bench and tools/studies build on them, not
+    # the other way round, and neither imports the other.
+    modules = _tool_modules()
+    allowed = {"commands": {"commands"}, "bench": {"commands", "bench"}, "studies": {"commands", "studies"}}
+    wrong = [
+        f"{file}:{line} ({role}) imports {mod} ({modules[mod]})"
+        for file, role, line, mod, _ in _tool_imports()
+        if modules[mod] not in allowed[role]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle_between_tools():
+    modules = _tool_modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for file, _, _, mod, _ in _tool_imports():
+        graph[Path(file).stem].add(mod)
+    for m in graph:
+        graph[m].discard(m)
+    assert not _cycles(graph), "tools import each other in a cycle"

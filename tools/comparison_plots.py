@@ -1,5 +1,5 @@
 """Figures that compare runs: domain-weight bars and weight trajectories (tools/compare_mixtures.py)
-and gradient-conflict curves (tools/plot_conflicts.py).
+and gradient-conflict curves (tools/studies/plot_conflicts.py).
 
 Plotting lives in tools/, outside the library packages; the data it draws comes from
 `composer_algos.doremi.compare` and `pipeline.evaluation.conflicts`.

@@ -30,7 +30,7 @@ Budgets (one of):
   timed, no evaluation; OUT/calibration.json, reused by any later plan, or `--calibration FILE`;
   `--calibration-from DIR` takes the timed steps of finished runs of the same configurations, e.g.
   the equal-steps runs of the same study, instead of running rounds of its own) or given
-  (`--step-costs random=0.41,partitionsel=0.97`, e.g. from tools/bench_step.py). The calibrated
+  (`--step-costs random=0.41,partitionsel=0.97`, e.g. from tools/bench/bench_step.py). The calibrated
   cost is a model (`compute_plan.fit_cost_model`: seconds per training FLOP, per scoring FLOP, and
   the rest of each configuration's step) fitted to interleaved rounds of every group of configurations that do the same work
   (random and random_stratified are one group: the same cost, the same steps), run until each
@@ -50,7 +50,7 @@ Budgets (one of):
   of it), and `dur` fractions are fractions of N. Kept for measuring the cost of a fixed schedule;
   compare strategies with `--compute-budget`.
 Every run evaluates at its last step. The reports give, per run, the steps, the training time and
-the estimated FLOPs (training and selection's scoring; composer_algos/compute_plan.py says what
+the estimated FLOPs (training and selection's scoring; composer_algos/analysis/compute_plan.py says what
 the estimate counts).
 
 Evaluation reads the held-out part of each domain's `val` split; the selection's validation
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget-seconds must be > 0, got {args.budget_seconds}")
     if args.report_only and args.rerun:
         parser.error("--report-only and --rerun contradict each other")
-    from composer_algos.compute_plan import parse_compute_budget, parse_step_costs
+    from composer_algos.analysis.compute_plan import parse_compute_budget, parse_step_costs
 
     budget = None
     if args.compute_budget is not None:
@@ -347,7 +347,7 @@ def plan_compute(
             nothing, a budget below one step, or a planned run that would end inside a warm-up
             given in `ba`. All before any comparison run starts.
     """
-    from composer_algos.compute_plan import plan_steps, sensitivity_counts
+    from composer_algos.analysis.compute_plan import plan_steps, sensitivity_counts
 
     warmups = {label: _warmup_of(args.yaml, extra + runs_of[label][1]) for label in labels}  # config errors first
     calibration: dict[str, Any] = {}
@@ -406,7 +406,7 @@ def arm_work(yaml: Path, shard_dir: str, strategy: str, overrides: list[str]) ->
     Raises:
         PlanError: the configuration does not load.
     """
-    from composer_algos.compute_plan import config_work, work_key
+    from composer_algos.analysis.compute_plan import config_work, work_key
     from composer_algos.registry import load_run_config
     from pipeline.config import ConfigError
 
@@ -450,7 +450,7 @@ def calibrate(
         PlanError: a calibration run that failed or timed nothing, a calibration file of other
             machine settings, or a missing calibration under `--report-only`.
     """
-    from composer_algos.compute_plan import WorkShape, fit_cost_model
+    from composer_algos.analysis.compute_plan import WorkShape, fit_cost_model
 
     arms = {label: arm_work(args.yaml, args.shard_dir, runs_of[label][0], extra + runs_of[label][1]) for label in labels}
     groups: dict[str, str] = {}  # work key -> the label whose command calibrates it
@@ -653,14 +653,14 @@ def _chunk_of(run_dir: Path) -> dict[str, list[float]]:
 
 
 def _read_samples(run_dir: Path, clock: str) -> Any:
-    from composer_algos.compute_plan import read_step_samples
+    from composer_algos.analysis.compute_plan import read_step_samples
 
     return read_step_samples(run_dir, clock)[0]
 
 
 def _samples(group: dict[str, Any], clock: str) -> Any:
     """A group's `StepSamples` on `clock`, all its chunks together."""
-    from composer_algos.compute_plan import StepSamples
+    from composer_algos.analysis.compute_plan import StepSamples
 
     cpu = clock == "cpu"
     chunks = group["chunks"]
@@ -674,7 +674,7 @@ def _samples(group: dict[str, Any], clock: str) -> Any:
 
 def _spread_of(known: dict[str, Any], arms: dict[str, tuple[str, Any]], reference: str | None, clock: str) -> dict[str, float]:
     """Each arm's bootstrap spread (`compute_plan.cost_spread`) from the samples so far."""
-    from composer_algos.compute_plan import WorkShape, cost_spread
+    from composer_algos.analysis.compute_plan import WorkShape, cost_spread
 
     keys = {key for key, _ in arms.values()}
     classes = {k: (WorkShape(**known["groups"][k]["work"]).work(known["groups"][k]["model"]), _samples(known["groups"][k], clock)) for k in keys}
@@ -728,7 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-costs",
         default=None,
         help="with --compute-budget: 'calibrate' (default: a short run of each configuration measures it) or "
-        "LABEL=SECONDS,... seconds of training per step (e.g. from tools/bench_step.py)",
+        "LABEL=SECONDS,... seconds of training per step (e.g. from tools/bench/bench_step.py)",
     )
     parser.add_argument(
         "--cost-clock",
@@ -838,8 +838,8 @@ def known_strategies() -> tuple[str, ...]:
 
     Imported here, after argument parsing, so `--help` stays free of torch and Composer.
     """
+    from composer_algos.data_selection.algorithm import SELECTION_STRATEGIES
     from composer_algos.selection import strategy_names
-    from composer_algos.selection_algorithm import SELECTION_STRATEGIES
 
     return (*SELECTION_STRATEGIES, *(n for n in strategy_names() if n not in SELECTION_STRATEGIES))
 
@@ -968,7 +968,7 @@ def report(
     `plan` is an equal-compute plan (`plan_compute`): the budget, the step costs and each
     configuration's steps, stated above the table and listed per run.
     """
-    from composer_algos.experiment_stats import format_paired_markdown, paired_comparison
+    from composer_algos.analysis.experiment_stats import format_paired_markdown, paired_comparison
 
     table = collect(out, strategies, seeds, plan=plan)
     md = format_markdown(table, steps, budget_seconds=budget_seconds, plan=plan)
@@ -1009,7 +1009,7 @@ def report(
 
 def write_sensitivity(out: Path, plan: dict[str, Any], seeds: list[int], *, baseline: str) -> list[Path]:
     """OUT/sensitivity.md and .json: each arm's difference from `baseline` at the edges of its calibration noise."""
-    from composer_algos.experiment_stats import format_sensitivity_markdown, sensitivity
+    from composer_algos.analysis.experiment_stats import format_sensitivity_markdown, sensitivity
 
     counts = plan["sensitivity"]
     labels = [baseline, *counts, *(sensitivity_label(a, n) for a, ns in counts.items() for n in ns)]
@@ -1027,9 +1027,9 @@ def collect(out: Path, strategies: list[str], seeds: list[int], *, plan: dict[st
 
     Also keeps each run's final losses under `per_seed[strategy][seed]` for the paired comparison,
     and under `runs` each run's planned and trained steps, training and wall time and estimated
-    FLOPs (`composer_algos.compute_plan.estimate_run_flops`; None where the run lacks the counts).
+    FLOPs (`composer_algos.analysis.compute_plan.estimate_run_flops`; None where the run lacks the counts).
     """
-    from composer_algos.compute_plan import estimate_run_flops
+    from composer_algos.analysis.compute_plan import estimate_run_flops
 
     table: dict = {"strategies": {}, "seeds": seeds, "per_seed": {}, "runs": []}
     for strategy in strategies:
@@ -1141,7 +1141,7 @@ def format_markdown(
         "Per run: steps planned and trained; training time (evaluation excluded) on the wall clock and in "
         "the process's CPU time; s / step, the wall clock's mean after the first step; wall time with "
         "evaluation; estimated FLOPs (training: 3 forwards of the trained rows; selection: the feature "
-        "pass's floor on the scored rows; composer_algos/compute_plan.py)",
+        "pass's floor on the scored rows; composer_algos/analysis/compute_plan.py)",
         "",
         "| run | seed | planned steps | steps | train s | train CPU s | s / step | wall s | FLOPs train "
         "| FLOPs selection | FLOPs total |",
@@ -1181,7 +1181,7 @@ def selection_report(
     training split's examples) are both in examples. Overlaps use `selected_ids.jsonl`: for each
     seed the strategy's pools are first checked against the reference's at every step.
     """
-    from composer_algos.experiment_stats import read_selected_ids, selection_overlap
+    from composer_algos.analysis.experiment_stats import read_selected_ids, selection_overlap
     from composer_algos.mixture_io import read_mixture_json
 
     result: dict[str, Any] = {

@@ -34,7 +34,7 @@ Ctrl-C removes it and exits with 130, and a later run into OUT removes one that 
 An output with no records (empty inputs, every record rejected) is an error (exit 1), and so is a full
 disk: one line says what had been written, and nothing is kept. With --workers N > 1 the tokenizer processes
 start with forkserver (spawn where there is none), never fork, which can hang a process that runs threads
-(issue 20); that costs about 0.1 s per run at 2 workers and saves about as much at 8 (tools/bench_shard.py
+(issue 20); that costs about 0.1 s per run at 2 workers and saves about as much at 8 (tools/bench/bench_shard.py
 --start-methods fork,forkserver). A program that calls `pipeline.sharding.shard_corpus` with workers > 1 must
 keep its top-level code under `if __name__ == "__main__":`, since the workers import its main module.
 """

@@ -1,4 +1,4 @@
-"""Time `--help` of every tool (tools/*.py and train.py), each in a fresh interpreter, against a limit.
+"""Time `--help` of every tool (tools/, tools/bench/, tools/studies/ and train.py), each in a fresh interpreter, against a limit.
 
 Example:
     python tools/time_help.py              # one run each, limit 2 s
@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tool_paths() -> list[Path]:
-    """train.py and every tools/*.py but this one, sorted."""
-    tools = sorted(p for p in (REPO / "tools").glob("*.py") if p.name != Path(__file__).name)
+    """train.py and every .py of tools/, tools/bench/ and tools/studies/ but this one, sorted."""
+    folders = (REPO / "tools", REPO / "tools" / "bench", REPO / "tools" / "studies")
+    tools = sorted(p for d in folders for p in d.glob("*.py") if p.name != Path(__file__).name)
     return [REPO / "train.py", *tools]
 
 

@@ -293,7 +293,7 @@ class GradFeatureExtractor:
         self._cut = checkpoint_inner(choose_cut_module(self.model, self.targets))
         # `compile_forward`: the blocks below the cut compiled for the scoring forward (compiled_forward.py).
         self._compiled_below = CompiledBlocksBelowCut(self.model, self._cut) if compile_forward else None
-        # The model's `logits_at` (composer_algos.models): with `targets` the scoring forward projects
+        # The model's `logits_at` (composer_algos.models.causal_lm): with `targets` the scoring forward projects
         # only the positions with a loss too, where its logits are the decoder's output through a linear
         # output embedding that is not itself a target, and outside FSDP (whose outermost wrapper's
         # forward must run); the same per-example losses either way.

@@ -90,11 +90,11 @@ class PartitionSelOptions:
             compiled (``torch.compile``, static shapes, one compilation per pool size and kappa): the
             same picks but among near-ties, in a few fused kernels a round instead of about 45 (on
             CUDA still recorded as one CUDA graph); not yet timed on a GPU
-            (``tools/bench_selection.py --compiled``: "exact, compiled rounds"). Other settings than
+            (``tools/bench/bench_selection.py --compiled``: "exact, compiled rounds"). Other settings than
             those named always use the host loop.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
             on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
-            `tools/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
+            `tools/bench/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
             threads, interleaved medians, on the 2-core VM shared with a study run, load average
             3.2-5.8): on/off time 0.66 at n = 32 (19 vs 29 ms), 0.82 at n = 64 (25 vs 31 ms) and
             0.26 at n = 2048, D = 2048 (4.8 vs 18.5 s); on an idle VM the two are within noise

@@ -26,7 +26,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: File the selection callback (`composer_algos.mixture_monitor.MixtureMonitor`) writes per run.
+#: File the selection callback (`composer_algos.data_selection.mixture_monitor.MixtureMonitor`) writes per run.
 SELECTION_LOG_NAME = "selection_log.csv"
 _REQUIRED = ("step", "strategy", "conflict_fraction")
 

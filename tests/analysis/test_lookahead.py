@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_algos.lookahead import Arm, format_summary, run_lookahead, summarize
+from composer_algos.analysis.lookahead import Arm, format_summary, run_lookahead, summarize
 from tests.common.models import tiny_llama
 
 

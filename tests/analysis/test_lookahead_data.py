@@ -1,4 +1,4 @@
-"""tools/lookahead.py reads its held-out examples where the run's evaluators do (eval_loader)."""
+"""tools/studies/lookahead.py reads its held-out examples where the run's evaluators do (eval_loader)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tests.common.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-import lookahead as lookahead_tool  # noqa: E402  (tools/lookahead.py)
+import lookahead as lookahead_tool  # noqa: E402  (tools/studies/lookahead.py)
 import shard as shard_tool  # noqa: E402
 import split_documents  # noqa: E402
 from sample_corpus import write_sample_corpus  # noqa: E402

@@ -1,4 +1,4 @@
-"""tools/bench_shard.py --start-methods (issue 20.1): the smallest comparison runs end to end and prints its table."""
+"""tools/bench/bench_shard.py --start-methods (issue 20.1): the smallest comparison runs end to end and prints its table."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.common.paths import REPO_ROOT
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(REPO_ROOT / "tools" / "bench_shard.py"), *args]
+    cmd = [sys.executable, str(REPO_ROOT / "tools" / "bench" / "bench_shard.py"), *args]
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

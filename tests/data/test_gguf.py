@@ -107,7 +107,7 @@ def test_tokenizer_has_the_files_special_tokens_and_chat_template(tiny, cache):
 
 
 def test_build_causal_lm_loads_the_weights_and_pretrained_false_keeps_the_architecture(tiny, cache, conversions):
-    from composer_algos.models import build_causal_lm
+    from composer_algos.models.causal_lm import build_causal_lm
 
     tok = load_tokenizer(tiny.path)
     model = build_causal_lm(tokenizer=tok, pretrained_model_name_or_path=str(tiny.path), pretrained=True)
@@ -262,7 +262,7 @@ def test_real_tokenizer_round_trip_and_chat_template(real):
 
 @pytest.mark.slow
 def test_real_forward_and_greedy_answer(real):
-    from composer_algos.models import build_causal_lm
+    from composer_algos.models.causal_lm import build_causal_lm
 
     path, _ = real
     tok = load_tokenizer(path)

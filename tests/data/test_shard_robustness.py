@@ -361,18 +361,19 @@ _HEAVY = ("torch", "transformers", "streaming", "composer")
         "make_sample_corpus",
         "evaluate",
         "compare_mixtures",
-        "plot_conflicts",
-        "bench_shard",
-        "bench_selection",
-        "bench_features",
-        "bench_step",
-        "knob_fidelity",
+        "studies/plot_conflicts",
+        "bench/bench_shard",
+        "bench/bench_selection",
+        "bench/bench_features",
+        "bench/bench_step",
+        "studies/knob_fidelity",
     ],
 )
 def test_help_imports_no_heavy_library(tool):
     code = (
         "import runpy, sys\n"
-        f"sys.argv = ['{tool}.py', '--help']\n"
+        f"sys.argv = ['{tool.rpartition('/')[2]}.py', '--help']\n"
+        f"sys.path.insert(0, 'tools/{tool.rpartition('/')[0]}')\n"  # the script's folder, as when it runs
         "try:\n"
         f"    runpy.run_path('tools/{tool}.py', run_name='__main__')\n"
         "except SystemExit as exc:\n"

@@ -22,7 +22,7 @@ from tests.common.paths import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 from comparison_plots import plot_conflicts  # noqa: E402  (tools/comparison_plots.py)
 
-# The layout the selection callback writes (composer_algos.mixture_monitor.SELECTION_LOG_COLUMNS,
+# The layout the selection callback writes (composer_algos.data_selection.mixture_monitor.SELECTION_LOG_COLUMNS,
 # then mixture/<domain> and pool/<domain>); spelled out so this test does not import Composer.
 _COLUMNS = [
     "step", "strategy", "conflict_fraction", "objective", "time_features_s", "time_solve_s",
@@ -125,7 +125,7 @@ def test_plot_writes_an_image(tmp_path):
 def test_plot_conflicts_tool(tmp_path, capsys):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plot_conflicts", REPO_ROOT / "tools" / "plot_conflicts.py")
+    spec = importlib.util.spec_from_file_location("plot_conflicts", REPO_ROOT / "tools" / "studies" / "plot_conflicts.py")
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -20,9 +20,9 @@ from llmfoundry import registry  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from composer_algos import foundry  # noqa: E402
-from composer_algos.mixture_monitor import MixtureMonitor  # noqa: E402
+from composer_algos.data_selection.algorithm import DataSelection  # noqa: E402
+from composer_algos.data_selection.mixture_monitor import MixtureMonitor  # noqa: E402
 from composer_algos.registry import component_class, load_run_config  # noqa: E402
-from composer_algos.selection_algorithm import DataSelection  # noqa: E402
 from pipeline.config import ConfigError  # noqa: E402
 from pipeline.manifest import load_manifest  # noqa: E402
 from tests.common.paths import REPO_ROOT  # noqa: E402

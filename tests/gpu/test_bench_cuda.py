@@ -1,4 +1,4 @@
-"""`tools/bench_step.py --device cuda` prints the CPU run's ratios plus the peak-memory line (issue 12.5)."""
+"""`tools/bench/bench_step.py --device cuda` prints the CPU run's ratios plus the peak-memory line (issue 12.5)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_bench_step_on_cuda_prints_ratios_and_scoring_peak_within_training_peak(cuda):
     cmd = [
         sys.executable,
-        str(REPO_ROOT / "tools" / "bench_step.py"),
+        str(REPO_ROOT / "tools" / "bench" / "bench_step.py"),
         "--device",
         "cuda",
         "--steps",

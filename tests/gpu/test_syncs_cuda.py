@@ -1,7 +1,7 @@
 """Host syncs of a selection step on CUDA, counted by torch itself (issue 31.1; the CPU emulation's ground truth).
 
 `torch.cuda.set_sync_debug_mode("warn")` warns at every call that makes the host wait for the GPU;
-tools/step_audit.py counts them during one step of the tiny config in amp_bf16, attributed to the
+tools/bench/step_audit.py counts them during one step of the tiny config in amp_bf16, attributed to the
 project's call sites. The budget is tests/training/test_step_syncs.py's.
 """
 
@@ -18,8 +18,8 @@ from tests.training.conftest import tiny_overrides
 from tests.training.test_step_syncs import STRATEGIES, TINY, allowed_syncs
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-from bench_step import prepare_for_stepping  # noqa: E402
 from step_audit import StepAuditor, format_counts  # noqa: E402
+from stepping import prepare_for_stepping  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

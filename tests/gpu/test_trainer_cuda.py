@@ -11,7 +11,7 @@ import pytest
 from composer.loggers import InMemoryLogger
 
 import train
-from composer_algos.selection_algorithm import find_data_selection
+from composer_algos.data_selection.algorithm import find_data_selection
 from pipeline.config import load_config
 from tests.common.paths import COMPOSER_LAUNCHER, REPO_ROOT
 from tests.training.conftest import tiny_overrides

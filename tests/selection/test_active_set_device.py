@@ -16,7 +16,7 @@ from tests.common.paths import REPO_ROOT
 from tests.selection.reference import make_instance
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-from step_audit import SyncAudit  # noqa: E402  (tools/step_audit.py)
+from step_audit import SyncAudit  # noqa: E402  (tools/bench/step_audit.py)
 
 ETA = 0.5
 
@@ -177,7 +177,7 @@ def test_the_compiled_rounds_pick_what_the_eager_rounds_pick():
 def test_the_compiled_round_is_a_few_fused_kernels():
     """The point of compiling: about 45 eager ops a round become a few kernels (on a CPU 3: 2 fused loops and the
     GEMM; a CUDA count is the benchmark's), counted in the code inductor generated."""
-    from bench_selection import compiled_round_kernels  # tools/bench_selection.py
+    from bench_selection import compiled_round_kernels  # tools/bench/bench_selection.py
 
     features, val, dom = make_instance(5, 48, dim=16)
     gram, mu, _ = build_objective(features, val, ETA)

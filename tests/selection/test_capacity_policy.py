@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from composer_algos.capacity_policy import (
+from composer_algos.data_selection.capacity_policy import (
     AdaptivePolicy,
     FractionsPolicy,
     MinorityFullPolicy,

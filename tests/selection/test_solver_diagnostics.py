@@ -111,7 +111,7 @@ def test_well_conditioned_objective_does_not_warn(caplog, monkeypatch):
 def test_kkt_reentry_that_promotes_to_float64_does_not_enter_an_element_twice():
     """Regression: a re-entry that triggered the float64 promotion re-entered an element the exact
     refit had just made active, giving it two slots (KeyError in _free_slot later; found at
-    n=8192, kappa=4096 by tools/bench_scaling.py, reproduced here with picks beyond the rank)."""
+    n=8192, kappa=4096 by tools/bench/bench_scaling.py, reproduced here with picks beyond the rank)."""
     from composer_algos.selection import select_partitionsel
 
     g = torch.Generator().manual_seed(33)

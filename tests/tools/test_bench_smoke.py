@@ -1,7 +1,7 @@
 """Smoke runs of the benchmarks (issue 20 point 4): each script's main path end to end at its smallest
 sizes, its table complete with finite figures, and a non-zero exit when a row fails.
 
-tools/bench_step.py and tools/profile_step.py have theirs in test_bench_step.py.
+tools/bench/bench_step.py and tools/bench/profile_step.py have theirs in test_bench_step.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _markdown_rows(out: str, first_cell: str) -> list[list[str]]:
 # (about 2 minutes at load 3)
 @pytest.mark.timeout(600)
 def test_bench_features_quick_table_has_every_method():
-    proc = run_tool("bench_features.py", "--quick")
+    proc = run_tool("bench/bench_features.py", "--quick")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _markdown_rows(proc.stdout, "tiny")
     methods = ["forward", "batch_grad", "feat_exact", "feat_sketch", "feat_default", "func", "feat_compiled"]
@@ -48,7 +48,7 @@ def test_bench_features_quick_table_has_every_method():
 @pytest.mark.timeout(240)  # measured 15-30 s at load 3-11 on 2 cores (subprocesses importing torch, transformers)
 def test_bench_features_exits_nonzero_when_a_method_fails():
     # An unknown device makes every worker fail: no row may be dropped silently with exit code 0.
-    proc = run_tool("bench_features.py", "--quick", "--methods", "forward", "--device", "no_such_device")
+    proc = run_tool("bench/bench_features.py", "--quick", "--methods", "forward", "--device", "no_such_device")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FAILED (no row" in proc.stderr and "tiny/forward" in proc.stderr
 
@@ -58,7 +58,7 @@ _RAISE = "def _boom(*a, **k):\n    raise RuntimeError('injected failure')\n"
 
 def test_bench_selection_seed_picks_another_instance():
     def exact_objective(*extra):
-        proc = run_tool("bench_selection.py", "--quick", "--threads", "1", *extra)
+        proc = run_tool("bench/bench_selection.py", "--quick", "--threads", "1", *extra)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("exact "))
         return proc.stdout, float(re.search(rf"f\(S\) = ({NUMBER})", line).group(1))
@@ -71,7 +71,7 @@ def test_bench_selection_seed_picks_another_instance():
 
 @pytest.mark.timeout(400)  # --compiled compiles two shapes of the round: about 100 s here with an empty cache
 def test_bench_selection_quick_table():
-    proc = run_tool("bench_selection.py", "--quick", "--threads", "1", "--compiled")
+    proc = run_tool("bench/bench_selection.py", "--quick", "--threads", "1", "--compiled")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "[small] n=256 kappa=64 C=8 D=1024" in out, out
@@ -99,7 +99,7 @@ def test_bench_selection_quick_table():
 
 
 def test_bench_scaling_quick_tables():
-    proc = run_tool("bench_scaling.py", "--quick")
+    proc = run_tool("bench/bench_scaling.py", "--quick")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     traffic = [x.split() for x in lines if x.startswith(("llama1b_dolma ", "qwen2.5-3b_metamathqa "))]
@@ -116,14 +116,14 @@ def test_bench_scaling_quick_tables():
 
 
 def test_bench_scaling_exits_nonzero_when_a_case_fails():
-    proc = run_tool_patched("bench_scaling", _RAISE + "m.time_solve = _boom", "--quick")
+    proc = run_tool_patched("bench/bench_scaling", _RAISE + "m.time_solve = _boom", "--quick")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("failed after") == 2 and "injected failure" in proc.stdout, proc.stdout
     assert "FAILED cases" in proc.stderr
 
 
 def test_bench_shard_smallest_run_table():
-    proc = run_tool("bench_shard.py", "--scale", "0.05", "--repeats", "1")
+    proc = run_tool("bench/bench_shard.py", "--scale", "0.05", "--repeats", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     rows = [x for x in lines if x.startswith(("tokenizer alone (1 thread)", "shard.py --workers"))]
@@ -140,12 +140,12 @@ def test_bench_shard_smallest_run_table():
 
 
 def test_bench_shard_exits_nonzero_when_a_run_fails():
-    proc = run_tool_patched("bench_shard", _RAISE + "m.shard_corpus = _boom", "--scale", "0.05", "--repeats", "1")
+    proc = run_tool_patched("bench/bench_shard", _RAISE + "m.shard_corpus = _boom", "--scale", "0.05", "--repeats", "1")
     assert proc.returncode != 0 and "injected failure" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_bench_optimizer_quick_table():
-    proc = run_tool("bench_optimizer.py", "--quick")
+    proc = run_tool("bench/bench_optimizer.py", "--quick")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line.split()[3]: line.split() for line in proc.stdout.splitlines() if line.split()[3:4] in (["decoupled_adamw"], ["adamw"])}
     assert set(rows) == {"decoupled_adamw", "adamw"}, proc.stdout

@@ -1,4 +1,4 @@
-"""tools/bench_step.py's table (ratios, targets) and FLOP share, tools/profile_step.py's --help (issue 15)."""
+"""tools/bench/bench_step.py's table (ratios, targets) and FLOP share, tools/bench/profile_step.py's --help (issue 15)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tests.common.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-import bench_step  # noqa: E402  (tools/bench_step.py; heavy imports happen in its functions)
+import bench_step  # noqa: E402  (tools/bench/bench_step.py; heavy imports happen in its functions)
 
 
 def _row(r, *, none, random, ps, greats, fwd, feat, solve):
@@ -86,7 +86,7 @@ def test_profile_step_help_imports_no_heavy_library():
         "import runpy, sys\n"
         "sys.argv = ['profile_step.py', '--help']\n"
         "try:\n"
-        "    runpy.run_path('tools/profile_step.py', run_name='__main__')\n"
+        "    runpy.run_path('tools/bench/profile_step.py', run_name='__main__')\n"
         "except SystemExit as exc:\n"
         "    assert exc.code in (0, None), exc.code\n"
         "print(sorted(m for m in ('torch', 'transformers', 'streaming', 'composer') if m in sys.modules))\n"
@@ -116,7 +116,7 @@ def test_quick_run_prints_a_complete_finite_table():
     """`bench_step.py --quick` end to end (shards, four trainers, standalone timings, memory): its table."""
     from tests.tools.tool_runs import finite, numbers, run_tool
 
-    proc = run_tool("bench_step.py", "--quick")
+    proc = run_tool("bench/bench_step.py", "--quick")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     lines = out.splitlines()
@@ -144,7 +144,7 @@ def test_profile_step_quick_run_prints_the_stage_table():
     """`profile_step.py --quick` end to end (shards, trainer, instrumentation, profiler): its stage table."""
     from tests.tools.tool_runs import finite, run_tool
 
-    proc = run_tool("profile_step.py", "--quick")
+    proc = run_tool("bench/profile_step.py", "--quick")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.split() == ["stage", "ms/step", "%", "step"])

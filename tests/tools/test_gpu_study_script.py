@@ -1,4 +1,4 @@
-"""tools/gpu_study.sh's `stage`: the model's parts, carried one call at a time, joined and checked (issue 29.6).
+"""tools/studies/gpu_study.sh's `stage`: the model's parts, carried one call at a time, joined and checked (issue 29.6).
 
 The script runs in a scratch copy of the project layout, so the checkout's .g1-.g3 are never touched;
 `GPU_STUDY_DATA` and `GPU_STUDY_SITE` point its outputs into the scratch folder (the stack counts as
@@ -20,8 +20,8 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def _project(tmp_path, model_bytes: bytes):
     proj = tmp_path / "proj"
-    (proj / "tools").mkdir(parents=True)
-    shutil.copy(REPO_ROOT / "tools" / "gpu_study.sh", proj / "tools")
+    (proj / "tools" / "studies").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "tools" / "studies" / "gpu_study.sh", proj / "tools" / "studies")
     chunk = 24 << 20
     parts = [model_bytes[i : i + chunk] for i in range(0, len(model_bytes), chunk)]
     assert len(parts) == 4
@@ -40,7 +40,7 @@ def _project(tmp_path, model_bytes: bytes):
 
 
 def _stage(proj, env):
-    return subprocess.run(["bash", "tools/gpu_study.sh", "stage"], cwd=proj, env=env, capture_output=True, text=True)
+    return subprocess.run(["bash", "tools/studies/gpu_study.sh", "stage"], cwd=proj, env=env, capture_output=True, text=True)
 
 
 def test_stage_joins_the_parts_as_they_arrive_and_checks_the_model(tmp_path):
@@ -73,5 +73,5 @@ def test_a_corrupted_part_fails_the_check(tmp_path):
 @pytest.mark.parametrize("args, message", [(["bogus"], "usage"), (["run"], "OUT is not set")])
 def test_bad_use_is_refused_with_the_reason(tmp_path, args, message):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    out = subprocess.run(["bash", "tools/gpu_study.sh", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    out = subprocess.run(["bash", "tools/studies/gpu_study.sh", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 2 and message in out.stderr

@@ -1,4 +1,4 @@
-"""tools/profile_gpu_step.py on the CPU (--smoke): the three arms profiled, their stage tables and traces."""
+"""tools/bench/profile_gpu_step.py on the CPU (--smoke): the three arms profiled, their stage tables and traces."""
 
 from __future__ import annotations
 

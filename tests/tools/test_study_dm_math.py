@@ -1,4 +1,4 @@
-"""tools/study_dm_math.py: every ablation reaches train.py as a valid config; --ablations is checked."""
+"""tools/studies/study_dm_math.py: every ablation reaches train.py as a valid config; --ablations is checked."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tools/study_finetune.py: the study's commands, the linked runs of random's work, and its report tables."""
+"""tools/studies/study_finetune.py: the study's commands, the linked runs of random's work, and its report tables."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tests.common.paths import REPO_ROOT
 
-spec = importlib.util.spec_from_file_location("study_finetune", REPO_ROOT / "tools" / "study_finetune.py")
+spec = importlib.util.spec_from_file_location("study_finetune", REPO_ROOT / "tools" / "studies" / "study_finetune.py")
 assert spec is not None and spec.loader is not None
 study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(study)

@@ -1,4 +1,4 @@
-"""tools/study_ghpile.py: the study's arms reach train.py as valid configs; its report reads run_experiment's files."""
+"""tools/studies/study_ghpile.py: the study's arms reach train.py as valid configs; its report reads run_experiment's files."""
 
 from __future__ import annotations
 

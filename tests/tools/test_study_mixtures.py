@@ -1,4 +1,4 @@
-"""tools/study_mixtures.py (issue 21.5): every arm and DoReMi stage loads as a config, the commands pair the
+"""tools/studies/study_mixtures.py (issue 21.5): every arm and DoReMi stage loads as a config, the commands pair the
 right arms against proportional PartitionSel, and the report's distances match hand computations."""
 
 from __future__ import annotations
@@ -65,14 +65,14 @@ def test_the_command_pairs_every_arm_against_proportional_partitionsel(corpus, t
 @pytest.mark.parametrize("corpus", list(CORPORA))
 @pytest.mark.parametrize("label", list(study_mixtures.arms(REPO_ROOT / "w.json")))
 def test_each_arm_loads_as_a_config_with_the_policy_it_names(corpus, label, weights_file):
-    from composer_algos.capacity_policy import (
+    from composer_algos.data_selection.algorithm import DataSelection
+    from composer_algos.data_selection.capacity_policy import (
         AdaptivePolicy,
         FractionsPolicy,
         ProportionalPolicy,
         SlackPolicy,
     )
     from composer_algos.registry import load_run_config
-    from composer_algos.selection_algorithm import DataSelection
 
     c = CORPORA[corpus]
     strategy, extra = study_mixtures.arms(weights_file)[label]

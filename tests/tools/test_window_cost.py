@@ -1,4 +1,4 @@
-"""tools/window_cost.py: the FLOP floor of windowed scoring by hand, the long-sequence table and its target, a smoke run."""
+"""tools/bench/window_cost.py: the FLOP floor of windowed scoring by hand, the long-sequence table and its target, a smoke run."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_bench_long_ps_variants_reach_their_arms_only(tmp_path, monkeypatch):
     # overrides on top of the window's; the other arms do not get them.
     import types
 
-    import bench_step
+    import stepping
 
     import train
 
@@ -100,8 +100,8 @@ def test_bench_long_ps_variants_reach_their_arms_only(tmp_path, monkeypatch):
         return types.SimpleNamespace(state=types.SimpleNamespace(callbacks=[]), close=lambda: None)
 
     monkeypatch.setattr(train, "build_trainer", fake_build)
-    monkeypatch.setattr(bench_step, "prepare_for_stepping", lambda trainer: None)
-    monkeypatch.setattr(bench_step, "make_step_timer", lambda: types.SimpleNamespace(times=[1.0] * 4))
+    monkeypatch.setattr(stepping, "prepare_for_stepping", lambda trainer: None)
+    monkeypatch.setattr(stepping, "make_step_timer", lambda: types.SimpleNamespace(times=[1.0] * 4))
     monkeypatch.setattr(wc, "step_counts_while_warming_up", lambda runs, *a, **k: {})
     loop = "algorithms.data_selection.strategy_options.partitionsel.solver_loop"
     (row,) = wc.bench_long(tmp_path, tmp_path / "runs", 64, [2.0], [16, None], head_windows=[16], steps=4,

@@ -36,13 +36,16 @@ def finite(values: list[float]) -> bool:
 def run_tool_patched(module: str, patch: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`tools/<module>.py`'s main() with `args`, after running `patch` (Python, the module bound to `m`).
 
+    `module` may name a folder of tools/, e.g. `bench/bench_shard`.
+
     For the failure paths: the patch makes one part of the benchmark raise, as a broken row would.
     """
+    folder, _, name = module.rpartition("/")
     code = "\n".join([
         "import sys",
-        f"sys.path[:0] = [{str(REPO_ROOT / 'tools')!r}, {str(REPO_ROOT)!r}]",
-        f"sys.argv = [{module + '.py'!r}, *{list(args)!r}]",
-        f"import {module} as m",
+        f"sys.path[:0] = [{str(REPO_ROOT / 'tools' / folder)!r}, {str(REPO_ROOT / 'tools')!r}, {str(REPO_ROOT)!r}]",
+        f"sys.argv = [{name + '.py'!r}, *{list(args)!r}]",
+        f"import {name} as m",
         patch,
         "raise SystemExit(m.main())",
     ])

@@ -11,11 +11,11 @@ import torch
 from composer.loggers import InMemoryLogger
 
 import train
+from composer_algos.data_selection.algorithm import DataSelection, find_data_selection
+from composer_algos.data_selection.step import assemble_problem
+from composer_algos.data_selection.validation_source import ValidationSource
 from composer_algos.mixture_io import write_mixture_json
 from composer_algos.registry import load_run_config
-from composer_algos.selection_algorithm import DataSelection, find_data_selection
-from composer_algos.selection_step import assemble_problem
-from composer_algos.validation_source import ValidationSource
 from pipeline.config import ConfigError
 from tests.common.paths import REPO_ROOT
 from tests.training.conftest import tiny_overrides
@@ -314,7 +314,7 @@ def test_adaptive_state_and_balanced_target_are_the_same_on_both_ranks(dolma_sha
 
 
 def test_guide_signal_tool_reports_every_draw_and_target(dolma_shards, tmp_path):
-    import guide_signal  # tools/guide_signal.py
+    import guide_signal  # tools/studies/guide_signal.py
 
     overrides = [o for o in tiny_overrides(dolma_shards, tmp_path / "run") if o.startswith(("variables.", "model."))]
     rc = guide_signal.main([

@@ -60,7 +60,7 @@ def test_unknown_capacity_fractions_word_is_rejected_with_the_allowed_values(dol
 @pytest.mark.parametrize("strategy", ["greats", "gradnorm", "colm", "random", "none"])
 @pytest.mark.parametrize("fractions", ["uniform", {"a": 2.0, "b": 1.0}])
 def test_capacity_fractions_with_a_strategy_that_ignores_them_is_rejected_at_construction(strategy, fractions):
-    from composer_algos.selection_algorithm import DataSelection
+    from composer_algos.data_selection.algorithm import DataSelection
 
     with pytest.raises(ValueError, match="capacity_fractions") as info:
         DataSelection(strategy=strategy, oversampling=2, capacity_fractions=fractions)
@@ -72,7 +72,7 @@ def test_capacity_fractions_with_a_strategy_that_ignores_them_is_rejected_at_con
 
 @pytest.mark.parametrize("strategy", ["partitionsel", "id", "iwd", "random_stratified"])
 def test_capacity_fractions_are_accepted_by_the_strategies_that_use_capacities(strategy):
-    from composer_algos.selection_algorithm import DataSelection
+    from composer_algos.data_selection.algorithm import DataSelection
 
     DataSelection(strategy=strategy, capacity_fractions="uniform")
 

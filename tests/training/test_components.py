@@ -64,12 +64,12 @@ def test_every_composer_algorithm_and_callback_is_registered_under_its_package_n
 
 
 def test_this_projects_components_are_registered_the_same_way():
+    from composer_algos.callbacks.eval_history import EvalHistory
+    from composer_algos.callbacks.file_logger import AppendFileLogger
+    from composer_algos.data_selection.algorithm import DataSelection
+    from composer_algos.data_selection.mixture_monitor import MixtureMonitor
     from composer_algos.doremi import DoReMi
-    from composer_algos.eval_history import EvalHistory
-    from composer_algos.file_logger import AppendFileLogger
-    from composer_algos.mixture_monitor import MixtureMonitor
     from composer_algos.registry import component_class
-    from composer_algos.selection_algorithm import DataSelection
 
     assert component_class("algorithm", "data_selection") is DataSelection
     assert component_class("algorithm", "doremi") is DoReMi
@@ -115,8 +115,8 @@ def test_train_builds_composer_components_and_a_plugin_strategy_selects(dolma_sh
     from composer.callbacks import SpeedMonitor
 
     import train
+    from composer_algos.data_selection.algorithm import DataSelection
     from composer_algos.selection import get_strategy
-    from composer_algos.selection_algorithm import DataSelection
     from tests.selection.test_entry_points import install_plugin
     from tests.training.conftest import tiny_overrides
 

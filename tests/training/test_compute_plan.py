@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_algos.compute_plan import (
+from composer_algos.analysis.compute_plan import (
     ComputeBudget,
     estimate_run_flops,
     forward_flops_per_token,
@@ -279,14 +279,14 @@ def test_run_flops_from_the_recorded_counts(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- cost model (issue 34)
 def _samples(step, features=None, selection=None):
-    from composer_algos.compute_plan import StepSamples
+    from composer_algos.analysis.compute_plan import StepSamples
 
     features = features if features is not None else [0.0] * len(step)
     return StepSamples(tuple(step), tuple(features), tuple(selection if selection is not None else features))
 
 
 def test_cost_model_factors_hand_computed():
-    from composer_algos.compute_plan import StepWork, fit_cost_model
+    from composer_algos.analysis.compute_plan import StepWork, fit_cost_model
 
     plain = StepWork(train_flops=100.0)
     ps = StepWork(train_flops=100.0, score_flops=50.0, solver="partitionsel")
@@ -311,7 +311,7 @@ def test_two_configurations_of_one_strategy_keep_their_own_costs():
     """PartitionSel with and without `model.reuse_scoring_prefix` have one `StepWork` (the FLOP count does not
     see the frozen blocks the training forward skips) but different work keys and steps of 17.8 and 13.2 CPU s:
     the plan must price each at its own step, not both at one pooled mean (the fine-tuning study's 13.76)."""
-    from composer_algos.compute_plan import StepWork, fit_cost_model
+    from composer_algos.analysis.compute_plan import StepWork, fit_cost_model
 
     plain = StepWork(train_flops=100.0)
     ps = StepWork(train_flops=100.0, score_flops=50.0, solver="partitionsel")
@@ -330,7 +330,7 @@ def test_two_configurations_of_one_strategy_keep_their_own_costs():
 def test_plain_configurations_of_one_size_keep_their_own_costs():
     """Two arms without a model pass and of one training size (random with two optimizers: FLOPs do not see the
     optimizer) measured at 2.0 and 3.0 s a step cost 2.0 and 3.0, not their pooled 2.5."""
-    from composer_algos.compute_plan import StepWork, fit_cost_model
+    from composer_algos.analysis.compute_plan import StepWork, fit_cost_model
 
     plain = StepWork(train_flops=100.0)
     model = fit_cost_model({"adamw": (plain, _samples([2.0, 2.0])), "decoupled": (plain, _samples([3.0, 3.0]))})
@@ -342,7 +342,7 @@ def test_each_training_size_keeps_its_own_measured_cost():
     """A plain step of twice the FLOPs measured at 1.7x (a larger batch runs faster per FLOP) costs 1.7x,
     not 2x; and calibrating it leaves the costs of the configurations already priced as they were (the
     fine-tuning study's full_pool arm moved PartitionSel from 6 steps to 5 when its factor was pooled)."""
-    from composer_algos.compute_plan import StepWork, fit_cost_model
+    from composer_algos.analysis.compute_plan import StepWork, fit_cost_model
 
     plain = StepWork(train_flops=100.0)
     double = StepWork(train_flops=200.0)
@@ -360,7 +360,7 @@ def test_each_training_size_keeps_its_own_measured_cost():
 def test_equal_work_gets_equal_steps_for_any_calibration_noise(seed):
     import random
 
-    from composer_algos.compute_plan import StepWork, cost_spread, fit_cost_model
+    from composer_algos.analysis.compute_plan import StepWork, cost_spread, fit_cost_model
 
     rng = random.Random(seed)
     plain = StepWork(train_flops=1e9)
@@ -378,7 +378,7 @@ def test_equal_work_gets_equal_steps_for_any_calibration_noise(seed):
 
 
 def test_work_of_a_config_and_its_key():
-    from composer_algos.compute_plan import config_work, work_key
+    from composer_algos.analysis.compute_plan import config_work, work_key
     from composer_algos.registry import load_run_config
 
     def work(*overrides):
@@ -416,7 +416,7 @@ def test_work_of_a_config_and_its_key():
 
 def test_step_samples_of_a_real_run_align_the_selection_log(dolma_shards, tmp_path):
     import train
-    from composer_algos.compute_plan import read_step_samples
+    from composer_algos.analysis.compute_plan import read_step_samples
     from composer_algos.registry import load_run_config
     from tests.training.conftest import tiny_overrides
 
@@ -436,7 +436,7 @@ def test_step_samples_of_a_real_run_align_the_selection_log(dolma_shards, tmp_pa
 
 
 def test_sensitivity_counts_are_what_a_cost_one_spread_off_would_buy():
-    from composer_algos.compute_plan import sensitivity_counts
+    from composer_algos.analysis.compute_plan import sensitivity_counts
 
     # 100 s buys 10 steps at 10 s; at 10.5 s (spread 5%) 9, at 9.5 s 10: only 9 differs.
     assert sensitivity_counts(100.0, 10.0, 0.05) == [9]

@@ -100,7 +100,7 @@ def load_run_config(*args, **kwargs):
 @pytest.fixture
 def nothing_is_built(monkeypatch):
     """Make every heavy build step raise, so a test proves config errors come before them."""
-    import composer_algos.models
+    import composer_algos.models.causal_lm
     import pipeline.loaders
     import pipeline.manifest
     import pipeline.tokenizer
@@ -111,7 +111,7 @@ def nothing_is_built(monkeypatch):
     monkeypatch.setattr(pipeline.tokenizer, "load_tokenizer", reached)
     monkeypatch.setattr(pipeline.manifest, "load_manifest", reached)
     monkeypatch.setattr(pipeline.loaders, "build_train_dataloader", reached)
-    monkeypatch.setattr(composer_algos.models, "build_causal_lm", reached)
+    monkeypatch.setattr(composer_algos.models.causal_lm, "build_causal_lm", reached)
 
 
 def test_selection_typos_bad_values_and_unknown_strategy_fail_together_before_anything_is_built(
@@ -177,7 +177,7 @@ def test_strategy_options_keyed_by_a_non_strategy_and_the_wrong_type_are_reporte
 def test_the_selection_config_is_typed_frozen_and_defaults_come_from_the_algorithm():
     import inspect
 
-    from composer_algos.selection_algorithm import DataSelection
+    from composer_algos.data_selection.algorithm import DataSelection
 
     cfg = load_run_config(TINY)
     sel = cfg.algorithms["data_selection"]

@@ -12,9 +12,9 @@ import yaml
 from composer.loggers import InMemoryLogger
 
 import train
+from composer_algos.data_selection.algorithm import DEFAULT_OVERSAMPLING, DataSelection
+from composer_algos.data_selection.validation_source import BatchValidationSource
 from composer_algos.selection import STRATEGIES, StrategySpec
-from composer_algos.selection_algorithm import DEFAULT_OVERSAMPLING, DataSelection
-from composer_algos.validation_source import BatchValidationSource
 from pipeline.config import load_config
 from tests.common.paths import REPO_ROOT
 from tests.training.conftest import tiny_overrides

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_algos.exchange import exchange_examples, plan_rebalance
+from composer_algos.data_selection.exchange import exchange_examples, plan_rebalance
 
 
 @pytest.mark.parametrize("world,per_rank,seed", [(2, 4, 0), (4, 3, 1), (3, 5, 2), (8, 2, 3)])

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from composer_algos.experiment_stats import (
+from composer_algos.analysis.experiment_stats import (
     format_paired_markdown,
     jaccard,
     paired_comparison,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_algos.frozen_prefix import evaluation_forwards
-from composer_algos.models import build_causal_lm
+from composer_algos.models.causal_lm import build_causal_lm
+from composer_algos.models.frozen_prefix import evaluation_forwards
 from pipeline.collators import IGNORE_INDEX
 from pipeline.config import LoraConfig, ModelConfig
 from pipeline.evaluation.heldout_answers import generate_from_ids

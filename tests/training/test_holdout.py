@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from composer_algos.validation_source import ValidationSource
+from composer_algos.data_selection.validation_source import ValidationSource
 from pipeline.config import ConfigError, load_config
 from pipeline.dataset import DomainStreamingDataset
 from pipeline.holdout import dataset_guide_mask, guide_mask, heldout_subset

@@ -1,4 +1,4 @@
-"""tools/knob_fidelity.py on the tiny config: it runs, and the full-cost shadow reproduces the trained selection."""
+"""tools/studies/knob_fidelity.py on the tiny config: it runs, and the full-cost shadow reproduces the trained selection."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from tests.common.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-import knob_fidelity  # noqa: E402  (tools/knob_fidelity.py)
+import knob_fidelity  # noqa: E402  (tools/studies/knob_fidelity.py)
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 

@@ -1,4 +1,4 @@
-"""tools/loader_mixture.py: the epoch's first samples against the corpus's domain shares, per Streaming shuffle."""
+"""tools/studies/loader_mixture.py: the epoch's first samples against the corpus's domain shares, per Streaming shuffle."""
 
 from __future__ import annotations
 

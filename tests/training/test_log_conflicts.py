@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from composer_algos.data_selection.algorithm import DataSelection
 from composer_algos.selection import STRATEGIES
-from composer_algos.selection_algorithm import DataSelection
 from tests.common.models import tiny_llama
 from tests.training.fake_ranks import FakeState, ListLogger
 

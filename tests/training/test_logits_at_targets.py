@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from composer_algos.models import build_causal_lm
+from composer_algos.models.causal_lm import build_causal_lm
 from pipeline.collators import IGNORE_INDEX
 from pipeline.tokenizer import load_tokenizer
 from tests.common.paths import REPO_ROOT

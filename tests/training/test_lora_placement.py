@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_algos.models import build_causal_lm
+from composer_algos.models.causal_lm import build_causal_lm
 from pipeline.config import ConfigError, parse_config
 from pipeline.tokenizer import load_tokenizer
 from tests.common.paths import REPO_ROOT

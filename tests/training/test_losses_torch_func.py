@@ -1,6 +1,6 @@
 """The project's losses under torch.func transforms (issue 20 point 4): grad, vmap of grad, jacrev.
 
-tools/bench_features.py's reference computes per-example gradients with `vmap(grad(...))` through
+tools/bench/bench_features.py's reference computes per-example gradients with `vmap(grad(...))` through
 `per_example_losses`; its custom autograd.Function must support the transforms and give the same
 gradients as the plain autograd path (and as F.cross_entropy's).
 """

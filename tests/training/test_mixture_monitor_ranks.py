@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from composer_algos.mixture_monitor import MixtureMonitor
+from composer_algos.data_selection.mixture_monitor import MixtureMonitor
 from tests.training.fake_ranks import ListLogger, ThreadRanks
 
 

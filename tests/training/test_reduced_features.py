@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
+from composer_algos.data_selection.algorithm import DataSelection
 from composer_algos.selection import STRATEGIES
-from composer_algos.selection_algorithm import DataSelection
 from tests.common.models import tiny_llama
 from tests.common.paths import REPO_ROOT
 from tests.features.helpers import make_batch, tiny_lora

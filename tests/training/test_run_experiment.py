@@ -358,7 +358,7 @@ def test_sensitivity_runs_train_each_noisy_arm_either_side_of_its_plan(fake_trai
 
 
 def test_sensitivity_marks_a_verdict_that_flips_inside_the_noise():
-    from composer_algos.experiment_stats import sensitivity
+    from composer_algos.analysis.experiment_stats import sensitivity
 
     def runs(values):
         return {seed: {"average": v, "domains": {}} for seed, v in enumerate(values, 1)}

@@ -1,11 +1,11 @@
-"""`composer_algos.scoring_prefix`: the frozen blocks' output recorded in the scoring pass, handed on in training."""
+"""`composer_algos.models.scoring_prefix`: the frozen blocks' output recorded in the scoring pass, handed on in training."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from composer_algos.scoring_prefix import ScoringPrefix, install_scoring_prefix
+from composer_algos.models.scoring_prefix import ScoringPrefix, install_scoring_prefix
 from tests.common.models import tiny_llama
 
 

@@ -6,7 +6,7 @@ import csv
 import json
 
 import train
-from composer_algos.experiment_stats import read_selected_ids, selection_overlap
+from composer_algos.analysis.experiment_stats import read_selected_ids, selection_overlap
 from pipeline.config import load_config
 from pipeline.dataset import DomainStreamingDataset
 from tests.common.paths import REPO_ROOT

@@ -12,9 +12,9 @@ from composer.core import Callback
 from composer.loggers import InMemoryLogger
 
 import train
+from composer_algos.data_selection.algorithm import SELECTION_STRATEGIES, DataSelection
 from composer_algos.losses import per_example_losses
 from composer_algos.selection import STRATEGIES
-from composer_algos.selection_algorithm import SELECTION_STRATEGIES, DataSelection
 from pipeline.config import load_config
 from tests.common.paths import REPO_ROOT
 from tests.training.conftest import tiny_overrides
@@ -119,7 +119,7 @@ def test_feature_failure_falls_back_to_random_within_capacities(dolma_shards, tm
     monkeypatch.setattr(GradFeatureExtractor, "compute", broken)
     trainer = _build(dolma_shards, tmp_path / "fb")
     algo, rec = _spy(trainer)
-    caplog.set_level(logging.WARNING, logger="composer_algos.selection_algorithm")
+    caplog.set_level(logging.WARNING, logger="composer_algos.data_selection.algorithm")
     trainer.fit()
     assert algo.fallbacks == 3
     assert all(s["input_ids"].shape[0] == 4 for s in rec["selected"])

@@ -11,11 +11,11 @@ import logging
 import pytest
 import torch
 
-import composer_algos.selection_algorithm as selection_algorithm
+import composer_algos.data_selection.algorithm as selection_algorithm
+from composer_algos.data_selection.algorithm import DataSelection, top_k_within_capacities
 from composer_algos.features import GradFeatureExtractor
 from composer_algos.seeding import mix_seed
 from composer_algos.selection import STRATEGIES, compute_capacities, select_random
-from composer_algos.selection_algorithm import DataSelection, top_k_within_capacities
 from tests.common.models import tiny_llama
 from tests.features.helpers import make_batch
 from tests.training.fake_ranks import FakeState, ListLogger, ThreadRanks
@@ -220,7 +220,7 @@ def test_the_stale_gbar_survives_a_resume():
 
 def test_without_a_stale_gbar_a_between_step_is_random_with_a_warning(caplog):
     algo = _algo(between="stale_topk")
-    with caplog.at_level(logging.WARNING, logger="composer_algos.selection_algorithm"):
+    with caplog.at_level(logging.WARNING, logger="composer_algos.data_selection.algorithm"):
         _, logger = _step(algo, _pool(12, 1), 1)
     assert logger.traces[-1]["selection/strategy"] == "random"
     assert "stale_topk has no validation feature" in caplog.text

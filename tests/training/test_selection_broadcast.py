@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import composer_algos.selection_step as selection_step
+import composer_algos.data_selection.step as selection_step
+from composer_algos.data_selection.algorithm import DataSelection
+from composer_algos.data_selection.step import SelectionProblem, solve_problem
 from composer_algos.selection import SelectionResult
-from composer_algos.selection_algorithm import DataSelection
-from composer_algos.selection_step import SelectionProblem, solve_problem
 from tests.training.fake_ranks import ThreadRanks
 
 D = 4

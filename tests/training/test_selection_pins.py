@@ -76,7 +76,7 @@ def test_the_compiled_scoring_forward_selects_as_the_pins(dolma_shards, tmp_path
     trainer = train.build_trainer(cfg)
     trainer.fit()
     got = _series(trainer, "selection/selected_hash")
-    from composer_algos.selection_algorithm import find_data_selection
+    from composer_algos.data_selection.algorithm import find_data_selection
 
     extractor = find_data_selection(trainer.state).extractor
     assert extractor._compiled_below is not None and extractor._compiled_below.below >= 1

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 from composer.loggers import InMemoryLogger
 
-import composer_algos.selection_algorithm as selection_algorithm
+import composer_algos.data_selection.algorithm as selection_algorithm
 import train
 from pipeline.config import load_config
 from tests.common.paths import REPO_ROOT

@@ -12,9 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from composer_algos.mixture_monitor import MixtureMonitor
-from composer_algos.selection import STRATEGIES, SelectionNumericsError, SelectionResult, StrategySpec
-from composer_algos.selection_step import (
+from composer_algos.data_selection.mixture_monitor import MixtureMonitor
+from composer_algos.data_selection.step import (
     SelectionProblem,
     assemble_problem,
     record_step,
@@ -23,6 +22,7 @@ from composer_algos.selection_step import (
     selection_metrics,
     solve_problem,
 )
+from composer_algos.selection import STRATEGIES, SelectionNumericsError, SelectionResult, StrategySpec
 from tests.training.fake_ranks import ListLogger, ThreadRanks
 
 D = 4

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from composer_algos.models import DomainCausalLM
+from composer_algos.data_selection.algorithm import DataSelection
+from composer_algos.models.causal_lm import DomainCausalLM
 from composer_algos.seeding import mix_seed
 from composer_algos.selection import STRATEGIES, StrategySpec, compute_capacities, select_partitionsel
-from composer_algos.selection_algorithm import DataSelection
 from tests.training.fake_ranks import FakeState, ListLogger, ThreadRanks
 
 DOMAINS = ["a", "b", "c"]
@@ -104,7 +104,7 @@ def test_non_finite_features_inside_the_solver_fall_back_and_log_every_time(capl
     feats_ND, gbar_D = _features(n, 0)
     feats_ND[3, 2] = float("nan")  # slipped past the extractor's check: the solver's own check raises
     algo = _algo(kappa=3, feats=(feats_ND, gbar_D))
-    caplog.set_level(logging.WARNING, logger="composer_algos.selection_algorithm")
+    caplog.set_level(logging.WARNING, logger="composer_algos.data_selection.algorithm")
     for step in range(2):
         batch, metrics = _step(algo, _pool(n, 0), step=step)
         assert batch["input_ids"].shape[0] == 3

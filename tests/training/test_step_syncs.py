@@ -2,7 +2,7 @@
 
 On a GPU every read of a device value by the host (`.item()`, `.tolist()`, `.cpu()`, `bool()` of a
 tensor, `nonzero`, a CUDA `bincount`, a blocking copy to the device, ...) makes the host wait for
-the accelerator's queue to drain. `tools/step_audit.py` counts the calls the project's own code
+the accelerator's queue to drain. `tools/bench/step_audit.py` counts the calls the project's own code
 makes during one step of a real Trainer, emulating on this CPU machine which tensors a CUDA run
 holds on the device (its docstring gives the rules; on CUDA the same count comes from torch's
 `set_sync_debug_mode`, see tests/gpu). The budget: one transfer a step for every strategy, plus,
@@ -23,8 +23,8 @@ from tests.common.paths import REPO_ROOT
 from tests.training.conftest import tiny_overrides
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-from bench_step import prepare_for_stepping  # noqa: E402  (tools/bench_step.py)
-from step_audit import StepAuditor, SyncAudit, format_counts  # noqa: E402  (tools/step_audit.py)
+from step_audit import StepAuditor, SyncAudit, format_counts  # noqa: E402  (tools/bench/step_audit.py)
+from stepping import prepare_for_stepping  # noqa: E402  (tools/bench/stepping.py)
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 STRATEGIES = ["partitionsel", "greats", "id", "iwd", "gradnorm", "colm", "facloc", "uniprot", "random", "random_stratified"]

@@ -8,7 +8,7 @@ import json
 from types import SimpleNamespace
 
 import train
-from composer_algos.train_budget import TrainTimeBudget
+from composer_algos.callbacks.train_budget import TrainTimeBudget
 from pipeline.config import load_config
 from tests.common.paths import REPO_ROOT
 from tests.training.conftest import tiny_overrides
@@ -141,7 +141,7 @@ def test_bad_warmup_steps_are_rejected_naming_the_field():
 
 def test_cpu_time_counts_training_and_leaves_evaluation_out(monkeypatch):
     """Process CPU 0 at fit start, 1 at step 1's end, an evaluation until 5, 6 at step 2's end: 2 s trained."""
-    import composer_algos.train_budget as tb
+    import composer_algos.callbacks.train_budget as tb
 
     clock = iter([0.0, 1.0, 5.0, 6.0])
     monkeypatch.setattr(tb.time, "process_time", lambda: next(clock))
@@ -164,7 +164,7 @@ def test_cpu_time_of_a_step_ends_at_after_train_batch_not_at_callbacks_before_it
     Process CPU 0 at fit start, 1 at step 1's AFTER_TRAIN_BATCH, then 40 s of another callback's
     BATCH_END work (the clock reads 41 at this callback's BATCH_END): step 1 took 1 CPU s.
     """
-    import composer_algos.train_budget as tb
+    import composer_algos.callbacks.train_budget as tb
 
     clock = {"now": 0.0}
     monkeypatch.setattr(tb.time, "process_time", lambda: clock["now"])

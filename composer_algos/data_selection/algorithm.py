@@ -1,0 +1,1162 @@
+"""The `DataSelection` Composer algorithm: oversample a pool, select a subset each step, train on it.
+
+Legend: N = pool size on this rank, P = pool size over all ranks (global scope), K = examples
+trained per step (this rank), C = domains, D = feature dimension.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from composer.core import Algorithm, Event, State
+from composer.core.precision import get_precision_context
+from composer.loggers import Logger
+from composer.utils import dist
+from torch.nn.parallel import DistributedDataParallel
+
+from composer_algos.data_selection.step import (
+    assemble_problem,
+    record_step,
+    redistribute,
+    selection_metrics,
+    settle_on_host,
+    solve_problem,
+)
+from composer_algos.data_selection.validation_source import (
+    BatchValidationSource,
+    ValidationSource,
+    model_inputs,
+)
+from composer_algos.features.val_average import ValidationAverage
+from composer_algos.models.scoring_prefix import PREFIX_KEY
+from composer_algos.seeding import mix_seed
+from composer_algos.selection.conflicts import conflict_fraction
+from composer_algos.selection.types import DeferredChecks
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BETWEEN_MODES",
+    "DataSelection",
+    "DEFAULT_OVERSAMPLING",
+    "SELECTION_STRATEGIES",
+    "find_data_selection",
+    "find_data_selection_in",
+    "top_k_within_capacities",
+]
+
+# Strategies the algorithm accepts: the selection registry's plus "none" (train on the whole pool).
+SELECTION_STRATEGIES = (
+    "partitionsel",
+    "greats",
+    "id",
+    "iwd",
+    "gradnorm",
+    "colm",
+    "facloc",
+    "uniprot",
+    "random",
+    "random_stratified",
+    "none",
+)
+
+# The one default of the oversampling ratio r (pool = r x kappa); train.py sizes the loader from the
+# algorithm's value, so a yaml that omits it selects with r = 2.
+DEFAULT_OVERSAMPLING = 2.0
+
+# What the steps between selections (`interval` > 1) train on; see `DataSelection`'s `between`.
+BETWEEN_MODES = ("random", "stale_topk")
+
+VALIDATION_KEYS = (
+    "shard_dir", "split", "domains", "batch_size", "remote", "guide_fraction", "average_beta", "batches", "target",
+    "stratify",
+)
+
+# What the guiding validation feature is (`validation.target`).
+VALIDATION_TARGETS = ("mean", "domain_balanced")
+
+# Strategies whose refit weights the adaptive capacities' per-domain utilities are computed from.
+ADAPTIVE_STRATEGIES = ("partitionsel", "iwd")
+
+
+
+def _ignored_capacities(strategy: str, given: str, pronoun: str, key: str) -> str | None:
+    """The message when `strategy` would ignore the capacities given as `given` (None when it honours them)."""
+    from composer_algos.selection import STRATEGIES, get_strategy
+
+    if strategy != "none" and get_strategy(strategy).uses_capacities:
+        return None
+    honour = [name for name, spec in STRATEGIES.items() if spec.uses_capacities]
+    what = "trains on the whole pool" if strategy == "none" else "does not use per-domain capacities"
+    return (
+        f"{given} would be ignored: strategy {strategy!r} {what} (only {', '.join(honour)} honour {pronoun}): "
+        f"remove {key} or choose one of those strategies"
+    )
+
+class DataSelection(Algorithm):
+    """Select a subset of every oversampled batch with a data-selection strategy, then train on it.
+
+    Drop it into any Composer `Trainer` whose loader yields dict batches (`input_ids`, optional
+    `attention_mask` and `labels`, and a per-example domain id under `domain_key`), sized
+    `oversampling` times the examples to train per step::
+
+        DataSelection(strategy="partitionsel", oversampling=2, validation=val_batches)
+
+    Each step (`AFTER_DATALOADER`) runs four stages (composer_algos/data_selection/step.py): assemble
+    the problem (the pool's gradient features and the validation feature, gathered from every rank
+    under global scope), solve it for kappa = pool / oversampling examples per rank with the
+    optimizer's current learning rate as eta, redistribute the picks (every per-example field
+    subset together; under global scope each rank trains exactly kappa), and record the metrics
+    through Composer's logger. See docs/data_selection.md (the method card) and the PartitionSel
+    paper.
+
+    Args:
+        strategy: One of `SELECTION_STRATEGIES` (default `partitionsel`); `none` trains on the pool.
+        oversampling: Pool size / examples trained, r (default `DEFAULT_OVERSAMPLING` = 2). kappa
+            per rank is `round(pool / r)`, the pool being the train loader's batch size. A selecting
+            strategy needs r > 1 and a pool larger than kappa; `train.py` sizes its loader from this.
+        scope: `global` (gather the problem from every rank, solve the same problem everywhere,
+            then rebalance so each rank trains exactly kappa), `local` (select within each rank)
+            or `auto` (default: global when the world size is > 1).
+        validation: Where validation-guided strategies (partitionsel, greats, id, iwd) draw their
+            validation batch each step: a shard directory (str or path, the output of
+            `tools/shard.py`), an iterable of dict batches (a DataLoader, or a list: step s takes
+            the batch at position s mod its length, so a resumed run draws the same), or a mapping
+            with `shard_dir`, `split` (`val`), `domains`, `batch_size` (4), `remote`,
+            `guide_fraction` (0.5: draw from the guide half of each domain's split; evaluation reads
+            the other), `batches` (instead of `shard_dir`), `average_beta` (0.0: a running mean of
+            the validation feature over steps, `ValidationAverage`), `target` (`mean`, default: the
+            mean of the validation rows; `domain_balanced`: every domain present in the step's
+            validation rows weighted equally, the official code's `val_srcwt`) and `stratify`
+            (False; True draws every domain each step, `ValidationSource`). Default: the training
+            dataset's shards when it is a `DomainStreamingDataset`; `domains` then defaults to the
+            domains the training dataset streams (a run restricted to some domains is guided by
+            those). The collator's pad id and length come from the shards' manifest.
+        domain_key: Batch field holding each example's domain id (default `domain_id`).
+        domain_names: Names of the domains by id (default: the validation shards' or the training
+            dataset's manifest, else `domain_<i>` for each id seen; under global scope, seen on any
+            rank, so every rank solves for the same number of domains).
+        features: Keyword arguments of `GradFeatureExtractor` (target_modules, last_n_blocks,
+            include_lm_head, exact_max_numel, sketch_dim, normalization, proj_dim, chunk_size, ...).
+            Scoring runs in the run's precision context (`state.precision`, as the training
+            forward); `chunk_size: auto` (default) scores the run's device microbatch size (at most
+            the examples a rank trains) per forward, halved on an out-of-memory error.
+        strategy_options: Extra options per strategy name, e.g. `{partitionsel: {refit: exact,
+            refine: swap}}`; only the running strategy's entry is used, so the strategy can be
+            switched from the command line without editing the options.
+        capacity_fractions: Fixed per-domain shares of kappa by domain name, or `uniform` (the
+            same share for every domain); default: proportional to the pool, as in the paper.
+            Only the strategies that select within capacities honour it (partitionsel, id, iwd,
+            random_stratified); with another strategy it is rejected. The older spelling of
+            `capacities: {policy: fractions, weights: ...}` (or `capacities: uniform`); give one.
+        capacities: The capacity policy (`composer_algos.data_selection.capacity_policy.parse_capacity_policy`):
+            `proportional` (default), `uniform`, `adaptive` (the official code's budget curriculum;
+            partitionsel and iwd only), or a mapping `{policy: slack, factor: s}`, `{policy:
+            adaptive, beta, lamb}`, `{policy: fractions, weights: {...} | file: <DoReMi weights
+            file>}`, `{policy: minority_full, domains: [...] | max_share: x, base: ...}`. Honoured
+            by the strategies that select within capacities; with another one a policy other than
+            `proportional` is rejected.
+        weighted_loss: Weight each selected example's loss by its refit weight, so the step
+            optimises `sum_i w_i l_i / sum_i w_i` over the selected examples of all ranks and
+            microbatches (weights normalised to mean 1 over all ranks); strategies without weights
+            train unweighted. The model's loss must read the batch's `loss_weight` (DomainCausalLM).
+        start, end: Fraction of training during which to select (outside, a uniform random
+            subset of the same size is trained on, so every step costs the same).
+        interval: Select every `interval` batches (what is trained on in between: `between`).
+        between: What the steps between selections train on when `interval` > 1: `random` (default,
+            a uniform random subset of kappa, no scoring) or `stale_topk`: the pool's gradient
+            features are computed (the pool only: no validation batch is drawn or scored, no solver
+            runs), scored against the validation feature saved at the last selecting step, and
+            the top kappa by `<g_i, gbar_stale>` within the step's per-domain capacities are
+            trained on, unweighted. It saves the validation features and the solve, not the pool
+            features. Needs a validation-guided strategy (partitionsel, greats, id, iwd); works
+            under both scopes (under global scope on the gathered pool, with the gathered
+            validation feature). The saved feature is in the checkpoint; until a selecting step
+            has produced one (and after a resume of `scope: local` on several ranks, whose
+            per-rank features the rank-0 checkpoint cannot hold) a between step trains on a random
+            subset, with a warning. Outside `[start, end)` the steps stay random.
+        check_consistency: Verify (one all-gather of a digest) that every rank assembled the same
+            gathered problem (features, validation feature, domains, budget); the selections are
+            identical by construction, rank 0's being broadcast. Global scope only (rejected with
+            `scope: local`, where ranks select from their own pools by design).
+        seed: Seed of the per-step generators (selection and validation draws).
+        log_conflicts: Also compute the pool's gradient features on the steps of a strategy that
+            computes none (random, random_stratified), only to log `selection/conflict_fraction` of
+            the examples it selected, so that random's conflicts can be set beside the guided
+            strategies' (issue 21.5). The selection never reads them: the same examples are picked.
+            It costs one feature pass of the pool a step (no validation batch), counted in
+            `selection/time_features_s` and in the training time. A no-op for strategies that
+            compute features (they log the fraction already) and on the random steps outside
+            `[start, end)` or between selections; skipped, with one warning, under global scope on
+            several ranks (the indices then refer to the gathered pool).
+
+    Raises:
+        ValueError: every invalid argument at once (unknown strategy, oversampling below 1, or 1 with
+            a selecting strategy, bad scope, start/end, interval, between, validation keys or
+            average_beta, or an average_beta > 0 with features whose validation side changes with
+            the step: `precondition` split or both, `adam_simulated`, `resample_projections`).
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: str = "partitionsel",
+        oversampling: float = DEFAULT_OVERSAMPLING,
+        scope: str = "auto",
+        validation: Mapping[str, Any] | str | os.PathLike | Iterable[Mapping[str, Any]] | None = None,
+        domain_key: str = "domain_id",
+        domain_names: Sequence[str] | None = None,
+        features: Mapping[str, Any] | None = None,
+        strategy_options: Mapping[str, Any] | None = None,
+        capacity_fractions: Mapping[str, float] | str | None = None,
+        capacities: str | dict[str, Any] | None = None,
+        weighted_loss: bool = False,
+        start: float = 0.0,
+        end: float = 1.0,
+        interval: int = 1,
+        between: str = "random",
+        check_consistency: bool = False,
+        seed: int = 0,
+        log_conflicts: bool = False,
+    ) -> None:
+        problems = []
+        from composer_algos.selection import get_strategy, strategy_names
+
+        # The built-ins, "none", and strategies other packages add (entry points partitionsel.strategies).
+        known = (*SELECTION_STRATEGIES, *(n for n in strategy_names() if n not in SELECTION_STRATEGIES))
+        if strategy not in known:
+            problems.append(f"strategy must be one of {known}, got {strategy!r}")
+        if not oversampling >= 1:
+            problems.append(f"oversampling must be >= 1, got {oversampling}")
+        elif oversampling == 1 and strategy != "none":
+            problems.append(
+                f"oversampling 1 with strategy {strategy!r}: the pool would equal kappa and nothing would be "
+                f"selected; use oversampling > 1 (default {DEFAULT_OVERSAMPLING:g}) or strategy none"
+            )
+        if scope not in ("auto", "global", "local"):
+            problems.append(f"scope must be auto, global or local, got {scope!r}")
+        if not 0 <= start < end <= 1:
+            problems.append(f"start and end must satisfy 0 <= start < end <= 1, got start={start}, end={end}")
+        if interval < 1:
+            problems.append(f"interval must be >= 1, got {interval}")
+        if between not in BETWEEN_MODES:
+            problems.append(f"between must be one of {list(BETWEEN_MODES)}, got {between!r}")
+        elif between == "stale_topk" and strategy in known:
+            guided = strategy != "none" and get_strategy(strategy).needs_validation
+            if not guided:
+                problems.append(
+                    f"between: stale_topk scores the pool against the validation feature of the last selection, "
+                    f"so it needs a validation-guided strategy (partitionsel, greats, id, iwd); strategy "
+                    f"{strategy!r} has none; use between: random"
+                )
+        validation_cfg = _validation_config(validation)
+        unknown_val = sorted(set(validation_cfg) - set(VALIDATION_KEYS))
+        if unknown_val:
+            problems.append(f"validation does not take {unknown_val}; allowed: {', '.join(VALIDATION_KEYS)}")
+        beta = validation_cfg.get("average_beta", 0.0)
+        if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
+            problems.append(f"validation.average_beta must be in [0, 1), got {beta!r}")
+        elif beta > 0:
+            problems += _average_beta_conflicts(beta, features or {})
+        target = validation_cfg.get("target", "mean")
+        if target not in VALIDATION_TARGETS:
+            problems.append(f"validation.target must be one of {list(VALIDATION_TARGETS)}, got {target!r}")
+        stratify = validation_cfg.get("stratify", False)
+        if not isinstance(stratify, bool):
+            problems.append(f"validation.stratify must be true or false, got {stratify!r}")
+        elif stratify and validation_cfg.get("batches") is not None:
+            problems.append(
+                "validation.stratify draws from validation shards; with given batches the draw is yours: remove "
+                "validation.stratify or give validation.shard_dir"
+            )
+        guided = strategy in known and strategy != "none" and get_strategy(strategy).needs_validation
+        if strategy in known and not guided and (target != "mean" or stratify is True):
+            problems.append(
+                f"validation.target {target!r} / validation.stratify {stratify!r} would be ignored: strategy "
+                f"{strategy!r} draws no validation batch; remove them or use a validation-guided strategy"
+            )
+        policy = None
+        if capacities is not None and capacity_fractions:
+            problems.append(
+                "capacities and capacity_fractions both given; capacity_fractions is the older spelling of "
+                "capacities: {policy: fractions, weights: ...} (or capacities: uniform): keep one"
+            )
+        else:
+            try:
+                from composer_algos.data_selection.capacity_policy import parse_capacity_policy
+
+                policy = parse_capacity_policy(capacities, where="capacities")
+            except (ValueError, FileNotFoundError) as e:
+                problems.append(str(e))
+        if policy is not None and capacities is not None and policy.name != "proportional" and strategy in known:
+            ignored = _ignored_capacities(strategy, f"capacities {policy.describe()!r}", "them", "capacities")
+            if ignored:
+                problems.append(ignored)
+            elif policy.name == "adaptive" and strategy not in ADAPTIVE_STRATEGIES:
+                problems.append(
+                    f"capacities adaptive updates each domain's budget from the refit weights of the selection, which "
+                    f"strategy {strategy!r} does not have; use one of {list(ADAPTIVE_STRATEGIES)}"
+                )
+        if capacity_fractions and strategy in known:
+            ignored = _ignored_capacities(
+                strategy, f"capacity_fractions {capacity_fractions!r}", "it", "capacity_fractions"
+            )
+            if ignored:
+                problems.append(ignored)
+        if check_consistency and scope == "local":
+            problems.append(
+                "check_consistency: true needs scope global or auto (with local scope every rank selects "
+                "from its own pool, so the selections differ by design); got scope 'local'"
+            )
+        bad_opts = sorted(k for k in (strategy_options or {}) if k not in known)
+        if bad_opts:
+            problems.append(
+                f"strategy_options is keyed by strategy name; {bad_opts} are not strategies "
+                f"(allowed: {known}), e.g. strategy_options: {{partitionsel: {{refit: exact}}}}"
+            )
+        if not isinstance(log_conflicts, bool):
+            problems.append(f"log_conflicts must be true or false, got {log_conflicts!r}")
+        if problems:
+            raise ValueError("algorithms.data_selection: " + "; ".join(problems))
+        self.strategy = strategy
+        self.oversampling = float(oversampling)
+        self.scope = scope
+        self.validation_cfg = validation_cfg
+        self.domain_key = domain_key
+        self.feature_cfg = dict(features or {})
+        self.strategy_options = dict(strategy_options or {})
+        if isinstance(capacity_fractions, str) and capacity_fractions != "uniform":
+            raise ValueError(
+                f"algorithms.data_selection.capacity_fractions: got {capacity_fractions!r}; allowed: "
+                "'uniform' or a mapping of domain name to share (e.g. {algebra: 2, numbers: 1})"
+            )
+        self.capacity_fractions: dict[str, float] | str | None = (
+            capacity_fractions if isinstance(capacity_fractions, str) else dict(capacity_fractions or {}) or None
+        )
+        if self.capacity_fractions is not None:
+            from composer_algos.data_selection.capacity_policy import FractionsPolicy
+
+            policy = FractionsPolicy(weights=self.capacity_fractions, source="algorithms.data_selection.capacity_fractions")
+        assert policy is not None
+        self.capacity_policy = policy
+        self.validation_target = target
+        self._trained_domains: list[str] | None = None  # the names the training dataset streams, once known
+        self.weighted_loss = weighted_loss
+        self.start, self.end, self.interval = start, end, interval
+        self.between = between
+        self.check_consistency = check_consistency
+        self.seed = seed
+        self.log_conflicts = log_conflicts
+        self._warned_log_conflicts = False
+        self._warned_prefix = False
+        self._prefix_rows: torch.Tensor | None = None
+        self.domain_names = list(domain_names) if domain_names is not None else None
+        self._names_given = domain_names is not None
+
+        self.kappa: int | None = None  # per rank, from the first pool (see _resolve_kappa)
+        self.spec = None
+        self._fractions: list[float] | None = None
+        self._fractions_for: int = -1  # number of domains the fractions were resolved for
+        self.extractor = None
+        self.validation: ValidationSource | BatchValidationSource | None = None
+        self.val_average = ValidationAverage(float(beta))
+        self.fallbacks = 0
+        self._extractor_state: dict[str, Any] | None = None
+        # between: stale_topk: the validation feature of the last selecting step (the gathered one
+        # under global scope, after the running average), and whether it is the same on every rank.
+        self._stale_gbar: torch.Tensor | None = None
+        self._stale_gbar_shared = True
+        # This step's validation rows (V, D) and their domain ids (V,), when `_needs_validation_rows`.
+        self._val_rows_VD: torch.Tensor | None = None
+        self._val_domain_V: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ Composer hooks
+    def match(self, event: Event, state: State) -> bool:
+        return event in (Event.INIT, Event.AFTER_DATALOADER)
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.INIT:
+            self._init(state)
+            return
+        self._select(state, logger)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["fallbacks"] = self.fallbacks
+        sd["val_average"] = self.val_average.state_dict()
+        if self.extractor is not None:
+            sd["extractor"] = self.extractor.state_dict()
+        elif self._extractor_state is not None:
+            sd["extractor"] = self._extractor_state
+        # Composer writes rank 0's state: a per-rank feature (local scope, several ranks) is left out.
+        keep = self._stale_gbar is not None and self._stale_gbar_shared
+        sd["stale_gbar"] = self._stale_gbar.detach().cpu() if keep else None  # type: ignore[union-attr]
+        if self.capacity_policy.stateful:
+            # The same on every rank under global scope (see AdaptivePolicy); local scope on several ranks is rejected.
+            sd["capacity_policy"] = {"name": self.capacity_policy.name, **self.capacity_policy.state_dict()}
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.fallbacks = int(state.get("fallbacks", 0))
+        if state.get("val_average") is not None:
+            self.val_average.load_state_dict(state["val_average"])
+        self._extractor_state = state.get("extractor")
+        if self.extractor is not None and self._extractor_state is not None:
+            self.extractor.load_state_dict(self._extractor_state)
+        self._stale_gbar = state.get("stale_gbar")
+        saved = state.get("capacity_policy")
+        if saved is not None and self.capacity_policy.stateful:
+            if saved.get("name") != self.capacity_policy.name:
+                raise ValueError(
+                    f"algorithms.data_selection.capacities: the checkpoint holds the state of capacity policy "
+                    f"{saved.get('name')!r}, the run configures {self.capacity_policy.name!r}"
+                )
+            self.capacity_policy.load_state_dict(saved)
+
+    @property
+    def num_domains(self) -> int:
+        return len(self.domain_names or [])
+
+    # ------------------------------------------------------------------ setup
+    def _init(self, state: State) -> None:
+        if self.strategy == "none":
+            return
+        from composer_algos.selection import get_strategy
+
+        self.spec = get_strategy(self.strategy)
+        if self.val_average.beta > 0 and self.scope == "local" and dist.get_world_size() > 1:
+            raise ValueError(
+                f"algorithms.data_selection.validation.average_beta {self.val_average.beta} needs scope global or "
+                "auto on more than one rank (with scope local each rank would average its own validation "
+                "feature and only rank 0's average would be checkpointed); set average_beta: 0 or scope: auto"
+            )
+        if self.capacity_policy.stateful and self.scope == "local" and dist.get_world_size() > 1:
+            raise ValueError(
+                f"algorithms.data_selection.capacities {self.capacity_policy.name} keeps a per-domain state across steps, "
+                "which needs scope global or auto on more than one rank (with scope local every rank would follow its "
+                "own pool and only rank 0's state would be checkpointed); set scope: auto"
+            )
+        cfg = self.validation_cfg
+        if self.spec.needs_validation and ("shard_dir" in cfg or "batches" in cfg):
+            self._build_validation(None)  # fail at INIT on a missing split rather than at the first batch
+
+    def _build_validation(self, state: State | None) -> None:
+        """The validation source: the configured batches or shards, else the training dataset's shards."""
+        cfg = self.validation_cfg
+        if cfg.get("batches") is not None:
+            self.validation = BatchValidationSource(cfg["batches"])
+            return
+        shard_dir, remote = cfg.get("shard_dir"), cfg.get("remote")
+        if shard_dir is None and state is not None:
+            dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
+            shard_dir = getattr(dataset, "shard_dir", None)
+            remote = remote if remote is not None else getattr(dataset, "remote", None)
+        if shard_dir is None:
+            raise ValueError(
+                f"strategy {self.strategy!r} needs a validation stream: pass validation= a shard directory, a "
+                "dataloader or list of batches, or {shard_dir: ...} (algorithms.data_selection.validation.shard_dir; "
+                "default: the training dataset's shards when it is a DomainStreamingDataset)"
+            )
+        domains = cfg.get("domains")
+        if domains is None and state is not None:
+            domains = self._default_validation_domains(state, shard_dir)
+        try:
+            self.validation = ValidationSource(
+                shard_dir=str(shard_dir),
+                split=cfg.get("split", "val"),
+                domains=domains,
+                stratify=bool(cfg.get("stratify", False)),
+                batch_size=int(cfg.get("batch_size", 4)),
+                remote=remote,
+                guide_fraction=float(cfg.get("guide_fraction", 0.5)),
+                seed=self.seed,
+                rank=dist.get_global_rank(),
+            )
+        except ValueError as e:
+            raise ValueError(f"strategy {self.strategy!r} needs a validation stream, and it failed: {e}") from e
+        if self.domain_names is None:
+            self.domain_names = list(self.validation.dataset.domain_names)
+
+    def _default_validation_domains(self, state: State, shard_dir: Any) -> list[str] | None:
+        """The trained domains, when the validation shards are the training dataset's (else None: every domain).
+
+        A run restricted to some domains (`train_loader.dataset.domains`) is then guided by those, not by
+        domains it neither trains nor evaluates. Validation shards elsewhere (a target set) keep all theirs.
+        """
+        dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
+        trained = _trained_domain_names(dataset)
+        train_dir = getattr(dataset, "shard_dir", None)
+        if trained is None or train_dir is None:
+            return None
+        same = os.path.realpath(os.fspath(train_dir)) == os.path.realpath(os.fspath(shard_dir))
+        return trained if same else None
+
+    def _prepare(self, state: State, n: int, domain_N: torch.Tensor) -> None:
+        """Settle what the first batch tells: kappa, the validation source, the domain names."""
+        if self.kappa is None:
+            dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
+            self._trained_domains = _trained_domain_names(dataset)
+            self._restrict_validation(state)
+            self.kappa = self._resolve_kappa(state, n)
+        if self.domain_names is None:
+            dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
+            names = getattr(dataset, "domain_names", None)
+            self.domain_names = list(names) if names is not None else []
+        if domain_N.numel():
+            self._grow_domains(int(domain_N.max()) + 1)
+        else:
+            self._resolve_fractions()
+
+    def _grow_domains(self, top: int) -> None:
+        """Name the ids below `top` beyond the known names (no manifest) `domain_<i>`; C only grows.
+
+        Under global scope `top` must be the same on every rank (the gathered pool's), or a rank
+        whose pool lacks the largest id would size the problem smaller than the others.
+        """
+        if not self._names_given:
+            assert self.domain_names is not None
+            self.domain_names += [f"domain_{i}" for i in range(len(self.domain_names), top)]
+        self._resolve_fractions()
+
+    def _restrict_validation(self, state: State) -> None:
+        """At the first batch: rebuild validation shards built at INIT when they draw untrained domains."""
+        if not isinstance(self.validation, ValidationSource) or self.validation_cfg.get("domains") is not None:
+            return
+        wanted = self._default_validation_domains(state, self.validation.dataset.shard_dir)
+        names = self.validation.dataset.domain_names
+        drawn = {names[i] for i in self.validation.domain_ids}
+        if wanted is not None and not drawn <= set(wanted):
+            log.info("data_selection: validation restricted to the trained domains %s (was %s)", wanted, sorted(drawn))
+            self._build_validation(state)
+
+    def _resolve_fractions(self) -> None:
+        """Bind the capacity policy to the domain names, again whenever the number of domains changes."""
+        if self._fractions_for != self.num_domains and self.domain_names:
+            # Fractions: missing domains get 0 (with a warning); the rest is normalised to sum to 1.
+            self.capacity_policy.bind(self.domain_names, self._trained_domains)
+            self._fractions = self.capacity_policy.fractions() if self.capacity_policy.simple() else None
+            self._fractions_for = self.num_domains
+
+    def _capacity_fn(self):
+        """What `solve_problem` calls for capacities: None for `compute_capacities` with `_fractions`."""
+        return None if self.capacity_policy.simple() else self.capacity_policy.capacities
+
+    def _resolve_kappa(self, state: State, n: int) -> int:
+        """kappa per rank = round(pool / oversampling), the pool being the loader's batch size (else this batch's)."""
+        pool = getattr(getattr(state, "train_dataloader", None), "batch_size", None)
+        if not isinstance(pool, int) or pool < 1:
+            pool = n
+        kappa = int(round(pool / self.oversampling))
+        if self.strategy != "none" and not 1 <= kappa < pool:
+            raise ValueError(
+                f"algorithms.data_selection: a pool of {pool} examples per rank with oversampling "
+                f"{self.oversampling:g} gives kappa {kappa}; strategy {self.strategy!r} needs 1 <= kappa < pool "
+                "(the loader's batch size must be oversampling x the examples trained per rank)"
+            )
+        return kappa
+
+    def _build_extractor(self, state: State) -> None:
+        from composer_algos.features import GradFeatureExtractor
+
+        model = state.model.module if isinstance(state.model, DistributedDataParallel) else state.model
+        # The model's `logits_at: targets` (answer-only fine-tuning) applies to the scoring forward too.
+        self.extractor = GradFeatureExtractor(
+            model, seed=self.seed, logits_at=getattr(model, "logits_at", "all"), **self.feature_cfg
+        )
+        if self._extractor_state is not None:
+            self.extractor.load_state_dict(self._extractor_state)
+
+    # ------------------------------------------------------------------ the step
+    def _select(self, state: State, logger: Logger) -> None:
+        batch = state.batch
+        if not isinstance(batch, Mapping) or self.domain_key not in batch:
+            keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+            raise TypeError(
+                f"DataSelection needs dict batches with a per-example domain id tensor under domain_key "
+                f"{self.domain_key!r}; got {keys} (set domain_key, or use pipeline's collators)"
+            )
+        domain_N = batch[self.domain_key]
+        n = int(domain_N.shape[0])
+        self._prepare(state, n, domain_N)
+        pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
+        pool_ids = batch.get("sample_id")  # the pool's dataset indices, for MixtureMonitor(log_selected_ids=True)
+        if self.strategy == "none":
+            record_step(logger, method="none", strategy="none", pool_counts_C=pool_C, pool_sample_ids_N=pool_ids)
+            return
+        from composer_algos.selection import get_strategy
+
+        assert self.kappa is not None
+        step = int(state.timestamp.batch.value)
+        world = dist.get_world_size()
+        use_global = self.scope == "global" or (self.scope == "auto" and world > 1)
+        multi = use_global and world > 1
+        gen_seed = mix_seed(self.seed, step, 0 if use_global else dist.get_global_rank())
+        eta = float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0
+        strategy = self.strategy if self._is_active(state, step) else "random"
+        stale = strategy == "random" and self._is_stale_step(state, step)
+        needs_features = get_strategy(strategy).needs_features or stale
+
+        # Stage 1: assemble the problem (this rank's pool, or every rank's under global scope).
+        # Locally the step reads the device once (settle_on_host): the checks of device values
+        # (finite features, a finite objective) are recorded as they run and judged from that
+        # one transfer, which also brings the selection to the host. Global scope agrees on
+        # fallbacks across ranks before it gathers, so it judges as it goes.
+        deferred = not multi
+        feature_checks, solver_checks = DeferredChecks(), DeferredChecks()
+        model = getattr(state, "model", None)
+        cpu = torch.device("cpu")
+        clock = _StageClock(next((p.device for p in model.parameters()), cpu) if model is not None else cpu)
+        feats_ND, gbar_D, fallback = None, None, None  # fallback: why this step selects at random
+        self._val_rows_VD, self._val_domain_V = None, None
+        self._prefix_rows = None  # the pool rows' frozen-prefix output, when the scoring pass recorded it
+        if needs_features:
+            with _deferring(feature_checks if deferred else None):
+                feats_ND, gbar_D, fallback = self._features(
+                    state, batch, step, defer_commits=multi or deferred, validation=not stale, record_prefix=True
+                )
+        # log_conflicts: features of the pool for the log only (the problem below never sees them).
+        probe_ND = None
+        if self.log_conflicts and not needs_features and strategy == self.strategy:
+            if multi:
+                if not self._warned_log_conflicts:
+                    log.warning(
+                        "data_selection: log_conflicts is skipped under global scope on %d ranks (the selection's "
+                        "indices refer to the gathered pool); use scope local or one rank",
+                        world,
+                    )
+                    self._warned_log_conflicts = True
+            else:
+                # Its checks are never judged: a broken probe only loses its logged fraction (below).
+                with _deferring(DeferredChecks()):
+                    probe_ND, _, _ = self._features(state, batch, step, validation=False)
+        # The validation rows one by one (and their domains), for the targets and strategies that read them.
+        rows_needed = not stale and strategy == self.strategy and self._needs_validation_rows()
+        clock.mark("features")
+        t1 = time.perf_counter()
+        average_before = self.val_average.snapshot()
+        problem = assemble_problem(
+            domain_N,
+            kappa_rank=self.kappa,
+            gather=multi,
+            needs_features=needs_features,
+            features_ND=feats_ND,
+            gbar_D=gbar_D,
+            n_val=self.validation.last_batch_size if self.validation is not None else 1,
+            fallback=fallback,
+            average_gbar=None if stale else self.val_average.update,
+            val_rows_VD=self._val_rows_VD if rows_needed else None,
+            val_domain_V=self._val_domain_V if rows_needed else None,
+            balance_domains=rows_needed and self.validation_target == "domain_balanced",
+        )
+        t_gather = time.perf_counter() - t1 if multi else 0.0
+        if multi and problem.domain_P.numel():
+            # C from the gathered ids, identical on every rank (this rank's pool may lack the largest);
+            # an id beyond the given names stops every rank here, not one rank inside the solver.
+            top = int(problem.domain_P.max()) + 1
+            if self._names_given and top > self.num_domains:
+                raise ValueError(
+                    f"algorithms.data_selection: the pool of some rank holds domain id {top - 1}, but domain_names "
+                    f"names {self.num_domains} domains {self.domain_names}; give a name for every domain id"
+                )
+            self._grow_domains(top)
+            pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
+        if self.check_consistency and multi:
+            self._check_same_problem(problem)
+
+        # Stage 2: solve (falling back to random within capacities when the problem is broken).
+        clock.mark("solve start")
+        options = self.strategy_options.get(strategy) if strategy == self.strategy else None
+        if stale and problem.fallback is None:
+            outcome = self._stale_topk(problem, gen_seed)
+        else:
+            outcome = solve_problem(
+                problem,
+                strategy,
+                eta=eta,
+                seed=gen_seed,
+                num_domains=self.num_domains,
+                options=options,
+                fractions=self._fractions,
+                capacity_fn=self._capacity_fn(),
+                deferred=solver_checks if deferred else None,
+            )
+        # The conflict fraction of the selection, read with it (dropped if the step falls back).
+        logged_PD = problem.features_PD if probe_ND is None else probe_ND
+        extras = {}
+        if logged_PD is not None and outcome.fallback is None and outcome.result.indices.numel() > 1:
+            fraction = conflict_fraction(logged_PD, outcome.result.indices)
+            if probe_ND is not None:  # a broken probe logs nothing (nan is dropped below)
+                usable = torch.isfinite(probe_ND).all() & (probe_ND != 0).any()
+                fraction = torch.where(usable, fraction, torch.full_like(fraction, float("nan")))
+            extras["conflicts"] = fraction
+        clock.mark("solve end")
+        # The step's one host sync (local scope): the selection, its numbers and the checks.
+        outcome, extra_values, failed_checks = settle_on_host(
+            outcome,
+            problem,
+            {"unusable gradient features": feature_checks, f"{strategy} failed numerically": solver_checks},
+            num_domains=self.num_domains,
+            seed=gen_seed,
+            fractions=self._fractions,
+            capacity_fn=self._capacity_fn(),
+            extras=extras,
+        )
+        features_ok = "unusable gradient features" not in failed_checks and problem.fallback is None
+        if not features_ok:
+            # The features were unusable: the step is a fallback, and nothing learnt from them stays.
+            self.val_average.restore(average_before)
+            problem.features_PD, problem.gbar_D = None, None
+        if needs_features:
+            self._settle_simulated_adam(multi, failed=not features_ok, deferred=deferred)
+        if self.between == "stale_topk" and not stale and problem.gbar_D is not None:
+            self._stale_gbar, self._stale_gbar_shared = problem.gbar_D.detach().clone(), multi or world == 1
+        adaptive_metrics = (
+            self._update_adaptive(problem, outcome, eta) if rows_needed and outcome.fallback is None else {}
+        )
+        clock.mark("settled", host_only=True)
+
+        # Stage 3: redistribute (subset locally, or rebalance the global picks across ranks).
+        t3 = time.perf_counter()
+        new_batch = redistribute(
+            batch, problem, outcome.result, domain_key=self.domain_key, weighted_loss=self.weighted_loss
+        )
+        t_exchange = time.perf_counter() - t3 + t_gather
+        if self._prefix_rows is not None and not problem.gathered:
+            # The selected rows' frozen-prefix output rides in the batch (Composer splits it with the rows into
+            # microbatches); the training forward hands it on past the frozen blocks (composer_algos/models/scoring_prefix.py).
+            idx_K = outcome.result.indices.to(self._prefix_rows.device, non_blocking=True)
+            new_batch[PREFIX_KEY] = self._prefix_rows.index_select(0, idx_K)
+        self._prefix_rows = None
+        state.batch = new_batch
+
+        # Stage 4: record, through Composer's logger only.
+        if outcome.fallback is not None:
+            self._note_fallback(step, outcome.fallback)
+        conflicts = extra_values.get("conflicts")
+        metrics = selection_metrics(
+            outcome.result,
+            features_PD=None,
+            new_batch=new_batch,
+            domain_key=self.domain_key,
+            fallback=outcome.fallback is not None,
+            fallbacks_total=self.fallbacks,
+            times_s=(
+                clock.seconds("start", "features"),
+                clock.seconds("solve start", "solve end") + clock.host_seconds("solve end", "settled"),
+                t_exchange,
+            ),
+            conflicts=conflicts if conflicts is not None and math.isfinite(conflicts) else None,
+        )
+        if needs_features and self.extractor is not None and self.extractor.chunk_size_in_use is not None:
+            metrics["selection/score_chunk_size"] = float(self.extractor.chunk_size_in_use)
+        if needs_features and self.extractor is not None and self.extractor.score_length_in_use is not None:
+            metrics["selection/score_seq_len"] = float(self.extractor.score_length_in_use)
+        if needs_features and self.extractor is not None and self.extractor.preconditioned_fraction is not None:
+            # The normalisation in use: the share of target layers Adam-normalised this step.
+            metrics["selection/normalization_preconditioned_fraction"] = self.extractor.preconditioned_fraction
+        metrics.update(adaptive_metrics)
+        record_step(
+            logger,
+            method=self.strategy,
+            strategy=outcome.strategy,
+            pool_counts_C=pool_C,
+            metrics=metrics,
+            pool_sample_ids_N=pool_ids,
+            capacities_C=outcome.capacities,
+            capacities_shared=problem.gathered,
+        )
+
+    def _needs_validation_rows(self) -> bool:
+        """Whether a selecting step keeps the validation rows (not only their mean)."""
+        spec = self.spec
+        if spec is None or not spec.needs_validation:
+            return False
+        return bool(
+            spec.needs_validation_rows or self.validation_target == "domain_balanced" or self.capacity_policy.stateful
+        )
+
+    def _update_adaptive(self, problem: Any, outcome: Any, eta: float) -> dict[str, float]:
+        """Fold the step's per-domain utilities into the adaptive capacities' state (the same on every rank)."""
+        from composer_algos.data_selection.capacity_policy import AdaptivePolicy, per_domain_utilities
+
+        policy = self.capacity_policy
+        result = outcome.result
+        if (
+            not isinstance(policy, AdaptivePolicy)
+            or outcome.fallback is not None
+            or result.weights is None
+            or problem.features_PD is None
+            or problem.val_rows_VD is None
+        ):
+            return {}
+        # The refit weights in the scale-free variable v = eta w (reported as v already at eta = 0).
+        scale_free = bool(result.info.get("scale_free", False)) or eta <= 0
+        v_K = result.weights.double() * (1.0 if scale_free else eta)
+        utilities_C, observed_C = per_domain_utilities(
+            problem.features_PD, result.indices, v_K, problem.val_rows_VD, problem.val_domain_V, self.num_domains, eta
+        )
+        if problem.gathered:
+            # Rank 0's utilities on every rank, so the states stay identical whatever the kernels' last bits.
+            dist.broadcast(utilities_C, src=0)
+        policy.update(utilities_C, observed_C)
+        names = self.domain_names or []
+        out = {}
+        for c, name in enumerate(names):
+            out[f"selection/adaptive_gain/{name}"] = float(policy.gain_C[c])
+            out[f"selection/adaptive_utility/{name}"] = float(policy.prev_C[c])
+        return out
+
+    def _settle_simulated_adam(self, multi: bool, *, failed: bool, deferred: bool = False) -> None:
+        """Advance the simulated-Adam filter with the step's pool once the features are judged (or drop it).
+
+        Under global scope with every rank's pool: each rank's filter would otherwise follow its
+        own pool, so the gathered rows would be normalised differently and only rank 0's state would
+        reach the checkpoint. Locally with `deferred` checks, once the step's one transfer has
+        judged the features (a failed call must leave the state unchanged).
+        """
+        ext = self.extractor
+        if not (multi or deferred) or ext is None or ext.normalization != "adam_simulated":
+            return
+        if failed:
+            ext.simulated.discard()
+        elif multi:
+            ext.simulated.commit_global(lambda t: dist.all_reduce(t, reduce_operation="SUM"))
+        else:
+            ext.simulated.defer_commits = False
+            ext.simulated.commit()
+
+    def _note_fallback(self, step: int, reason: str) -> None:
+        """Count a fallback and log it (every time: `warnings.warn` would show it once per call site)."""
+        self.fallbacks += 1
+        log.warning(
+            "data_selection step %d: %s; falling back to random selection within capacities (%d fallbacks so far)",
+            step,
+            reason,
+            self.fallbacks,
+        )
+
+    def _features(
+        self, state: State, batch: Mapping[str, Any], step: int, *, defer_commits: bool = False, validation: bool = True,
+        record_prefix: bool = False,
+    ):
+        """`(features, gbar, None)`, or `(None, None, reason)` when the features are unusable.
+
+        With `validation` False (a stale_topk step) no validation batch is drawn or scored: gbar is None.
+        With `record_prefix` and the model's `scoring_prefix` (`model.reuse_scoring_prefix`), the frozen
+        blocks' output on the pool rows is kept in `self._prefix_rows` when the pass scored whole rows.
+        """
+        from composer_algos.features import FeatureError
+
+        if self.extractor is None:
+            self._build_extractor(state)
+        assert self.extractor is not None
+        self.extractor.simulated.defer_commits = defer_commits
+        # Host tensors: the extractor cuts windows / score tokens there and moves what it scores.
+        pool = model_inputs(batch)
+        val = None
+        val_domain_V = None
+        if validation and self.spec is not None and self.spec.needs_validation:
+            if self.validation is None:
+                self._build_validation(state)
+            assert self.validation is not None
+            val_batch = self.validation.batch_for_step(step)
+            val = model_inputs(val_batch)
+            val_domain_V = self._validation_domain_ids(val_batch)
+        precision = getattr(state, "precision", None)
+        context = None
+        if precision is not None:
+            # The training forward's own context (Composer's trainer enters the same around it).
+            precision_config = getattr(state, "precision_config", None)
+
+            def context():
+                return get_precision_context(precision, precision_config)
+
+        prefix = self._scoring_prefix(state) if record_prefix else None
+        try:
+            with prefix.recording() if prefix is not None else contextlib.nullcontext():
+                feats, gbar = self.extractor.compute(
+                    pool,
+                    val,
+                    step=step,
+                    optimizer=state.optimizers[0] if state.optimizers else None,
+                    precision_context=context,
+                    auto_chunk_size=self._auto_chunk_size(state),
+                    row_offset=dist.get_global_rank() * int(pool["input_ids"].shape[0]),
+                )
+            if prefix is not None:
+                n_pool = int(pool["input_ids"].shape[0])
+                self._prefix_rows = prefix.take(n_pool, n_pool + (int(val["input_ids"].shape[0]) if val is not None else 0))
+            rows = self.extractor.val_features_in_use
+            if rows is not None and val_domain_V is not None:
+                self._val_rows_VD = rows.float()
+                self._val_domain_V = val_domain_V.to(rows.device, non_blocking=True)
+            return feats, gbar, None
+        except FeatureError as e:
+            return None, None, f"unusable gradient features ({e})"
+
+    def _scoring_prefix(self, state: State) -> Any:
+        """The model's `ScoringPrefix` when this step's scoring pass sees whole rows of this rank's pool, else None."""
+        model = state.model.module if isinstance(state.model, DistributedDataParallel) else state.model
+        prefix = getattr(model, "scoring_prefix", None)
+        if prefix is None or self.extractor is None:
+            return None
+        why = None
+        if self.scope == "global" or (self.scope == "auto" and dist.get_world_size() > 1):
+            why = "selection scope is global (the selected rows may come from other ranks)"
+        elif self.extractor.score_window is not None or self.extractor.score_tokens is not None:
+            why = "the scoring pass sees part of each row (score_window or score_tokens)"
+        elif self.extractor._forward_model is not self.extractor.model:
+            why = "the model is wrapped in FSDP"
+        if why is not None:
+            if not self._warned_prefix:
+                log.warning("model.reuse_scoring_prefix: the training forward runs every block: %s", why)
+                self._warned_prefix = True
+            return None
+        return prefix
+
+    def _validation_domain_ids(self, val_batch: Mapping[str, Any]) -> torch.Tensor | None:
+        """The validation batch's per-example domain ids (zeros when the batch has none and none are needed)."""
+        if not self._needs_validation_rows():
+            return None
+        ids = val_batch.get(self.domain_key, val_batch.get("domain_id"))
+        n = int(val_batch["input_ids"].shape[0])
+        if isinstance(ids, torch.Tensor) and ids.shape == (n,):
+            return ids.long()
+        if self.validation_target == "domain_balanced" or self.capacity_policy.stateful:
+            raise TypeError(
+                f"algorithms.data_selection: validation.target {self.validation_target!r} / capacities "
+                f"{self.capacity_policy.name!r} need each validation example's domain: the validation batches need "
+                f"a ({n},) domain id tensor under {self.domain_key!r} (the validation shards' collator writes it)"
+            )
+        return torch.zeros(n, dtype=torch.long)
+
+    def _auto_chunk_size(self, state: State) -> int | None:
+        """What `chunk_size: auto` scores per forward: the run's device microbatch, at most kappa.
+
+        `state.device_train_microbatch_size` is the configured microbatch or, under auto
+        microbatching, the size it has settled on (it starts at the loader's batch, the pool); a
+        training microbatch never holds more than the kappa examples a rank trains. Without a
+        microbatch size, kappa (the whole training batch is one microbatch); None when neither is
+        known (the extractor's default then applies).
+        """
+        microbatch = getattr(state, "device_train_microbatch_size", None)
+        if not isinstance(microbatch, (int, float)) or isinstance(microbatch, bool) or microbatch < 1:
+            return self.kappa
+        chunk = int(microbatch)
+        return min(chunk, self.kappa) if self.kappa is not None else chunk
+
+    def _is_active(self, state: State, step: int) -> bool:
+        return self._in_window(state) and step % self.interval == 0
+
+    def _in_window(self, state: State) -> bool:
+        elapsed = state.get_elapsed_duration()
+        frac = float(elapsed.value) if elapsed is not None else 0.0
+        return self.start <= frac < self.end
+
+    def _is_stale_step(self, state: State, step: int) -> bool:
+        """Whether this step, between selections inside the window, trains on the stale top-k."""
+        if self.between != "stale_topk" or step % self.interval == 0 or not self._in_window(state):
+            return False
+        if self._stale_gbar is None:
+            log.warning(
+                "data_selection step %d: between: stale_topk has no validation feature from a selecting step "
+                "yet (none has run or all fell back since the start, or a resume of scope local on several "
+                "ranks); training on a random subset",
+                step,
+            )
+            return False
+        return True
+
+    def _stale_topk(self, problem: Any, seed: int) -> Any:
+        """The between step's selection: the top kappa by `<g_i, gbar_stale>` within this step's capacities."""
+        from composer_algos.data_selection.step import SolveOutcome, broadcast_selection
+        from composer_algos.selection import compute_capacities, count_domains
+        from composer_algos.selection.types import finish_result
+
+        assert problem.features_PD is not None and self._stale_gbar is not None
+        features_PD = problem.features_PD
+        scores_P = features_PD @ self._stale_gbar.to(features_PD.device, features_PD.dtype, non_blocking=True)
+        domain_P = problem.domain_P.to(features_PD.device, non_blocking=True)
+        # The same generator stream as a selecting step's capacities (solve_problem's _run_strategy).
+        gen = torch.Generator().manual_seed(seed)
+        counts_C = count_domains(problem.domain_P, self.num_domains).cpu()
+        capacity_fn = self._capacity_fn()
+        if capacity_fn is not None:
+            caps_C = capacity_fn(counts_C, min(problem.kappa, int(problem.domain_P.shape[0])), gen)
+        else:
+            caps_C = compute_capacities(counts_C, problem.kappa, self._fractions, generator=gen)
+        sel_K = top_k_within_capacities(scores_P, domain_P, caps_C.to(domain_P.device, non_blocking=True), problem.kappa)
+        result = finish_result(sel_K, domain_P, self.num_domains)
+        if problem.gathered:
+            result = broadcast_selection(result, problem.domain_P, self.num_domains)
+        return SolveOutcome(result, "stale_topk", None, caps_C)
+
+    def _check_same_problem(self, problem: Any) -> None:
+        """Verify (one all-gather of a digest) that every rank assembled the same gathered problem.
+
+        The selections are identical by construction (rank 0's are broadcast); what can differ is
+        the problem each rank holds: the gathered features `G`, the validation feature `gbar`, the
+        domains and the budget. A difference there means the ranks' feature passes disagree.
+        """
+        digest = hashlib.sha1(str(problem.kappa).encode())
+        for t in (problem.domain_P, problem.features_PD, problem.gbar_D):
+            digest.update(b"|" if t is None else t.detach().contiguous().cpu().numpy().tobytes())
+        mine = int.from_bytes(digest.digest()[:8], "little") & 0x7FFFFFFFFFFFFFFF
+        all_ = torch.cat(dist.all_gather(torch.tensor([mine], dtype=torch.int64, device=problem.domain_P.device)))
+        if not bool((all_ == all_[0]).all()):
+            raise RuntimeError(
+                f"data_selection check_consistency: ranks assembled different selection problems (digests of "
+                f"the gathered features, validation feature, domains and budget by rank: {all_.tolist()}); "
+                f"the gathered features should be bit-identical on every rank"
+            )
+
+
+def find_data_selection(state: State) -> DataSelection | None:
+    """The run's `DataSelection` algorithm, or None when the run selects nothing."""
+    return find_data_selection_in(state.algorithms)
+
+
+def find_data_selection_in(algorithms: Iterable[Any]) -> DataSelection | None:
+    """The `DataSelection` among `algorithms`, or None (train.py sizes the loader from its oversampling)."""
+    return next((a for a in algorithms if isinstance(a, DataSelection)), None)
+
+
+def top_k_within_capacities(
+    scores_N: torch.Tensor, domain_N: torch.Tensor, capacities_C: torch.Tensor, k: int
+) -> torch.Tensor:
+    """The `k` highest-scoring examples, at most `capacities_C[c]` from domain c (unsorted positions).
+
+    The examples are scanned from the highest score down and kept while their domain has room,
+    until `k` are kept; with capacities summing to `k` that is the top `capacities_C[c]` of every
+    domain. Ties go to the lower position. Vectorised: two stable sorts rank each example within
+    its domain (as `select_random_stratified` does with random keys).
+
+    Args:
+        scores_N: (N,) scores.
+        domain_N: (N,) domain ids in [0, C).
+        capacities_C: (C,) per-domain caps.
+        k: examples to keep (at most the room the caps leave).
+
+    Returns:
+        (min(k, room),) int64 pool positions.
+    """
+    n = scores_N.shape[0]
+    device = scores_N.device
+    by_score_N = torch.sort(-scores_N, stable=True).indices  # highest first
+    by_domain_N = torch.sort(domain_N[by_score_N], stable=True).indices
+    perm_N = by_score_N[by_domain_N]  # grouped by domain, best first inside each
+    counts_C = torch.bincount(domain_N, minlength=capacities_C.shape[0])
+    starts_C = torch.cumsum(counts_C, 0) - counts_C
+    rank_N = torch.empty_like(perm_N)
+    rank_N[perm_N] = torch.arange(n, device=device) - starts_C[domain_N[perm_N]]
+    keep_N = rank_N < capacities_C[domain_N]
+    # Among the keepable examples, the k best (the scan stops at k).
+    order_N = torch.sort(torch.where(keep_N, -scores_N, torch.full_like(scores_N, float("inf"))), stable=True).indices
+    return order_N[: min(k, int(keep_N.sum()))]
+
+
+def _trained_domain_names(dataset: Any) -> list[str] | None:
+    """The domains a `DomainStreamingDataset` streams (manifest order), or None for another dataset."""
+    ids, names = getattr(dataset, "stream_domain_ids", None), getattr(dataset, "domain_names", None)
+    if ids is None or names is None:
+        return None
+    return [names[i] for i in sorted(set(int(i) for i in ids))]
+
+
+def _average_beta_conflicts(beta: float, features: Mapping[str, Any]) -> list[str]:
+    """Feature settings that make a running mean of the validation feature average incomparable steps.
+
+    `ValidationAverage` folds `gbar` of many steps into one vector, which is meaningful only when the
+    validation side carries no step-dependent scaling or projection: the optimizer's preconditioner
+    on the validation side (`precondition: split | both` with `adam_optimizer`), the simulated-Adam
+    filter (its state moves every step) or projections drawn anew every step.
+    """
+    import inspect
+
+    from composer_algos.features import GradFeatureExtractor
+
+    defaults = inspect.signature(GradFeatureExtractor).parameters
+    normalization = features.get("normalization", defaults["normalization"].default)
+    precondition = features.get("precondition", defaults["precondition"].default)
+    resample = features.get("resample_projections", defaults["resample_projections"].default)
+    found = []
+    if normalization == "adam_optimizer" and precondition in ("split", "both"):
+        found.append(
+            f"features.precondition {precondition!r} scales the validation feature by the optimizer's current "
+            "second moment"
+        )
+    if normalization == "adam_simulated":
+        found.append("features.normalization 'adam_simulated' filters it with a state that moves every step")
+    if resample:
+        found.append(f"features.resample_projections {resample!r} draws new projections every step")
+    if not found:
+        return []
+    return [
+        f"validation.average_beta {beta:g} averages the validation feature over steps, which needs a validation "
+        f"side with no step-dependent scaling or projection, but {' and '.join(found)}: use "
+        "features.precondition: pool with normalization adam_optimizer (the defaults) and fixed projections, "
+        "or validation.average_beta: 0"
+    ]
+
+
+def _validation_config(validation: Any) -> dict[str, Any]:
+    """The `validation` argument as a mapping: a shard directory or an iterable of batches become one key."""
+    if validation is None:
+        return {}
+    if isinstance(validation, (str, os.PathLike)):
+        return {"shard_dir": os.fspath(validation)}
+    if isinstance(validation, Mapping):
+        return dict(validation)
+    if isinstance(validation, Iterable):
+        return {"batches": validation}
+    raise TypeError(
+        f"validation must be a shard directory, an iterable of batches or a mapping of options, got {type(validation).__name__}"
+    )
+
+
+class _StageClock:
+    """Times of a step's stages without making the host wait for the accelerator.
+
+    On CUDA each mark also records an event; the times between marks taken before the step's one
+    transfer are read from the events after it (they are complete by then), so they measure the
+    device's work. Elsewhere (and for marks taken after the transfer) the host clock. Created at
+    the mark "start".
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._host: dict[str, float] = {}
+        self._events: dict[str, Any] = {}
+        self.mark("start")
+
+    def mark(self, name: str, *, host_only: bool = False) -> None:
+        self._host[name] = time.perf_counter()
+        if self.cuda and not host_only:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events[name] = event
+
+    def host_seconds(self, a: str, b: str) -> float:
+        return self._host[b] - self._host[a]
+
+    def seconds(self, a: str, b: str) -> float:
+        """Device time between two marks when both events are complete, else host time."""
+        ea, eb = self._events.get(a), self._events.get(b)
+        if ea is not None and eb is not None and eb.query():
+            return ea.elapsed_time(eb) / 1000.0
+        return self.host_seconds(a, b)
+
+
+def _deferring(checks: Any):
+    """`selection.deferring_checks(checks)`, or nothing for None."""
+    from composer_algos.selection import deferring_checks
+
+    return deferring_checks(checks) if checks is not None else contextlib.nullcontext()

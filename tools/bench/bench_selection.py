@@ -1,0 +1,325 @@
+"""Benchmark of PartitionSel refits side by side in one run: exact vs the support APGA vs the paper-faithful APGA.
+
+Times ``select_partitionsel`` end to end given ``G`` and ``gbar`` (Gram computation included), in
+float32, after a warm-up, as the median of several runs, for the two cases of project issue 6:
+(n=256, kappa=64, C=8, D=1024) and (n=2048, kappa=512, C=8, D=4096). Variants:
+
+- ``exact``: the default refit (incremental active-set NNLS), its rounds decided on the host;
+- ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds, about
+  twice the ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed), with
+  ``--compiled`` ``exact, compiled rounds`` with ``solver_loop: device_compiled`` (each round
+  compiled into a few fused kernels; the count is printed from inductor's code) and ``exact, on
+  the CPU`` with ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there); which is fastest on a
+  GPU is what this measures there;
+- ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
+- ``apga_pool``: the paper's Alg. 3 verbatim on the full pool vector (full ``N x N`` Gram in
+  every iteration, step from ``||K||`` once per call), 128 iterations per refit: the reference
+  the issue's 20x target is judged against;
+- ``exact + swap``: the exact refit followed by the swap refinement (its extra time reported).
+
+Reports each variant's objective with its relative difference to ``exact``, and the time ratio
+of each APGA variant to ``exact``. The timed runs of all variants are taken round-robin, so a
+machine whose speed drifts (shared cores) slows them alike. Every figure is given as wall time
+and as process CPU time; on a shared machine the wall time includes waiting for a core, and with
+one thread the CPU time is the better estimate of the time on an idle machine. At n=2048 the slow
+``apga_pool`` is run once without a warm-up (``--pool-repeats``; 35-90 s on the development VM).
+
+Example:
+    .venv/bin/python tools/bench/bench_selection.py
+    .venv/bin/python tools/bench/bench_selection.py --threads 1 --cases small --repeats 9
+    .venv/bin/python tools/bench/bench_selection.py --cpu-single-thread
+    .venv/bin/python tools/bench/bench_selection.py --quick     # smoke run: the small case, one timed run each
+    .venv/bin/python tools/bench/bench_selection.py --device cuda --cases large --skip-pool   # on a GPU
+
+Beside the times, one exact solve's aten ops and host syncs, in total and per pick (tools/bench/step_audit.py;
+on a CPU the syncs a CUDA run would make are emulated): the exact refit's active set is driven from the
+host, one sync a pick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # tools/, the project
+
+# torch and the selection core load in the functions that use them, so --help is fast.
+
+CASES = {
+    "small": dict(n=256, kappa=64, num_domains=8, dim=1024),
+    "large": dict(n=2048, kappa=512, num_domains=8, dim=4096),
+}
+ETA = 0.5
+APGA_ITERS = 128
+
+
+def make_instance(n: int, dim: int, num_domains: int, seed: int = 0):
+    """The quality-test family: G ~ N(0, 1/D), gbar = 0.3 mean(G) + N(0, 1/D), uniform domains."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(n, dim, generator=gen) / dim**0.5
+    val_feature = 0.3 * features.mean(0) + torch.randn(dim, generator=gen) / dim**0.5
+    domain_ids = torch.randint(0, num_domains, (n,), generator=gen)
+    return features, val_feature, domain_ids
+
+
+def time_interleaved(fns: dict, repeats: dict, warmup: dict) -> dict:
+    """Median wall and process-CPU time of each ``fns[name]()``, the runs taken round-robin.
+
+    On a machine whose speed drifts (shared cores, other jobs), interleaving exposes every variant
+    to the same conditions, so the ratios stay meaningful even when the absolute times move.
+
+    Returns:
+        ``name -> (median wall s, median cpu s, last output)``.
+    """
+    outs = {name: fn() if warmup[name] else None for name, fn in fns.items()}
+    walls: dict = {name: [] for name in fns}
+    cpus: dict = {name: [] for name in fns}
+    for r in range(max(repeats.values())):
+        for name, fn in fns.items():
+            if r >= repeats[name]:
+                continue
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            outs[name] = fn()
+            cpus[name].append(time.process_time() - cpu0)
+            walls[name].append(time.perf_counter() - wall0)
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name]), outs[name]) for name in fns}
+
+
+def _fmt(wall: float, cpu: float) -> str:
+    return f"{wall * 1e3:10.2f} ms wall {cpu * 1e3:10.2f} ms cpu"
+
+
+def _synchronized(fn):
+    """`fn` bracketed by CUDA synchronizes (so the time is the device's work, not its launch)."""
+    import torch
+
+    def run():
+        torch.cuda.synchronize()
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+
+    return run
+
+
+def per_solve_counts(fn, device_tensors) -> tuple[int, int, int]:
+    """`(aten ops, kernel launches, host syncs)` of one call (tools/bench/step_audit.py; torch's syncs on CUDA)."""
+    from step_audit import OpCount, SyncAudit, cuda_sync_count
+
+    if any(t.is_cuda for t in device_tensors):
+        with OpCount() as ops:
+            syncs = cuda_sync_count(fn)
+        return ops.ops, ops.kernels, syncs
+    audit = SyncAudit(device_tensors)
+    ops = OpCount(on_device=lambda: audit.device_call)
+    audit._pause = ops.pause
+    with ops, audit:
+        fn()
+    syncs = sum(n for (kind, _site, _call), n in audit.events.items() if kind in ("sync", "h2d"))
+    return ops.ops, ops.kernels, syncs
+
+
+def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int) -> int:
+    """Kernels one compiled round of `solver_loop: device_compiled` runs: the calls in the code inductor
+    generated for it (fused kernels, the library GEMMs, any aten fallback). On a GPU each is a launch, or a
+    node of the CUDA graph the rounds are replayed as; the eager round is about 45. Resets dynamo's caches
+    (the code is only generated when the round compiles)."""
+    import re
+
+    import torch
+    from torch._inductor.utils import run_and_get_code
+
+    from composer_algos.selection.active_set_device import omp_exact_on_device
+    from composer_algos.selection.refit import default_grad_tol
+
+    torch._dynamo.reset()
+    _, sources = run_and_get_code(
+        lambda: omp_exact_on_device(gram_NN, mu_N, dom_N, caps_C, k, 1e-6, default_grad_tol(mu_N), graph=False, compile=True)
+    )
+    call = re.compile(r"^\s+(?:buf\w+ = )?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|(?:torch\.ops\.)?aten\.\w+)")
+    return sum(1 for src in sources for line in src.splitlines() if call.match(line) and "async_compile" not in line)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs of exact and exact+swap (median)")
+    parser.add_argument("--apga-repeats", type=int, default=3, help="timed runs of the support APGA")
+    parser.add_argument(
+        "--pool-repeats",
+        type=int,
+        default=None,
+        help="timed runs of the full-pool APGA (default 3 with a warm-up for n <= 512, else 1 without)",
+    )
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
+    parser.add_argument(
+        "--cpu-single-thread",
+        action="store_true",
+        help="pass cpu_single_thread=True (OMP rounds and swap checks with one intra-op thread)",
+    )
+    parser.add_argument("--skip-pool", action="store_true", help="leave out the slow full-pool APGA")
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="the instance's seed (default 0). At n = 2048, kappa = 512 seed 0's exact solve has 2 Lawson-Hanson "
+        "drops and 2 re-entries (the device loop hands it to the host loop), seeds 1 and 2 none",
+    )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="smoke run, not a measurement: --cases small with one timed run of every variant (overrides those)",
+    )
+    parser.add_argument(
+        "--compiled", action="store_true",
+        help="add the compiled rounds (solver_loop: device_compiled): compiles twice, tens of seconds on a CPU",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="where the features live and the solver runs (cuda: every call bracketed by a synchronize)",
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.cases, args.repeats, args.apga_repeats, args.pool_repeats = ["small"], 1, 1, 1
+    import torch
+
+    from composer_algos.selection import compute_gram, select_partitionsel
+    from composer_algos.selection.objective import build_objective
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    torch.set_num_threads(args.threads)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"threads {torch.get_num_threads()}"
+    print(
+        f"torch {torch.__version__}, {args.device} ({where}), float32, eta={ETA},"
+        f" cpu_single_thread={args.cpu_single_thread}, load average {os.getloadavg()[0]:.2f}"
+    )
+    for name in args.cases:
+        case = CASES[name]
+        features, val_feature, domain_ids = make_instance(case["n"], case["dim"], case["num_domains"], seed=args.seed)
+        # The selection step hands the solver device features and host domain ids (the loader's).
+        features, val_feature = features.to(args.device), val_feature.to(args.device)
+        common = dict(
+            features=features,
+            val_feature=val_feature,
+            domain_ids=domain_ids,
+            num_domains=case["num_domains"],
+            kappa=case["kappa"],
+            eta=ETA,
+            generator=None,
+            cpu_single_thread=args.cpu_single_thread,
+        )
+        apga = dict(apga_max_iters=APGA_ITERS, apga_tol=0.0)
+        small = case["n"] <= 512
+        fns = {
+            "gram": lambda: compute_gram(features),
+            "exact": lambda: select_partitionsel(**common, refit="exact", solver_loop="host"),
+            "device": lambda: select_partitionsel(**common, refit="exact", solver_loop="device"),
+            "cpu": lambda: select_partitionsel(**common, refit="exact", solver_loop="cpu"),
+            "swap": lambda: select_partitionsel(**common, refit="exact", refine="swap"),
+            "apga": lambda: select_partitionsel(**common, refit="apga", **apga),
+        }
+        repeats = {
+            "gram": args.repeats,
+            "exact": args.repeats,
+            "device": args.repeats,
+            "cpu": args.repeats,
+            "swap": args.repeats,
+            "apga": args.apga_repeats,
+        }
+        if args.compiled:
+            fns["compiled"] = lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled")
+            repeats["compiled"] = args.repeats
+        warmup = dict.fromkeys(fns, True)
+        if not args.skip_pool:
+            fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)
+            repeats["pool"] = args.pool_repeats if args.pool_repeats is not None else (3 if small else 1)
+            warmup["pool"] = small
+        if args.device == "cuda":
+            fns = {key: _synchronized(fn) for key, fn in fns.items()}
+        timed = time_interleaved(fns, repeats, warmup)
+        w_gram, c_gram, _ = timed["gram"]
+        w_ex, c_ex, res_ex = timed["exact"]
+        w_sw, c_sw, res_sw = timed["swap"]
+        w_dv, c_dv, res_dv = timed["device"]
+        w_cp, c_cp, res_cp = timed["cpu"]
+        w_ap, c_ap, res_ap = timed["apga"]
+        rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
+        if args.compiled:
+            w_dc, c_dc, res_dc = timed["compiled"]
+            rows.insert(2, ("exact, compiled rounds", w_dc, c_dc, res_dc))
+        if not args.skip_pool:
+            w_po, c_po, res_po = timed["pool"]
+            rows.append(("apga_pool (paper) x128", w_po, c_po, res_po))
+        rows.append(("exact + swap", w_sw, c_sw, res_sw))
+        f_ex = float(res_ex.objective)
+        rows_computed = res_ex.info.get("gram_rows_computed")
+        gram_note = "full Gram" if rows_computed is None else f"lazy Gram, {int(rows_computed)} rows"
+        print(
+            f"\n[{name}] n={case['n']} kappa={case['kappa']} C={case['num_domains']} D={case['dim']} seed={args.seed}"
+            f"\n  gram alone              {_fmt(w_gram, c_gram)}"
+        )
+        for label, wall, cpu, res in rows:
+            f = float(res.objective)
+            extra = ""
+            if "slow_refits" in res.info:
+                extra = f"  slow refits {int(res.info['slow_refits'])}, {gram_note}"
+            if "swaps" in res.info:
+                extra += f", swaps {int(res.info['swaps'])} in {int(res.info['swap_rounds'])} rounds"
+            print(
+                f"  {label:<23} {_fmt(wall, cpu)}   f(S) = {f:.6f}  (exact - this) / |this| ="
+                f" {(f_ex - f) / abs(f):+.2e}{extra}"
+            )
+        k = case["kappa"]
+        for loop in ("host", "device", "cpu"):
+            ops, kernels, syncs = per_solve_counts(
+                lambda: select_partitionsel(**common, refit="exact", solver_loop=loop), [features, val_feature]
+            )
+            print(
+                f"  exact ({loop} loop), one solve: {ops} aten ops ({kernels} kernel launches), {syncs} host syncs"
+                f" ({'torch' if args.device == 'cuda' else 'emulated'}); per pick {ops / k:.1f} ops,"
+                f" {kernels / k:.1f} launches, {syncs / k:.2f} syncs"
+            )
+        if args.compiled and args.device == "cuda":
+            # torch's sync count only: the op count's dispatch mode would run under the compiled code's feet.
+            from step_audit import cuda_sync_count
+
+            syncs = cuda_sync_count(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"))
+            print(f"  exact (compiled rounds), one solve: {syncs} host syncs (torch)")
+        same = res_dv.indices.tolist() == res_ex.indices.tolist()
+        fallback = int(res_dv.info.get("device_loop_fallback", 0))
+        print(
+            f"  device loop / host loop {w_dv / w_ex:6.2f}x wall, {c_dv / c_ex:6.2f}x cpu; the same picks: {same};"
+            f" handed over to the host loop: {bool(fallback)}"
+        )
+        if args.compiled:
+            print(
+                f"  compiled rounds / host loop {w_dc / w_ex:6.2f}x wall, {c_dc / c_ex:6.2f}x cpu; the same picks:"
+                f" {res_dc.indices.tolist() == res_ex.indices.tolist()}; handed over:"
+                f" {bool(res_dc.info.get('device_loop_fallback', 0))}"
+            )
+            gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
+            caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
+            calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16))
+            print(f"  one compiled round: {calls} kernels (inductor's generated code, {args.device}); the eager round about 45 ops")
+        print(
+            f"  cpu solve / host loop   {w_cp / w_ex:6.2f}x wall, {c_cp / c_ex:6.2f}x cpu; the same picks:"
+            f" {res_cp.indices.tolist() == res_ex.indices.tolist()}"
+        )
+        gain = (float(res_sw.objective) - f_ex) / abs(f_ex)
+        print(f"  swap extra              {_fmt(w_sw - w_ex, c_sw - c_ex)}   f(S) gain {gain:+.3%}")
+        for label, wall, cpu, res in [r for r in rows if r[0].startswith("apga")]:
+            ok = (f_ex - float(res.objective)) >= -1e-6 * abs(float(res.objective))
+            print(
+                f"  exact vs {label:<22}: {wall / w_ex:6.1f}x wall, {cpu / c_ex:6.1f}x cpu faster;"
+                f" solve only (Gram subtracted) {(wall - w_gram) / (w_ex - w_gram):6.1f}x wall,"
+                f" {(cpu - c_gram) / (c_ex - c_gram):6.1f}x cpu; objective at least as high (1e-6): {ok}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""Profile the recipe's selection step against random at Llama-3.2-1B's shape: stage table, kernels, syncs.
+
+    python tools/bench/profile_gpu_step.py                     # on a GPU: S = 2048, 8 rows, r = 2, t = 64
+    python tools/bench/profile_gpu_step.py --trace-dir /tmp/tr # also a Chrome trace of each arm's profiled steps
+    python tools/bench/profile_gpu_step.py --smoke             # a CPU run of the path at S = 256 (not a measurement)
+
+Three arms, built and profiled one after the other (each 4 warm-up steps, then `--steps` profiled):
+random, partitionsel with 64-token windows at random positions (eager scoring pass), and the same with
+`features.compile_forward: true`; amp_bf16, the 1B recipe's optimizer (torch's AdamW) and 4 loader
+workers in all three.
+For each: wall milliseconds a step under the profiler, the GPU time and count of its kernels, the
+stage table of `tools/bench/profile_step.py` (host milliseconds a step: selection, features, solve, train,
+the rest), and for the partitionsel arms the busiest ops by host and by GPU time and the host reads
+(`aten::item`, stream synchronisations). docs/results/bench_gpu.md quotes an H200 run of its first
+form (no loader workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4, help="profiled steps per arm (default: 4)")
+    parser.add_argument("--trace-dir", type=Path, default=None, help="write each arm's Chrome trace here")
+    parser.add_argument("--smoke", action="store_true", help="CPU, S = 256, 1 profiled step: a test of the path")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1 (got {args.steps})")
+
+    import profile_step as ps
+    import torch
+    import window_cost as wc
+    from bench_step import LLAMA_1B
+    from stepping import prepare_for_stepping
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import train
+    from pipeline.config import load_config
+
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        parser.error("no CUDA device: run it on a GPU, or --smoke for the CPU path")
+    S = 2048 if cuda else 256
+    steps = args.steps if cuda else 1
+    root = Path(tempfile.mkdtemp(prefix="profile_gpu_step_"))
+    shards = root / "shards"
+    if wc.write_long_shards(root / "corpus", shards, S):
+        raise RuntimeError("sharding the sample corpus failed")
+    sel = "algorithms.data_selection"
+    arms = {
+        "random": [f"{sel}.strategy=random"],
+        "partitionsel": [f"{sel}.strategy=partitionsel"],
+        "partitionsel+compiled": [f"{sel}.strategy=partitionsel", f"{sel}.features.compile_forward=true"],
+    }
+    window = [f"{sel}.features.score_window=64", f"{sel}.features.score_window_position=random"]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name, extra in arms.items():
+        overrides = [
+            f"variables.shard_dir={shards}", f"variables.max_seq_len={S}", f"save_folder={root / name}",
+            "max_duration=20ba", "python_log_level=error", "console_log_interval=1000ba",
+            f"{sel}.oversampling=2", "global_train_batch_size=8", "optimizer.name=adamw", "optimizer.weight_decay=0.1",
+            # the recipe's loader prefetches in workers (it has 8); on the step's thread the pool's loading is the step's
+            "train_loader.num_workers=4", "train_loader.persistent_workers=true",
+            *(["device=gpu", "precision=amp_bf16", *wc.llama_1b_overrides(LLAMA_1B)] if cuda else ["device=cpu", "precision=fp32"]),
+            *extra, *(window if name != "random" else []),
+        ]
+        trainer = train.build_trainer(load_config(wc.LONG_YAML, overrides))
+        prepare_for_stepping(trainer)
+        ps._instrument(trainer)
+        for _ in range(4 if cuda else 1):
+            trainer.fit(duration="1ba")
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                with record_function("step"):
+                    trainer.fit(duration="1ba")
+            if cuda:
+                torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps * 1000
+        print(f"\n===== {name}: {wall:.1f} ms a step (profiled, {steps} steps) =====")
+        if cuda:
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            print(f"GPU: {sum(e.device_time for e in kernels) / 1000 / steps:.1f} ms of device events a step, "
+                  f"{len(kernels) / steps:.0f} events a step")
+        print(ps.format_stages(ps._stage_totals(prof.events()), steps))
+        if name != "random":
+            averages = prof.key_averages()
+            print(averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+            if cuda:
+                print(averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+            for e in averages:
+                if "synchron" in e.key.lower() or e.key in ("aten::item", "Command Buffer Full"):
+                    print(f"host wait: {e.key} {e.count / steps:.0f} a step, {e.cpu_time_total / 1000 / steps:.1f} ms a step")
+        if args.trace_dir is not None:
+            args.trace_dir.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(args.trace_dir / f"{name}.json"))
+        trainer.close()
+        del trainer
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
