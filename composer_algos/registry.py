@@ -346,7 +346,7 @@ def _features_section() -> type[ConfigSection]:
 
 @functools.cache
 def _validation_section() -> type[ConfigSection]:
-    from composer_algos.data_selection.algorithm import VALIDATION_KEYS
+    from composer_algos.data_selection.options import VALIDATION_KEYS
     from composer_algos.data_selection.validation_source import ValidationSource
 
     # The keys are the algorithm's; types and defaults come from ValidationSource where it takes the key.

@@ -13,6 +13,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +23,12 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
 
+from composer_algos.data_selection.options import (
+    BETWEEN_MODES,
+    DEFAULT_OVERSAMPLING,
+    SELECTION_STRATEGIES,
+    DataSelectionOptions,
+)
 from composer_algos.data_selection.step import (
     assemble_problem,
     record_step,
@@ -52,54 +59,6 @@ __all__ = [
     "find_data_selection_in",
     "top_k_within_capacities",
 ]
-
-# Strategies the algorithm accepts: the selection registry's plus "none" (train on the whole pool).
-SELECTION_STRATEGIES = (
-    "partitionsel",
-    "greats",
-    "id",
-    "iwd",
-    "gradnorm",
-    "colm",
-    "facloc",
-    "uniprot",
-    "random",
-    "random_stratified",
-    "none",
-)
-
-# The one default of the oversampling ratio r (pool = r x kappa); train.py sizes the loader from the
-# algorithm's value, so a yaml that omits it selects with r = 2.
-DEFAULT_OVERSAMPLING = 2.0
-
-# What the steps between selections (`interval` > 1) train on; see `DataSelection`'s `between`.
-BETWEEN_MODES = ("random", "stale_topk")
-
-VALIDATION_KEYS = (
-    "shard_dir", "split", "domains", "batch_size", "remote", "guide_fraction", "average_beta", "batches", "target",
-    "stratify",
-)
-
-# What the guiding validation feature is (`validation.target`).
-VALIDATION_TARGETS = ("mean", "domain_balanced")
-
-# Strategies whose refit weights the adaptive capacities' per-domain utilities are computed from.
-ADAPTIVE_STRATEGIES = ("partitionsel", "iwd")
-
-
-
-def _ignored_capacities(strategy: str, given: str, pronoun: str, key: str) -> str | None:
-    """The message when `strategy` would ignore the capacities given as `given` (None when it honours them)."""
-    from composer_algos.selection import STRATEGIES, get_strategy
-
-    if strategy != "none" and get_strategy(strategy).uses_capacities:
-        return None
-    honour = [name for name, spec in STRATEGIES.items() if spec.uses_capacities]
-    what = "trains on the whole pool" if strategy == "none" else "does not use per-domain capacities"
-    return (
-        f"{given} would be ignored: strategy {strategy!r} {what} (only {', '.join(honour)} honour {pronoun}): "
-        f"remove {key} or choose one of those strategies"
-    )
 
 class DataSelection(Algorithm):
     """Select a subset of every oversampled batch with a data-selection strategy, then train on it.
@@ -227,139 +186,38 @@ class DataSelection(Algorithm):
         seed: int = 0,
         log_conflicts: bool = False,
     ) -> None:
-        problems = []
-        from composer_algos.selection import get_strategy, strategy_names
-
-        # The built-ins, "none", and strategies other packages add (entry points partitionsel.strategies).
-        known = (*SELECTION_STRATEGIES, *(n for n in strategy_names() if n not in SELECTION_STRATEGIES))
-        if strategy not in known:
-            problems.append(f"strategy must be one of {known}, got {strategy!r}")
-        if not oversampling >= 1:
-            problems.append(f"oversampling must be >= 1, got {oversampling}")
-        elif oversampling == 1 and strategy != "none":
-            problems.append(
-                f"oversampling 1 with strategy {strategy!r}: the pool would equal kappa and nothing would be "
-                f"selected; use oversampling > 1 (default {DEFAULT_OVERSAMPLING:g}) or strategy none"
-            )
-        if scope not in ("auto", "global", "local"):
-            problems.append(f"scope must be auto, global or local, got {scope!r}")
-        if not 0 <= start < end <= 1:
-            problems.append(f"start and end must satisfy 0 <= start < end <= 1, got start={start}, end={end}")
-        if interval < 1:
-            problems.append(f"interval must be >= 1, got {interval}")
-        if between not in BETWEEN_MODES:
-            problems.append(f"between must be one of {list(BETWEEN_MODES)}, got {between!r}")
-        elif between == "stale_topk" and strategy in known:
-            guided = strategy != "none" and get_strategy(strategy).needs_validation
-            if not guided:
-                problems.append(
-                    f"between: stale_topk scores the pool against the validation feature of the last selection, "
-                    f"so it needs a validation-guided strategy (partitionsel, greats, id, iwd); strategy "
-                    f"{strategy!r} has none; use between: random"
-                )
-        validation_cfg = _validation_config(validation)
-        unknown_val = sorted(set(validation_cfg) - set(VALIDATION_KEYS))
-        if unknown_val:
-            problems.append(f"validation does not take {unknown_val}; allowed: {', '.join(VALIDATION_KEYS)}")
-        beta = validation_cfg.get("average_beta", 0.0)
-        if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
-            problems.append(f"validation.average_beta must be in [0, 1), got {beta!r}")
-        elif beta > 0:
-            problems += _average_beta_conflicts(beta, features or {})
-        target = validation_cfg.get("target", "mean")
-        if target not in VALIDATION_TARGETS:
-            problems.append(f"validation.target must be one of {list(VALIDATION_TARGETS)}, got {target!r}")
-        stratify = validation_cfg.get("stratify", False)
-        if not isinstance(stratify, bool):
-            problems.append(f"validation.stratify must be true or false, got {stratify!r}")
-        elif stratify and validation_cfg.get("batches") is not None:
-            problems.append(
-                "validation.stratify draws from validation shards; with given batches the draw is yours: remove "
-                "validation.stratify or give validation.shard_dir"
-            )
-        guided = strategy in known and strategy != "none" and get_strategy(strategy).needs_validation
-        if strategy in known and not guided and (target != "mean" or stratify is True):
-            problems.append(
-                f"validation.target {target!r} / validation.stratify {stratify!r} would be ignored: strategy "
-                f"{strategy!r} draws no validation batch; remove them or use a validation-guided strategy"
-            )
-        policy = None
-        if capacities is not None and capacity_fractions:
-            problems.append(
-                "capacities and capacity_fractions both given; capacity_fractions is the older spelling of "
-                "capacities: {policy: fractions, weights: ...} (or capacities: uniform): keep one"
-            )
-        else:
-            try:
-                from composer_algos.data_selection.capacity_policy import parse_capacity_policy
-
-                policy = parse_capacity_policy(capacities, where="capacities")
-            except (ValueError, FileNotFoundError) as e:
-                problems.append(str(e))
-        if policy is not None and capacities is not None and policy.name != "proportional" and strategy in known:
-            ignored = _ignored_capacities(strategy, f"capacities {policy.describe()!r}", "them", "capacities")
-            if ignored:
-                problems.append(ignored)
-            elif policy.name == "adaptive" and strategy not in ADAPTIVE_STRATEGIES:
-                problems.append(
-                    f"capacities adaptive updates each domain's budget from the refit weights of the selection, which "
-                    f"strategy {strategy!r} does not have; use one of {list(ADAPTIVE_STRATEGIES)}"
-                )
-        if capacity_fractions and strategy in known:
-            ignored = _ignored_capacities(
-                strategy, f"capacity_fractions {capacity_fractions!r}", "it", "capacity_fractions"
-            )
-            if ignored:
-                problems.append(ignored)
-        if check_consistency and scope == "local":
-            problems.append(
-                "check_consistency: true needs scope global or auto (with local scope every rank selects "
-                "from its own pool, so the selections differ by design); got scope 'local'"
-            )
-        bad_opts = sorted(k for k in (strategy_options or {}) if k not in known)
-        if bad_opts:
-            problems.append(
-                f"strategy_options is keyed by strategy name; {bad_opts} are not strategies "
-                f"(allowed: {known}), e.g. strategy_options: {{partitionsel: {{refit: exact}}}}"
-            )
-        if not isinstance(log_conflicts, bool):
-            problems.append(f"log_conflicts must be true or false, got {log_conflicts!r}")
+        self.options = options = DataSelectionOptions(
+            strategy=strategy, oversampling=oversampling, scope=scope, validation=validation, domain_key=domain_key,
+            domain_names=domain_names, features=features, strategy_options=strategy_options,
+            capacity_fractions=capacity_fractions, capacities=capacities, weighted_loss=weighted_loss, start=start,
+            end=end, interval=interval, between=between, check_consistency=check_consistency, seed=seed,
+            log_conflicts=log_conflicts,
+        )
+        problems = options.problems()
         if problems:
             raise ValueError("algorithms.data_selection: " + "; ".join(problems))
-        self.strategy = strategy
-        self.oversampling = float(oversampling)
-        self.scope = scope
-        self.validation_cfg = validation_cfg
-        self.domain_key = domain_key
-        self.feature_cfg = dict(features or {})
-        self.strategy_options = dict(strategy_options or {})
         if isinstance(capacity_fractions, str) and capacity_fractions != "uniform":
             raise ValueError(
                 f"algorithms.data_selection.capacity_fractions: got {capacity_fractions!r}; allowed: "
                 "'uniform' or a mapping of domain name to share (e.g. {algebra: 2, numbers: 1})"
             )
+        # The options the step reads, as Composer's algorithms keep theirs: attributes.
+        self.strategy, self.oversampling, self.scope = strategy, float(oversampling), scope
+        self.validation_cfg, self.validation_target = options.validation_cfg, options.validation_cfg.get("target", "mean")
+        self.domain_key, self.weighted_loss, self.seed = domain_key, weighted_loss, seed
+        self.feature_cfg, self.strategy_options = dict(features or {}), dict(strategy_options or {})
         self.capacity_fractions: dict[str, float] | str | None = (
             capacity_fractions if isinstance(capacity_fractions, str) else dict(capacity_fractions or {}) or None
         )
-        if self.capacity_fractions is not None:
-            from composer_algos.data_selection.capacity_policy import FractionsPolicy
-
-            policy = FractionsPolicy(weights=self.capacity_fractions, source="algorithms.data_selection.capacity_fractions")
-        assert policy is not None
-        self.capacity_policy = policy
-        self.validation_target = target
+        self.capacity_policy = options.capacity_policy()
+        self.start, self.end, self.interval, self.between = start, end, interval, between
+        self.check_consistency, self.log_conflicts = check_consistency, log_conflicts
+        self.domain_names = list(domain_names) if domain_names is not None else None
+        self._names_given = domain_names is not None
         self._trained_domains: list[str] | None = None  # the names the training dataset streams, once known
-        self.weighted_loss = weighted_loss
-        self.start, self.end, self.interval = start, end, interval
-        self.between = between
-        self.check_consistency = check_consistency
-        self.seed = seed
-        self.log_conflicts = log_conflicts
         self._warned_log_conflicts = False
         self._warned_prefix = False
         self._prefix_rows: torch.Tensor | None = None
-        self.domain_names = list(domain_names) if domain_names is not None else None
-        self._names_given = domain_names is not None
 
         self.kappa: int | None = None  # per rank, from the first pool (see _resolve_kappa)
         self.spec = None
@@ -367,7 +225,7 @@ class DataSelection(Algorithm):
         self._fractions_for: int = -1  # number of domains the fractions were resolved for
         self.extractor = None
         self.validation: ValidationSource | BatchValidationSource | None = None
-        self.val_average = ValidationAverage(float(beta))
+        self.val_average = ValidationAverage(float(self.validation_cfg.get("average_beta", 0.0)))
         self.fallbacks = 0
         self._extractor_state: dict[str, Any] | None = None
         # between: stale_topk: the validation feature of the last selecting step (the gathered one
@@ -576,6 +434,7 @@ class DataSelection(Algorithm):
 
     # ------------------------------------------------------------------ the step
     def _select(self, state: State, logger: Logger) -> None:
+        """One step: the four stages of composer_algos/data_selection/step.py, in the order they run."""
         batch = state.batch
         if not isinstance(batch, Mapping) or self.domain_key not in batch:
             keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
@@ -584,80 +443,87 @@ class DataSelection(Algorithm):
                 f"{self.domain_key!r}; got {keys} (set domain_key, or use pipeline's collators)"
             )
         domain_N = batch[self.domain_key]
-        n = int(domain_N.shape[0])
-        self._prepare(state, n, domain_N)
+        self._prepare(state, int(domain_N.shape[0]), domain_N)
         pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
         pool_ids = batch.get("sample_id")  # the pool's dataset indices, for MixtureMonitor(log_selected_ids=True)
         if self.strategy == "none":
             record_step(logger, method="none", strategy="none", pool_counts_C=pool_C, pool_sample_ids_N=pool_ids)
             return
+        step = self._begin_step(state, pool_C, pool_ids)
+        problem, probe_ND = self._assemble(state, batch, domain_N, step)
+        outcome, extra_values, adaptive_metrics = self._solve(problem, probe_ND, step)
+        new_batch, t_exchange = self._redistribute(batch, problem, outcome, step)
+        state.batch = new_batch
+        self._record(logger, problem, outcome, new_batch, step, extra_values, adaptive_metrics, t_exchange)
+
+    def _begin_step(self, state: State, pool_C: torch.Tensor, pool_ids: Any) -> _Step:
+        """What this step runs and how: scope, seed, learning rate, strategy, which features it needs."""
         from composer_algos.selection import get_strategy
 
         assert self.kappa is not None
-        step = int(state.timestamp.batch.value)
+        number = int(state.timestamp.batch.value)
         world = dist.get_world_size()
         use_global = self.scope == "global" or (self.scope == "auto" and world > 1)
         multi = use_global and world > 1
-        gen_seed = mix_seed(self.seed, step, 0 if use_global else dist.get_global_rank())
-        eta = float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0
-        strategy = self.strategy if self._is_active(state, step) else "random"
-        stale = strategy == "random" and self._is_stale_step(state, step)
-        needs_features = get_strategy(strategy).needs_features or stale
-
-        # Stage 1: assemble the problem (this rank's pool, or every rank's under global scope).
-        # Locally the step reads the device once (settle_on_host): the checks of device values
-        # (finite features, a finite objective) are recorded as they run and judged from that
-        # one transfer, which also brings the selection to the host. Global scope agrees on
-        # fallbacks across ranks before it gathers, so it judges as it goes.
-        deferred = not multi
-        feature_checks, solver_checks = DeferredChecks(), DeferredChecks()
+        strategy = self.strategy if self._is_active(state, number) else "random"
+        stale = strategy == "random" and self._is_stale_step(state, number)
         model = getattr(state, "model", None)
         cpu = torch.device("cpu")
-        clock = _StageClock(next((p.device for p in model.parameters()), cpu) if model is not None else cpu)
+        return _Step(
+            number=number,
+            world=world,
+            multi=multi,
+            seed=mix_seed(self.seed, number, 0 if use_global else dist.get_global_rank()),
+            eta=float(state.optimizers[0].param_groups[0]["lr"]) if state.optimizers else 0.0,
+            strategy=strategy,
+            stale=stale,
+            needs_features=get_strategy(strategy).needs_features or stale,
+            # The validation rows one by one (and their domains), for the targets and strategies that read them.
+            rows_needed=not stale and strategy == self.strategy and self._needs_validation_rows(),
+            pool_C=pool_C,
+            pool_ids=pool_ids,
+            clock=_StageClock(next((p.device for p in model.parameters()), cpu) if model is not None else cpu),
+        )
+
+    def _assemble(
+        self, state: State, batch: Mapping[str, Any], domain_N: torch.Tensor, step: _Step
+    ) -> tuple[Any, torch.Tensor | None]:
+        """Stage 1: the problem (this rank's pool, or every rank's under global scope), and a log-only probe.
+
+        Locally the step reads the device once (settle_on_host): the checks of device values (finite
+        features, a finite objective) are recorded as they run and judged from that one transfer,
+        which also brings the selection to the host. Global scope agrees on fallbacks across ranks
+        before it gathers, so it judges as it goes.
+        """
         feats_ND, gbar_D, fallback = None, None, None  # fallback: why this step selects at random
         self._val_rows_VD, self._val_domain_V = None, None
         self._prefix_rows = None  # the pool rows' frozen-prefix output, when the scoring pass recorded it
-        if needs_features:
-            with _deferring(feature_checks if deferred else None):
+        if step.needs_features:
+            with _deferring(step.feature_checks if step.deferred else None):
                 feats_ND, gbar_D, fallback = self._features(
-                    state, batch, step, defer_commits=multi or deferred, validation=not stale, record_prefix=True
+                    state, batch, step.number, defer_commits=step.multi or step.deferred, validation=not step.stale,
+                    record_prefix=True,
                 )
-        # log_conflicts: features of the pool for the log only (the problem below never sees them).
-        probe_ND = None
-        if self.log_conflicts and not needs_features and strategy == self.strategy:
-            if multi:
-                if not self._warned_log_conflicts:
-                    log.warning(
-                        "data_selection: log_conflicts is skipped under global scope on %d ranks (the selection's "
-                        "indices refer to the gathered pool); use scope local or one rank",
-                        world,
-                    )
-                    self._warned_log_conflicts = True
-            else:
-                # Its checks are never judged: a broken probe only loses its logged fraction (below).
-                with _deferring(DeferredChecks()):
-                    probe_ND, _, _ = self._features(state, batch, step, validation=False)
-        # The validation rows one by one (and their domains), for the targets and strategies that read them.
-        rows_needed = not stale and strategy == self.strategy and self._needs_validation_rows()
-        clock.mark("features")
+        probe_ND = self._conflict_probe(state, batch, step)
+        step.clock.mark("features")
         t1 = time.perf_counter()
-        average_before = self.val_average.snapshot()
+        step.average_before = self.val_average.snapshot()
         problem = assemble_problem(
             domain_N,
             kappa_rank=self.kappa,
-            gather=multi,
-            needs_features=needs_features,
+            gather=step.multi,
+            needs_features=step.needs_features,
             features_ND=feats_ND,
             gbar_D=gbar_D,
             n_val=self.validation.last_batch_size if self.validation is not None else 1,
             fallback=fallback,
-            average_gbar=None if stale else self.val_average.update,
-            val_rows_VD=self._val_rows_VD if rows_needed else None,
-            val_domain_V=self._val_domain_V if rows_needed else None,
-            balance_domains=rows_needed and self.validation_target == "domain_balanced",
+            average_gbar=None if step.stale else self.val_average.update,
+            val_rows_VD=self._val_rows_VD if step.rows_needed else None,
+            val_domain_V=self._val_domain_V if step.rows_needed else None,
+            balance_domains=step.rows_needed and self.validation_target == "domain_balanced",
         )
-        t_gather = time.perf_counter() - t1 if multi else 0.0
-        if multi and problem.domain_P.numel():
+        step.t_gather = time.perf_counter() - t1 if step.multi else 0.0
+        if step.multi and problem.domain_P.numel():
             # C from the gathered ids, identical on every rank (this rank's pool may lack the largest);
             # an id beyond the given names stops every rank here, not one rank inside the solver.
             top = int(problem.domain_P.max()) + 1
@@ -667,44 +533,72 @@ class DataSelection(Algorithm):
                     f"names {self.num_domains} domains {self.domain_names}; give a name for every domain id"
                 )
             self._grow_domains(top)
-            pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
-        if self.check_consistency and multi:
+            step.pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
+        if self.check_consistency and step.multi:
             self._check_same_problem(problem)
+        return problem, probe_ND
 
-        # Stage 2: solve (falling back to random within capacities when the problem is broken).
-        clock.mark("solve start")
+    def _conflict_probe(self, state: State, batch: Mapping[str, Any], step: _Step) -> torch.Tensor | None:
+        """log_conflicts: features of the pool for the log only (the problem never sees them)."""
+        if not self.log_conflicts or step.needs_features or step.strategy != self.strategy:
+            return None
+        if step.multi:
+            if not self._warned_log_conflicts:
+                log.warning(
+                    "data_selection: log_conflicts is skipped under global scope on %d ranks (the selection's "
+                    "indices refer to the gathered pool); use scope local or one rank",
+                    step.world,
+                )
+                self._warned_log_conflicts = True
+            return None
+        # Its checks are never judged: a broken probe only loses its logged fraction (see _solve).
+        with _deferring(DeferredChecks()):
+            probe_ND, _, _ = self._features(state, batch, step.number, validation=False)
+        return probe_ND
+
+    def _solve(self, problem: Any, probe_ND: torch.Tensor | None, step: _Step) -> tuple[Any, dict, dict[str, float]]:
+        """Stage 2: solve (falling back to random within capacities when the problem is broken), then settle.
+
+        Returns the settled outcome, the extra values read with it (the conflict fraction) and the
+        adaptive capacities' metrics.
+        """
+        step.clock.mark("solve start")
+        strategy = step.strategy
         options = self.strategy_options.get(strategy) if strategy == self.strategy else None
-        if stale and problem.fallback is None:
-            outcome = self._stale_topk(problem, gen_seed)
+        if step.stale and problem.fallback is None:
+            outcome = self._stale_topk(problem, step.seed)
         else:
             outcome = solve_problem(
                 problem,
                 strategy,
-                eta=eta,
-                seed=gen_seed,
+                eta=step.eta,
+                seed=step.seed,
                 num_domains=self.num_domains,
                 options=options,
                 fractions=self._fractions,
                 capacity_fn=self._capacity_fn(),
-                deferred=solver_checks if deferred else None,
+                deferred=step.solver_checks if step.deferred else None,
             )
         # The conflict fraction of the selection, read with it (dropped if the step falls back).
         logged_PD = problem.features_PD if probe_ND is None else probe_ND
         extras = {}
         if logged_PD is not None and outcome.fallback is None and outcome.result.indices.numel() > 1:
             fraction = conflict_fraction(logged_PD, outcome.result.indices)
-            if probe_ND is not None:  # a broken probe logs nothing (nan is dropped below)
+            if probe_ND is not None:  # a broken probe logs nothing (nan is dropped in _record)
                 usable = torch.isfinite(probe_ND).all() & (probe_ND != 0).any()
                 fraction = torch.where(usable, fraction, torch.full_like(fraction, float("nan")))
             extras["conflicts"] = fraction
-        clock.mark("solve end")
-        # The step's one host sync (local scope): the selection, its numbers and the checks.
+        step.clock.mark("solve end")
+        return self._settle(problem, outcome, extras, step)
+
+    def _settle(self, problem: Any, outcome: Any, extras: dict, step: _Step) -> tuple[Any, dict, dict[str, float]]:
+        """The step's one host sync (local scope): the selection, its numbers and the checks; then what they decide."""
         outcome, extra_values, failed_checks = settle_on_host(
             outcome,
             problem,
-            {"unusable gradient features": feature_checks, f"{strategy} failed numerically": solver_checks},
+            {"unusable gradient features": step.feature_checks, f"{step.strategy} failed numerically": step.solver_checks},
             num_domains=self.num_domains,
-            seed=gen_seed,
+            seed=step.seed,
             fractions=self._fractions,
             capacity_fn=self._capacity_fn(),
             extras=extras,
@@ -712,35 +606,51 @@ class DataSelection(Algorithm):
         features_ok = "unusable gradient features" not in failed_checks and problem.fallback is None
         if not features_ok:
             # The features were unusable: the step is a fallback, and nothing learnt from them stays.
-            self.val_average.restore(average_before)
+            self.val_average.restore(step.average_before)
             problem.features_PD, problem.gbar_D = None, None
-        if needs_features:
-            self._settle_simulated_adam(multi, failed=not features_ok, deferred=deferred)
-        if self.between == "stale_topk" and not stale and problem.gbar_D is not None:
-            self._stale_gbar, self._stale_gbar_shared = problem.gbar_D.detach().clone(), multi or world == 1
+        if step.needs_features:
+            self._settle_simulated_adam(step.multi, failed=not features_ok, deferred=step.deferred)
+        if self.between == "stale_topk" and not step.stale and problem.gbar_D is not None:
+            self._stale_gbar, self._stale_gbar_shared = problem.gbar_D.detach().clone(), step.multi or step.world == 1
         adaptive_metrics = (
-            self._update_adaptive(problem, outcome, eta) if rows_needed and outcome.fallback is None else {}
+            self._update_adaptive(problem, outcome, step.eta) if step.rows_needed and outcome.fallback is None else {}
         )
-        clock.mark("settled", host_only=True)
+        step.clock.mark("settled", host_only=True)
+        return outcome, extra_values, adaptive_metrics
 
-        # Stage 3: redistribute (subset locally, or rebalance the global picks across ranks).
+    def _redistribute(
+        self, batch: Mapping[str, Any], problem: Any, outcome: Any, step: _Step
+    ) -> tuple[dict[str, Any], float]:
+        """Stage 3: subset locally, or rebalance the global picks across ranks; returns the batch and its seconds."""
         t3 = time.perf_counter()
         new_batch = redistribute(
             batch, problem, outcome.result, domain_key=self.domain_key, weighted_loss=self.weighted_loss
         )
-        t_exchange = time.perf_counter() - t3 + t_gather
+        t_exchange = time.perf_counter() - t3 + step.t_gather
         if self._prefix_rows is not None and not problem.gathered:
             # The selected rows' frozen-prefix output rides in the batch (Composer splits it with the rows into
             # microbatches); the training forward hands it on past the frozen blocks (composer_algos/models/scoring_prefix.py).
             idx_K = outcome.result.indices.to(self._prefix_rows.device, non_blocking=True)
             new_batch[PREFIX_KEY] = self._prefix_rows.index_select(0, idx_K)
         self._prefix_rows = None
-        state.batch = new_batch
+        return new_batch, t_exchange
 
-        # Stage 4: record, through Composer's logger only.
+    def _record(
+        self,
+        logger: Logger,
+        problem: Any,
+        outcome: Any,
+        new_batch: Mapping[str, Any],
+        step: _Step,
+        extra_values: dict,
+        adaptive_metrics: dict[str, float],
+        t_exchange: float,
+    ) -> None:
+        """Stage 4: record, through Composer's logger only."""
         if outcome.fallback is not None:
-            self._note_fallback(step, outcome.fallback)
+            self._note_fallback(step.number, outcome.fallback)
         conflicts = extra_values.get("conflicts")
+        clock = step.clock
         metrics = selection_metrics(
             outcome.result,
             features_PD=None,
@@ -755,24 +665,31 @@ class DataSelection(Algorithm):
             ),
             conflicts=conflicts if conflicts is not None and math.isfinite(conflicts) else None,
         )
-        if needs_features and self.extractor is not None and self.extractor.chunk_size_in_use is not None:
-            metrics["selection/score_chunk_size"] = float(self.extractor.chunk_size_in_use)
-        if needs_features and self.extractor is not None and self.extractor.score_length_in_use is not None:
-            metrics["selection/score_seq_len"] = float(self.extractor.score_length_in_use)
-        if needs_features and self.extractor is not None and self.extractor.preconditioned_fraction is not None:
-            # The normalisation in use: the share of target layers Adam-normalised this step.
-            metrics["selection/normalization_preconditioned_fraction"] = self.extractor.preconditioned_fraction
+        if step.needs_features and self.extractor is not None:
+            metrics.update(self._extractor_metrics())
         metrics.update(adaptive_metrics)
         record_step(
             logger,
             method=self.strategy,
             strategy=outcome.strategy,
-            pool_counts_C=pool_C,
+            pool_counts_C=step.pool_C,
             metrics=metrics,
-            pool_sample_ids_N=pool_ids,
+            pool_sample_ids_N=step.pool_ids,
             capacities_C=outcome.capacities,
             capacities_shared=problem.gathered,
         )
+
+    def _extractor_metrics(self) -> dict[str, float]:
+        """What the feature pass chose this step: its chunk, its scored length, the preconditioned share."""
+        extractor, metrics = self.extractor, {}
+        if extractor.chunk_size_in_use is not None:
+            metrics["selection/score_chunk_size"] = float(extractor.chunk_size_in_use)
+        if extractor.score_length_in_use is not None:
+            metrics["selection/score_seq_len"] = float(extractor.score_length_in_use)
+        if extractor.preconditioned_fraction is not None:
+            # The normalisation in use: the share of target layers Adam-normalised this step.
+            metrics["selection/normalization_preconditioned_fraction"] = extractor.preconditioned_fraction
+        return metrics
 
     def _needs_validation_rows(self) -> bool:
         """Whether a selecting step keeps the validation rows (not only their mean)."""
@@ -1071,57 +988,6 @@ def _trained_domain_names(dataset: Any) -> list[str] | None:
     return [names[i] for i in sorted(set(int(i) for i in ids))]
 
 
-def _average_beta_conflicts(beta: float, features: Mapping[str, Any]) -> list[str]:
-    """Feature settings that make a running mean of the validation feature average incomparable steps.
-
-    `ValidationAverage` folds `gbar` of many steps into one vector, which is meaningful only when the
-    validation side carries no step-dependent scaling or projection: the optimizer's preconditioner
-    on the validation side (`precondition: split | both` with `adam_optimizer`), the simulated-Adam
-    filter (its state moves every step) or projections drawn anew every step.
-    """
-    import inspect
-
-    from composer_algos.features import GradFeatureExtractor
-
-    defaults = inspect.signature(GradFeatureExtractor).parameters
-    normalization = features.get("normalization", defaults["normalization"].default)
-    precondition = features.get("precondition", defaults["precondition"].default)
-    resample = features.get("resample_projections", defaults["resample_projections"].default)
-    found = []
-    if normalization == "adam_optimizer" and precondition in ("split", "both"):
-        found.append(
-            f"features.precondition {precondition!r} scales the validation feature by the optimizer's current "
-            "second moment"
-        )
-    if normalization == "adam_simulated":
-        found.append("features.normalization 'adam_simulated' filters it with a state that moves every step")
-    if resample:
-        found.append(f"features.resample_projections {resample!r} draws new projections every step")
-    if not found:
-        return []
-    return [
-        f"validation.average_beta {beta:g} averages the validation feature over steps, which needs a validation "
-        f"side with no step-dependent scaling or projection, but {' and '.join(found)}: use "
-        "features.precondition: pool with normalization adam_optimizer (the defaults) and fixed projections, "
-        "or validation.average_beta: 0"
-    ]
-
-
-def _validation_config(validation: Any) -> dict[str, Any]:
-    """The `validation` argument as a mapping: a shard directory or an iterable of batches become one key."""
-    if validation is None:
-        return {}
-    if isinstance(validation, (str, os.PathLike)):
-        return {"shard_dir": os.fspath(validation)}
-    if isinstance(validation, Mapping):
-        return dict(validation)
-    if isinstance(validation, Iterable):
-        return {"batches": validation}
-    raise TypeError(
-        f"validation must be a shard directory, an iterable of batches or a mapping of options, got {type(validation).__name__}"
-    )
-
-
 class _StageClock:
     """Times of a step's stages without making the host wait for the accelerator.
 
@@ -1153,6 +1019,33 @@ class _StageClock:
         if ea is not None and eb is not None and eb.query():
             return ea.elapsed_time(eb) / 1000.0
         return self.host_seconds(a, b)
+
+
+@dataclass
+class _Step:
+    """What one step's stages share: decided at its start (`DataSelection._begin_step`), filled in as they run."""
+
+    number: int  # the batch index
+    world: int
+    multi: bool  # global scope on several ranks: the problem is gathered from every rank
+    seed: int  # the step's generator seed
+    eta: float  # the optimizer's learning rate
+    strategy: str  # what runs this step (random outside [start, end) and between selections)
+    stale: bool  # a between step scoring the pool against the last selection's validation feature
+    needs_features: bool
+    rows_needed: bool  # keep the validation rows one by one, not only their mean
+    pool_C: torch.Tensor  # (C,) the pool's domain counts on this rank
+    pool_ids: Any  # the pool's sample ids, when the batch has them
+    clock: _StageClock
+    feature_checks: DeferredChecks = field(default_factory=DeferredChecks)
+    solver_checks: DeferredChecks = field(default_factory=DeferredChecks)
+    average_before: Any = None  # the validation average before this step folded its feature in
+    t_gather: float = 0.0
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the checks of device values wait for the step's one transfer (local scope)."""
+        return not self.multi
 
 
 def _deferring(checks: Any):
