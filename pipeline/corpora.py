@@ -208,18 +208,6 @@ def make_corpus_spec(
         raise ValueError(f"corpus `format` must be one of {list(CORPUS_FORMATS)}, got {format!r}")
     if domain_from not in _DOMAIN_FROM:
         raise ValueError(f"`domain_from` must be one of {list(_DOMAIN_FROM)}, got {domain_from!r}")
-    defaults: dict[str, Any] = {
-        "dolma": {"text_field": "text", "domain_field": "source"},
-        "metamathqa": {"prompt_field": "query", "response_field": "response", "domain_field": "type"},
-        "mol": {
-            "prompt_field": "instruction",
-            "input_field": "input",
-            "response_field": "output",
-            "domain_field": "metadata.task",
-            "split_field": "metadata.split",
-        },
-        "jsonl": {"domain_field": "domain"},
-    }[format]
     overrides = {
         "text_field": text_field,
         "prompt_field": prompt_field,
@@ -228,13 +216,7 @@ def make_corpus_spec(
         "domain_field": domain_field,
         "split_field": split_field,
     }
-    fields = {**defaults, **{k: v for k, v in overrides.items() if v is not None}}
-    if format == "jsonl":
-        if fields.get("response_field") is not None or fields.get("prompt_field") is not None:
-            fields.setdefault("prompt_field", "prompt")
-            fields.setdefault("response_field", "response")
-        else:
-            fields.setdefault("text_field", "text")
+    fields = _format_fields(format, overrides)
     if fields.get("response_field") is not None and fields.get("text_field") is not None:
         raise ValueError(
             f"corpus `{format}`: give either a text field ({fields['text_field']!r}) or a prompt/response pair "
@@ -520,6 +502,30 @@ def _iter_hub(file: InputFile) -> Iterator[RawRecord]:
         raise CorpusError(f"{file.display}: hub dataset could not be loaded ({type(exc).__name__}: {exc})") from exc
     for index, row in enumerate(dataset):
         yield RawRecord(line=index + 1, loc=index, payload=dict(row), element=index)  # type: ignore[arg-type]
+
+
+def _format_fields(corpus_format: str, overrides: dict[str, str | None]) -> dict[str, Any]:
+    """The field paths of a format: its defaults with the non-None `overrides` on top (jsonl: text or prompt/response)."""
+    defaults: dict[str, Any] = {
+        "dolma": {"text_field": "text", "domain_field": "source"},
+        "metamathqa": {"prompt_field": "query", "response_field": "response", "domain_field": "type"},
+        "mol": {
+            "prompt_field": "instruction",
+            "input_field": "input",
+            "response_field": "output",
+            "domain_field": "metadata.task",
+            "split_field": "metadata.split",
+        },
+        "jsonl": {"domain_field": "domain"},
+    }[corpus_format]
+    fields = {**defaults, **{k: v for k, v in overrides.items() if v is not None}}
+    if corpus_format == "jsonl":
+        if fields.get("response_field") is not None or fields.get("prompt_field") is not None:
+            fields.setdefault("prompt_field", "prompt")
+            fields.setdefault("response_field", "response")
+        else:
+            fields.setdefault("text_field", "text")
+    return fields
 
 
 def _check_domain_map(mapping: Any, source: str) -> None:

@@ -216,22 +216,10 @@ def manifest_from_dict(obj: Any, source: str = "manifest") -> Manifest:
     Raises:
         ValueError: As `load_manifest`, listing every problem found.
     """
-    problems: list[str] = []
     if not isinstance(obj, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(obj).__name__}")
-
-    def get(container: dict, key: str, types: tuple[type, ...], where: str, optional: bool = False) -> Any:
-        if key not in container:
-            if not optional:
-                problems.append(f"missing field `{where}{key}`")
-            return None
-        value = container[key]
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            problems.append(f"field `{where}{key}` must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
-            return None
-        return value
+    fields = _FieldReader()
+    get, problems = fields.get, fields.problems
 
     version = get(obj, "format_version", (int,), "")
     if version is not None and version != FORMAT_VERSION:
@@ -247,65 +235,8 @@ def manifest_from_dict(obj: Any, source: str = "manifest") -> Manifest:
     if val_fraction is not None and val_count is not None:
         problems.append(f"fields `val_fraction` ({val_fraction}) and `val_count` ({val_count}) are mutually exclusive")
 
-    domains: list[DomainInfo] = []
-    raw_domains = get(obj, "domains", (list,), "") or []
-    for i, d in enumerate(raw_domains):
-        where = f"domains[{i}]."
-        if not isinstance(d, dict):
-            problems.append(f"field `domains[{i}]` must be an object")
-            continue
-        splits: dict[str, SplitStats] = {}
-        raw_splits = get(d, "splits", (dict,), where) or {}
-        for split in SPLITS:
-            s = raw_splits.get(split)
-            if not isinstance(s, dict):
-                problems.append(f"field `{where}splits.{split}` must be an object with records, samples, tokens")
-                continue
-            values = [get(s, k, (int,), f"{where}splits.{split}.") for k in ("records", "samples", "tokens")]
-            if any(v is None for v in values):
-                continue
-            if any(v < 0 for v in values):
-                problems.append(f"field `{where}splits.{split}` has negative counts: {s}")
-            splits[split] = SplitStats(*values)
-        info = DomainInfo(
-            name=get(d, "name", (str,), where),
-            dir=get(d, "dir", (str,), where),
-            input_records=get(d, "input_records", (int,), where),
-            rejected=get(d, "rejected", (int,), where),
-            truncated=get(d, "truncated", (int,), where),
-            too_long=get(d, "too_long", (int,), where, optional=True) or 0,
-            splits=splits,
-        )
-        if len(splits) == len(SPLITS) and None not in (info.input_records, info.rejected):
-            written = splits["train"].records + splits["val"].records
-            if info.input_records != written + info.rejected:
-                problems.append(
-                    f"domain {info.name!r}: `input_records` ({info.input_records}) != train.records + val.records + "
-                    f"rejected ({splits['train'].records} + {splits['val'].records} + {info.rejected})"
-                )
-        if info.dir is not None and (not info.dir or "/" in info.dir or info.dir in (".", "..")):
-            problems.append(f"field `{where}dir` must be a plain directory name, got {info.dir!r}")
-        domains.append(info)
-    names = [d.name for d in domains]
-    if all(isinstance(n, str) for n in names) and names != sorted(names):
-        problems.append(f"field `domains` must be sorted by name, got {names}")
-    if len(set(names)) != len(names) or len({d.dir for d in domains}) != len(domains):
-        problems.append("field `domains` has duplicate names or dirs")
-
-    inputs: list[InputInfo] = []
-    for i, inp in enumerate(get(obj, "inputs", (list,), "") or []):
-        if not isinstance(inp, dict):
-            problems.append(f"field `inputs[{i}]` must be an object")
-            continue
-        where = f"inputs[{i}]."
-        inputs.append(
-            InputInfo(
-                path=get(inp, "path", (str,), where),
-                sha256=get(inp, "sha256", (str,), where, optional=True),
-                records=get(inp, "records", (int,), where),
-                split=get(inp, "split", (str,), where, optional=True),
-            )
-        )
+    domains = _domains_from_json(get(obj, "domains", (list,), "") or [], fields)
+    inputs = _inputs_from_json(get(obj, "inputs", (list,), "") or [], fields)
 
     manifest = Manifest(
         format_version=version,  # type: ignore[arg-type]
@@ -409,57 +340,83 @@ def verify_output(path: str | Path, check_inputs: bool = False) -> list[str]:
     with tempfile.TemporaryDirectory() as scratch:
         for d in manifest.domains:
             for split in SPLITS:
-                want = d.splits[split]
-                where = f"{split}/{d.dir}"
-                if want.samples == 0:
+                if d.splits[split].samples == 0:
                     continue
-                index_file = root / split / d.dir / "index.json"
-                if not index_file.is_file():
-                    problems.append(f"{where}: missing index.json (manifest: {want.samples} samples)")
-                    continue
-                try:
-                    shards = json.loads(index_file.read_text())["shards"]
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    problems.append(f"{where}/index.json: unreadable ({exc})")
-                    continue
-                samples = tokens = 0
-                for shard_idx, shard in enumerate(shards):
-                    names = set(shard.get("column_names", []))
-                    if names != columns:
-                        problems.append(f"{where}: shard {shard_idx} has columns {sorted(names)}, mode {manifest.mode} needs {sorted(columns)}")
-                        continue
-                    raw = _read_shard(root / split / d.dir, shard, where, problems, decompress, get_hash)
-                    if raw is None:
-                        continue
-                    local = Path(scratch) / f"{split}-{d.dir}-{shard_idx}"
-                    local.mkdir()
-                    (local / shard["raw_data"]["basename"]).write_bytes(raw)
-                    reader = reader_from_json(str(local), None, shard)
-                    for i in range(shard["samples"]):
-                        sample = reader.get_item(i)
-                        last = shard_idx == len(shards) - 1 and i == shard["samples"] - 1
-                        tokens += _check_sample(manifest, sample, last, f"{where}: shard {shard_idx} sample {i}", problems)
-                    samples += shard["samples"]
-                if (samples, tokens) != (want.samples, want.tokens):
-                    problems.append(f"{where}: holds {samples} samples / {tokens} tokens, manifest says {want.samples} / {want.tokens}")
-                if manifest.mode == "finetune" and samples != want.records:
-                    problems.append(f"{where}: {samples} samples but {want.records} records (finetune writes one sample per record)")
+                _check_split(manifest, root, d, split, columns, Path(scratch), problems, reader_from_json, decompress, get_hash)
 
+    _check_rejects(root, manifest, problems)
+    if check_inputs:
+        _check_inputs(manifest, problems)
+    return problems
+
+
+def _check_split(
+    manifest: Manifest,
+    root: Path,
+    d: DomainInfo,
+    split: str,
+    columns: set[str],
+    scratch: Path,
+    problems: list[str],
+    reader_from_json: Any,
+    decompress: Any,
+    get_hash: Any,
+) -> None:
+    """Check one domain's MDS directory of one split (index, shards, samples, totals); problems go to `problems`."""
+    want = d.splits[split]
+    where = f"{split}/{d.dir}"
+    index_file = root / split / d.dir / "index.json"
+    if not index_file.is_file():
+        problems.append(f"{where}: missing index.json (manifest: {want.samples} samples)")
+        return
+    try:
+        shards = json.loads(index_file.read_text())["shards"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        problems.append(f"{where}/index.json: unreadable ({exc})")
+        return
+    samples = tokens = 0
+    for shard_idx, shard in enumerate(shards):
+        names = set(shard.get("column_names", []))
+        if names != columns:
+            problems.append(f"{where}: shard {shard_idx} has columns {sorted(names)}, mode {manifest.mode} needs {sorted(columns)}")
+            continue
+        raw = _read_shard(root / split / d.dir, shard, where, problems, decompress, get_hash)
+        if raw is None:
+            continue
+        local = scratch / f"{split}-{d.dir}-{shard_idx}"
+        local.mkdir()
+        (local / shard["raw_data"]["basename"]).write_bytes(raw)
+        reader = reader_from_json(str(local), None, shard)
+        for i in range(shard["samples"]):
+            sample = reader.get_item(i)
+            last = shard_idx == len(shards) - 1 and i == shard["samples"] - 1
+            tokens += _check_sample(manifest, sample, last, f"{where}: shard {shard_idx} sample {i}", problems)
+        samples += shard["samples"]
+    if (samples, tokens) != (want.samples, want.tokens):
+        problems.append(f"{where}: holds {samples} samples / {tokens} tokens, manifest says {want.samples} / {want.tokens}")
+    if manifest.mode == "finetune" and samples != want.records:
+        problems.append(f"{where}: {samples} samples but {want.records} records (finetune writes one sample per record)")
+
+
+def _check_rejects(root: Path, manifest: Manifest, problems: list[str]) -> None:
+    """When `rejects.jsonl` exists, check it holds one line per rejected record; problems go to `problems`."""
     rejects = root / "rejects.jsonl"
     if rejects.is_file():
         n_lines = sum(1 for line in rejects.open("rb") if line.strip())
         n_rejected = sum(d.rejected for d in manifest.domains) + manifest.rejected_other
         if n_lines != n_rejected:
             problems.append(f"rejects.jsonl: {n_lines} lines, manifest counts {n_rejected} rejected records")
-    if check_inputs:
-        for inp in manifest.inputs:
-            file = Path(inp.path)
-            if inp.sha256 is None or not file.is_file():
-                continue
-            digest = hashlib.sha256(file.read_bytes()).hexdigest()
-            if digest != inp.sha256:
-                problems.append(f"input {inp.path}: sha256 {digest[:12]}... differs from the manifest's {inp.sha256[:12]}... (changed since sharding)")
-    return problems
+
+
+def _check_inputs(manifest: Manifest, problems: list[str]) -> None:
+    """Re-hash the input files that still exist and compare with the manifest; problems go to `problems`."""
+    for inp in manifest.inputs:
+        file = Path(inp.path)
+        if inp.sha256 is None or not file.is_file():
+            continue
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        if digest != inp.sha256:
+            problems.append(f"input {inp.path}: sha256 {digest[:12]}... differs from the manifest's {inp.sha256[:12]}... (changed since sharding)")
 
 
 def _read_shard(directory: Path, shard: dict, where: str, problems: list[str], decompress: Any, get_hash: Any) -> bytes | None:
@@ -508,3 +465,102 @@ def _check_sample(manifest: Manifest, sample: dict, last: bool, where: str, prob
     elif n > manifest.max_seq_len or len(arrays[1]) == 0:
         problems.append(f"{where}: prompt {len(arrays[0])} + response {len(arrays[1])} tokens (max_seq_len {manifest.max_seq_len}, response must be non-empty)")
     return n
+
+
+class _FieldReader:
+    """Reads typed fields out of decoded JSON objects, collecting one problem per missing or mistyped field."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def get(self, container: dict, key: str, types: tuple[type, ...], where: str, optional: bool = False) -> Any:
+        """The value of `key` if present and of one of `types`; else None (and a problem, unless optional and absent)."""
+        if key not in container:
+            if not optional:
+                self.problems.append(f"missing field `{where}{key}`")
+            return None
+        value = container[key]
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            self.problems.append(f"field `{where}{key}` must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
+            return None
+        return value
+
+
+def _domains_from_json(raw_domains: list, fields: _FieldReader) -> list[DomainInfo]:
+    """The `domains` entries that are objects, as `DomainInfo`; problems (order, duplicates) go to `fields`."""
+    problems = fields.problems
+    domains: list[DomainInfo] = []
+    for i, d in enumerate(raw_domains):
+        if not isinstance(d, dict):
+            problems.append(f"field `domains[{i}]` must be an object")
+            continue
+        domains.append(_domain_from_json(d, f"domains[{i}].", fields))
+    names = [d.name for d in domains]
+    if all(isinstance(n, str) for n in names) and names != sorted(names):
+        problems.append(f"field `domains` must be sorted by name, got {names}")
+    if len(set(names)) != len(names) or len({d.dir for d in domains}) != len(domains):
+        problems.append("field `domains` has duplicate names or dirs")
+    return domains
+
+
+def _domain_from_json(d: dict, where: str, fields: _FieldReader) -> DomainInfo:
+    """One `domains[i]` object as `DomainInfo`, after checking its counts reconcile and its dir is plain."""
+    get, problems = fields.get, fields.problems
+    splits = _splits_from_json(get(d, "splits", (dict,), where) or {}, where, fields)
+    info = DomainInfo(
+        name=get(d, "name", (str,), where),
+        dir=get(d, "dir", (str,), where),
+        input_records=get(d, "input_records", (int,), where),
+        rejected=get(d, "rejected", (int,), where),
+        truncated=get(d, "truncated", (int,), where),
+        too_long=get(d, "too_long", (int,), where, optional=True) or 0,
+        splits=splits,
+    )
+    if len(splits) == len(SPLITS) and None not in (info.input_records, info.rejected):
+        written = splits["train"].records + splits["val"].records
+        if info.input_records != written + info.rejected:
+            problems.append(
+                f"domain {info.name!r}: `input_records` ({info.input_records}) != train.records + val.records + "
+                f"rejected ({splits['train'].records} + {splits['val'].records} + {info.rejected})"
+            )
+    if info.dir is not None and (not info.dir or "/" in info.dir or info.dir in (".", "..")):
+        problems.append(f"field `{where}dir` must be a plain directory name, got {info.dir!r}")
+    return info
+
+
+def _splits_from_json(raw_splits: dict, where: str, fields: _FieldReader) -> dict[str, SplitStats]:
+    """The splits of one domain whose three counts are all present, as `SplitStats`."""
+    splits: dict[str, SplitStats] = {}
+    for split in SPLITS:
+        s = raw_splits.get(split)
+        if not isinstance(s, dict):
+            fields.problems.append(f"field `{where}splits.{split}` must be an object with records, samples, tokens")
+            continue
+        values = [fields.get(s, k, (int,), f"{where}splits.{split}.") for k in ("records", "samples", "tokens")]
+        if any(v is None for v in values):
+            continue
+        if any(v < 0 for v in values):
+            fields.problems.append(f"field `{where}splits.{split}` has negative counts: {s}")
+        splits[split] = SplitStats(*values)
+    return splits
+
+
+def _inputs_from_json(raw_inputs: list, fields: _FieldReader) -> list[InputInfo]:
+    """The `inputs` entries that are objects, as `InputInfo`."""
+    inputs: list[InputInfo] = []
+    for i, inp in enumerate(raw_inputs):
+        if not isinstance(inp, dict):
+            fields.problems.append(f"field `inputs[{i}]` must be an object")
+            continue
+        where = f"inputs[{i}]."
+        inputs.append(
+            InputInfo(
+                path=fields.get(inp, "path", (str,), where),
+                sha256=fields.get(inp, "sha256", (str,), where, optional=True),
+                records=fields.get(inp, "records", (int,), where),
+                split=fields.get(inp, "split", (str,), where, optional=True),
+            )
+        )
+    return inputs

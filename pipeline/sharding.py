@@ -282,12 +282,7 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
             is kept, and an existing output is left as it was).
     """
     start = time.perf_counter()
-    mode = options.mode or spec.default_mode
-    if mode == "finetune" and not spec.is_instruction:
-        raise ValueError(
-            f"`mode` finetune needs prompt/response records, but corpus {spec.format!r} reads text field "
-            f"{spec.text_field!r}; use mode pretrain (or, for jsonl, --prompt-field and --response-field)"
-        )
+    mode = _shard_mode(spec, options)
     template = options.prompt_template or ("none" if spec.format == "jsonl" else "alpaca")
     out = Path(options.out)
     _remove_leftovers(out)
@@ -297,20 +292,7 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
     if not tokenizer.is_fast:
         raise ValueError(f"`tokenizer` {options.tokenizer!r} has no fast (Rust) implementation; sharding needs one")
 
-    config = _WorkerConfig(
-        spec=spec,
-        mode=mode,
-        backend_json=tokenizer.backend_tokenizer.to_str(),  # type: ignore[attr-defined]
-        eos_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
-        template=template if spec.is_instruction else None,
-        chat_affixes=_chat_affixes(tokenizer, options.tokenizer) if spec.is_instruction and template == CHAT else None,
-        max_seq_len=options.max_seq_len,
-        truncation=options.truncation,
-        seed=options.seed,
-        keep_records=options.on_error == "skip",
-        needs_hash=options.val_fraction is not None or options.val_count is not None,
-        val_spec=dataclasses.replace(spec, split=None),
-    )
+    config = _worker_config(spec, mode, template, tokenizer, options)
     # The pid in the name lets a later run tell a dead run's leftovers from a running one's.
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     existed = out.exists()
@@ -321,46 +303,10 @@ def shard_corpus(spec: CorpusSpec, inputs: list[str | Path], options: ShardOptio
         # One thread per worker (the in-process one included), so --workers N means N cores.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         writer = _CorpusWriter(tmp, mode, options, tokenizer.eos_token_id)
-        inputs_info = [InputInfo(path=f.path, sha256=_sha256(f), records=0, split=f.split) for f in files]
-        from tqdm import tqdm  # 0.2 s to import, which --help need not pay
-
-        bar = tqdm(desc="sharding", unit="rec", disable=not options.progress, dynamic_ncols=True)
-        chunk_results = _run_chunks(files, config, options)
-        try:
-            for file_idx, n_raw, results in chunk_results:
-                inputs_info[file_idx].records += n_raw
-                writer.consume(files[file_idx], results)
-                bar.update(n_raw)
-                bar.set_postfix(tokens=writer.tokens_written, refresh=False)
-        finally:
-            chunk_results.close()  # stops the worker pool at once on an error
-            bar.close()
-            writer.close_rejects()
+        inputs_info = _write_records(files, config, options, writer)
         domains = writer.finish()
         _check_written(spec, files, inputs_info, domains, writer)
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            mode=mode,
-            tokenizer=str(options.tokenizer),
-            vocab_size=len(tokenizer),
-            eos_token_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
-            pad_token_id=tokenizer.pad_token_id,  # type: ignore[arg-type]
-            bos_token_id=tokenizer.bos_token_id,  # type: ignore[arg-type]
-            max_seq_len=options.max_seq_len,
-            prompt_template=template if spec.is_instruction else None,
-            truncation=options.truncation if mode == "finetune" else None,
-            val_fraction=options.val_fraction,
-            val_count=options.val_count,
-            seed=options.seed,
-            domains=domains,
-            inputs=inputs_info,
-            command=options.command,
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            source_format=spec.format,
-            rejected_other=writer.rejected_other,
-            filtered_out=writer.filtered_out,
-            split_filter=spec.split if spec.split_field is not None else None,
-        )
+        manifest = _shard_manifest(spec, mode, template, tokenizer, options, domains, inputs_info, writer)
         write_manifest(manifest, tmp)
         _move_into_place(tmp, out)
     except BaseException as exc:
@@ -557,6 +503,91 @@ def _content_hashes(config: _WorkerConfig, records: list[ParsedRecord]) -> list[
 
 # ---------------------------------------------------------------------------------------------
 # Main side: read, dispatch in order with a bounded window, assign splits, pack, write.
+
+
+def _shard_mode(spec: CorpusSpec, options: ShardOptions) -> str:
+    """The run's mode: `options.mode`, else the corpus's default; finetune needs an instruction corpus."""
+    mode = options.mode or spec.default_mode
+    if mode == "finetune" and not spec.is_instruction:
+        raise ValueError(
+            f"`mode` finetune needs prompt/response records, but corpus {spec.format!r} reads text field "
+            f"{spec.text_field!r}; use mode pretrain (or, for jsonl, --prompt-field and --response-field)"
+        )
+    return mode
+
+
+def _worker_config(spec: CorpusSpec, mode: str, template: str, tokenizer: Any, options: ShardOptions) -> _WorkerConfig:
+    """What every worker needs to parse and tokenize records (the tokenizer serialized)."""
+    return _WorkerConfig(
+        spec=spec,
+        mode=mode,
+        backend_json=tokenizer.backend_tokenizer.to_str(),  # type: ignore[attr-defined]
+        eos_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
+        template=template if spec.is_instruction else None,
+        chat_affixes=_chat_affixes(tokenizer, options.tokenizer) if spec.is_instruction and template == CHAT else None,
+        max_seq_len=options.max_seq_len,
+        truncation=options.truncation,
+        seed=options.seed,
+        keep_records=options.on_error == "skip",
+        needs_hash=options.val_fraction is not None or options.val_count is not None,
+        val_spec=dataclasses.replace(spec, split=None),
+    )
+
+
+def _write_records(files: list[InputFile], config: _WorkerConfig, options: ShardOptions, writer: _CorpusWriter) -> list[InputInfo]:
+    """Tokenize every file's records in the workers and hand them to `writer` in input order; return the inputs' info."""
+    inputs_info = [InputInfo(path=f.path, sha256=_sha256(f), records=0, split=f.split) for f in files]
+    from tqdm import tqdm  # 0.2 s to import, which --help need not pay
+
+    bar = tqdm(desc="sharding", unit="rec", disable=not options.progress, dynamic_ncols=True)
+    chunk_results = _run_chunks(files, config, options)
+    try:
+        for file_idx, n_raw, results in chunk_results:
+            inputs_info[file_idx].records += n_raw
+            writer.consume(files[file_idx], results)
+            bar.update(n_raw)
+            bar.set_postfix(tokens=writer.tokens_written, refresh=False)
+    finally:
+        chunk_results.close()  # stops the worker pool at once on an error
+        bar.close()
+        writer.close_rejects()
+    return inputs_info
+
+
+def _shard_manifest(
+    spec: CorpusSpec,
+    mode: str,
+    template: str,
+    tokenizer: Any,
+    options: ShardOptions,
+    domains: list[DomainInfo],
+    inputs_info: list[InputInfo],
+    writer: _CorpusWriter,
+) -> Manifest:
+    """The manifest of a finished run (`root` unset)."""
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        mode=mode,
+        tokenizer=str(options.tokenizer),
+        vocab_size=len(tokenizer),
+        eos_token_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[arg-type]
+        bos_token_id=tokenizer.bos_token_id,  # type: ignore[arg-type]
+        max_seq_len=options.max_seq_len,
+        prompt_template=template if spec.is_instruction else None,
+        truncation=options.truncation if mode == "finetune" else None,
+        val_fraction=options.val_fraction,
+        val_count=options.val_count,
+        seed=options.seed,
+        domains=domains,
+        inputs=inputs_info,
+        command=options.command,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        source_format=spec.format,
+        rejected_other=writer.rejected_other,
+        filtered_out=writer.filtered_out,
+        split_filter=spec.split if spec.split_field is not None else None,
+    )
 
 
 def _iter_chunks(files: list[InputFile], chunk_records: int) -> Iterator[tuple[int, tuple[str, str, list[RawRecord], bool]]]:

@@ -92,16 +92,7 @@ def load_model_and_tokenizer(
     if base_model is not None:
         tokenizer_dirs.append(Path(resolve_pretrained(base_model, "base_model")))
 
-    if tokenizer is not None:
-        tok = load_tokenizer(_existing(tokenizer, "tokenizer"))
-    elif stored_tokenizer is not None:
-        tok = stored_tokenizer
-    else:
-        found = next((d for d in tokenizer_dirs if _has_tokenizer(d)), None)
-        if found is None:
-            searched = ", ".join(str(d) for d in tokenizer_dirs) or "(nothing)"
-            raise ValueError(f"no tokenizer files found in {searched}; pass `tokenizer` (--tokenizer DIR)")
-        tok = load_tokenizer(found)
+    tok = _choose_tokenizer(tokenizer, stored_tokenizer, tokenizer_dirs)
 
     model = model.to(device=dev, dtype=dtype).eval()
     return model, tok
@@ -158,21 +149,13 @@ def load_composer_checkpoint(
         get_peft_config_from_composer_state_dict,
     )
     from composer.utils.checkpoint import safe_torch_load
-    from transformers import AutoModelForCausalLM
 
     path = _existing(path, "checkpoint")
     try:
         state = safe_torch_load(str(path))
     except Exception as err:  # torch raises several types for files that are not checkpoints
         raise ValueError(f"{path} could not be read as a torch checkpoint ({err})") from err
-    try:
-        hf_state = state["state"]["integrations"]["huggingface"]
-        weights = dict(state["state"]["model"])
-    except (KeyError, TypeError) as err:
-        raise ValueError(
-            f"{path} is not a Composer checkpoint of a HuggingFaceModel (missing state.integrations.huggingface "
-            f"or state.model: {err}); only monolithic checkpoints are read, not sharded FSDP ones"
-        ) from err
+    hf_state, weights = _huggingface_parts(state, path)
     config = get_hf_config_from_composer_state_dict(state)
     peft_config = get_peft_config_from_composer_state_dict(state)
     torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(weights, "model.")
@@ -181,26 +164,7 @@ def load_composer_checkpoint(
         model = _build_empty(config, trust_remote_code)
         _load_strict(model, weights, path)
     else:
-        from peft import get_peft_model
-
-        adapter_only = all("lora_" in k for k in weights)
-        if adapter_only:
-            base_dir = _base_for_composer(path, base_model, peft_config, config)
-            base = AutoModelForCausalLM.from_pretrained(
-                base_dir, torch_dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
-            )
-        else:
-            base = _build_empty(config, trust_remote_code)
-        peft_model = get_peft_model(base, peft_config)
-        result = peft_model.load_state_dict(weights, strict=False)
-        missing = [k for k in result.missing_keys if "lora_" in k or not adapter_only]
-        missing = _drop_tied(peft_model, missing)
-        if result.unexpected_keys or missing:
-            raise ValueError(
-                f"{path}: weights do not match the stored LoRA model: missing {missing[:5]}"
-                f"{'...' if len(missing) > 5 else ''}, unexpected {result.unexpected_keys[:5]}"
-            )
-        model = peft_model.merge_and_unload()
+        model = _load_lora(path, weights, config, peft_config, base_model, dtype, trust_remote_code)
     model.tie_weights()
 
     tokenizer = None
@@ -212,6 +176,65 @@ def load_composer_checkpoint(
             hf_state, tokenizer_save_dir=save_dir
         )
     return model.to(dtype), tokenizer
+
+
+def _choose_tokenizer(tokenizer: str | Path | None, stored_tokenizer: Any, tokenizer_dirs: list[Path]) -> Any:
+    """The tokenizer: ``tokenizer`` if given, else the checkpoint's, else the first of ``tokenizer_dirs`` with tokenizer files."""
+    if tokenizer is not None:
+        return load_tokenizer(_existing(tokenizer, "tokenizer"))
+    if stored_tokenizer is not None:
+        return stored_tokenizer
+    found = next((d for d in tokenizer_dirs if _has_tokenizer(d)), None)
+    if found is None:
+        searched = ", ".join(str(d) for d in tokenizer_dirs) or "(nothing)"
+        raise ValueError(f"no tokenizer files found in {searched}; pass `tokenizer` (--tokenizer DIR)")
+    return load_tokenizer(found)
+
+
+def _huggingface_parts(state: Any, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(state.integrations.huggingface, a copy of state.model)`` of a Composer checkpoint."""
+    try:
+        hf_state = state["state"]["integrations"]["huggingface"]
+        weights = dict(state["state"]["model"])
+    except (KeyError, TypeError) as err:
+        raise ValueError(
+            f"{path} is not a Composer checkpoint of a HuggingFaceModel (missing state.integrations.huggingface "
+            f"or state.model: {err}); only monolithic checkpoints are read, not sharded FSDP ones"
+        ) from err
+    return hf_state, weights
+
+
+def _load_lora(
+    path: Path,
+    weights: dict[str, torch.Tensor],
+    config,
+    peft_config,
+    base_model: str | Path | None,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+) -> torch.nn.Module:
+    """The LoRA model of a Composer checkpoint, its adapter merged into the base (adapter-only: a local base model)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter_only = all("lora_" in k for k in weights)
+    if adapter_only:
+        base_dir = _base_for_composer(path, base_model, peft_config, config)
+        base = AutoModelForCausalLM.from_pretrained(
+            base_dir, torch_dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    else:
+        base = _build_empty(config, trust_remote_code)
+    peft_model = get_peft_model(base, peft_config)
+    result = peft_model.load_state_dict(weights, strict=False)
+    missing = [k for k in result.missing_keys if "lora_" in k or not adapter_only]
+    missing = _drop_tied(peft_model, missing)
+    if result.unexpected_keys or missing:
+        raise ValueError(
+            f"{path}: weights do not match the stored LoRA model: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {result.unexpected_keys[:5]}"
+        )
+    return peft_model.merge_and_unload()
 
 
 def _build_empty(config, trust_remote_code: bool = False) -> torch.nn.Module:

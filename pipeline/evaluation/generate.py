@@ -138,14 +138,7 @@ def generate_greedy(
         with tqdm(total=len(prompts), desc=desc, disable=not show_progress, unit="prompt") as bar:
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
-                batch = tokenizer([prompts[i] for i in idx], padding=True, return_tensors="pt")
-                input_ids_BT = batch["input_ids"].to(device)
-                attention_mask_BT = batch["attention_mask"].to(device)
-                out_BS = model.generate(  # type: ignore[operator]
-                    input_ids=input_ids_BT, attention_mask=attention_mask_BT, generation_config=config
-                )
-                new_BN = out_BS[:, input_ids_BT.shape[1] :]
-                texts = tokenizer.batch_decode(new_BN, skip_special_tokens=True)
+                texts = _generate_batch(model, tokenizer, [prompts[i] for i in idx], device, config)
                 for i, text in zip(idx, texts):
                     completions[i] = _truncate(text, stop_strings)
                 bar.update(len(idx))
@@ -153,6 +146,18 @@ def generate_greedy(
         tokenizer.padding_side = old_side
         model.train(was_training)
     return completions
+
+
+def _generate_batch(model: torch.nn.Module, tokenizer, prompts: list[str], device: torch.device, config) -> list[str]:
+    """The decoded new tokens (special tokens dropped) of one left-padded ``generate`` call over ``prompts``."""
+    batch = tokenizer(prompts, padding=True, return_tensors="pt")
+    input_ids_BT = batch["input_ids"].to(device)
+    attention_mask_BT = batch["attention_mask"].to(device)
+    out_BS = model.generate(  # type: ignore[operator]
+        input_ids=input_ids_BT, attention_mask=attention_mask_BT, generation_config=config
+    )
+    new_BN = out_BS[:, input_ids_BT.shape[1] :]
+    return tokenizer.batch_decode(new_BN, skip_special_tokens=True)
 
 
 def _truncate(text: str, stops: Sequence[str]) -> str:
