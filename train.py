@@ -33,17 +33,15 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     """Build every object of the run described by `cfg` and return the (unfitted) Trainer."""
     import torch
     from composer import Trainer
-    from composer.loggers import FileLogger
     from composer.utils import dist, reproducibility
 
     from composer_algos.builders import build_component, build_optimizer, build_scheduler
-    from composer_algos.callbacks.file_logger import AppendFileLogger
     from composer_algos.data_selection.algorithm import find_data_selection_in
     from composer_algos.mixture_io import stream_weights
     from composer_algos.models.causal_lm import build_causal_lm
     from composer_algos.registry import type_components
     from pipeline.dataset import split_samples
-    from pipeline.loaders import build_domain_evaluators, train_dataloader_from_config
+    from pipeline.loaders import train_dataloader_from_config
     from pipeline.manifest import load_manifest
     from pipeline.tokenizer import load_tokenizer
 
@@ -78,27 +76,87 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         cfg.train_loader, domain_weights=weights, device_batch_size=device_pool, pad_token_id=pad_id,
         max_seq_len=cfg.max_seq_len,
     )
-    evaluators = []
-    if cfg.eval_loader is not None:
-        ev = cfg.eval_loader
-        evaluators = build_domain_evaluators(
-            shard_dir=ev.shard_dir or data.shard_dir,
-            remote=ev.remote,
-            split=ev.split,
-            per_domain=ev.per_domain,
-            subset_num_batches=ev.subset_num_batches,
-            device_batch_size=ev.device_eval_batch_size,
-            pad_token_id=pad_id,
-            max_seq_len=cfg.max_seq_len,
-            domains=data.domains,
-            guide_fraction=ev.guide_fraction,
-        )
+    evaluators = _evaluators(cfg, pad_id)
 
     model_kwargs: dict[str, Any] = dataclasses.asdict(cfg.model)
     model = build_causal_lm(tokenizer=tokenizer, **model_kwargs)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, **dataclasses.asdict(cfg.optimizer))
     scheduler = build_scheduler(**dataclasses.asdict(cfg.scheduler))
+
+    callbacks, loggers = _callbacks_and_loggers(cfg, context)
+
+    if cfg.device_train_microbatch_size == "auto" and not torch.cuda.is_available():
+        raise ValueError("device_train_microbatch_size: auto needs a GPU; give an integer on CPU")
+    return Trainer(
+        model=model,
+        train_dataloader=train_loader,
+        eval_dataloader=evaluators or None,
+        eval_interval=cfg.eval_interval if evaluators else 1,
+        eval_subset_num_batches=-1,
+        optimizers=optimizer,
+        schedulers=scheduler,
+        device_train_microbatch_size=cfg.device_train_microbatch_size or device_batch,
+        algorithms=algorithms,
+        callbacks=callbacks,
+        loggers=loggers,
+        **_run_settings(cfg),
+    )
+
+
+def _run_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The Trainer's arguments that come from the config as they are: duration, device, checkpoints, logging."""
+    import torch
+
+    return {
+        "run_name": cfg.run_name,
+        "max_duration": cfg.max_duration,
+        "precision": cfg.precision or ("amp_bf16" if torch.cuda.is_available() else "fp32"),
+        "device": cfg.device,
+        "save_folder": cfg.save_folder,
+        "save_interval": cfg.save_interval,
+        "save_num_checkpoints_to_keep": cfg.save_num_checkpoints_to_keep,
+        "save_overwrite": cfg.save_overwrite,
+        "load_path": cfg.load_path,
+        "load_weights_only": cfg.load_weights_only,
+        "autoresume": cfg.autoresume,
+        "seed": cfg.seed,
+        "console_log_interval": cfg.console_log_interval,
+        "log_to_console": True,
+        "progress_bar": cfg.progress_bar,
+        "dist_timeout": cfg.dist_timeout,
+        "parallelism_config": {"fsdp": cfg.fsdp_config} if cfg.fsdp_config else None,
+        "python_log_level": cfg.python_log_level,
+    }
+
+
+def _evaluators(cfg: TrainConfig, pad_id: int) -> list:
+    """The per-domain evaluators of `eval_loader` (none without one)."""
+    from pipeline.loaders import build_domain_evaluators
+
+    if cfg.eval_loader is None:
+        return []
+    ev, data = cfg.eval_loader, cfg.train_loader.dataset
+    return build_domain_evaluators(
+        shard_dir=ev.shard_dir or data.shard_dir,
+        remote=ev.remote,
+        split=ev.split,
+        per_domain=ev.per_domain,
+        subset_num_batches=ev.subset_num_batches,
+        device_batch_size=ev.device_eval_batch_size,
+        pad_token_id=pad_id,
+        max_seq_len=cfg.max_seq_len,
+        domains=data.domains,
+        guide_fraction=ev.guide_fraction,
+    )
+
+
+def _callbacks_and_loggers(cfg: TrainConfig, context: dict[str, Any]) -> tuple[list, list]:
+    """The configured callbacks (the mixture monitor and the evaluation history always) and loggers."""
+    from composer.loggers import FileLogger
+
+    from composer_algos.builders import build_component
+    from composer_algos.callbacks.file_logger import AppendFileLogger
 
     callback_cfgs = dict(cfg.callbacks)
     callback_cfgs.setdefault("mixture_monitor", {})  # the trained domain mixture is always logged
@@ -108,41 +166,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     if cfg.save_folder and not any(isinstance(lg, FileLogger) for lg in loggers):
         log_file = os.path.join(cfg.save_folder, "log-rank{rank}.txt")
         loggers.append(AppendFileLogger(filename=log_file, flush_interval=50))  # kept across autoresume
-
-    precision = cfg.precision or ("amp_bf16" if torch.cuda.is_available() else "fp32")
-    if cfg.device_train_microbatch_size == "auto" and not torch.cuda.is_available():
-        raise ValueError("device_train_microbatch_size: auto needs a GPU; give an integer on CPU")
-    return Trainer(
-        run_name=cfg.run_name,
-        model=model,
-        train_dataloader=train_loader,
-        eval_dataloader=evaluators or None,
-        eval_interval=cfg.eval_interval if evaluators else 1,
-        eval_subset_num_batches=-1,
-        optimizers=optimizer,
-        schedulers=scheduler,
-        max_duration=cfg.max_duration,
-        device_train_microbatch_size=cfg.device_train_microbatch_size or device_batch,
-        precision=precision,
-        device=cfg.device,
-        algorithms=algorithms,
-        callbacks=callbacks,
-        loggers=loggers,
-        save_folder=cfg.save_folder,
-        save_interval=cfg.save_interval,
-        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-        save_overwrite=cfg.save_overwrite,
-        load_path=cfg.load_path,
-        load_weights_only=cfg.load_weights_only,
-        autoresume=cfg.autoresume,
-        seed=cfg.seed,
-        console_log_interval=cfg.console_log_interval,
-        log_to_console=True,
-        progress_bar=cfg.progress_bar,
-        dist_timeout=cfg.dist_timeout,
-        parallelism_config={"fsdp": cfg.fsdp_config} if cfg.fsdp_config else None,
-        python_log_level=cfg.python_log_level,
-    )
+    return callbacks, loggers
 
 
 def domain_val_losses(trainer: Trainer) -> dict[str, float]:

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["build_component", "build_optimizer", "build_scheduler"]
 
+
 def build_optimizer(
     params: Any, *, name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float
 ) -> torch.optim.Optimizer:

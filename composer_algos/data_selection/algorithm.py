@@ -60,6 +60,7 @@ __all__ = [
     "top_k_within_capacities",
 ]
 
+
 class DataSelection(Algorithm):
     """Select a subset of every oversampled batch with a data-selection strategy, then train on it.
 

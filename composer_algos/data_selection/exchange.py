@@ -97,16 +97,7 @@ def exchange_examples(
     max_out = int(out_counts_W.max())
     keep_idx = local_index_K[keep]
     send_idx = local_index_K[outgoing]
-    # Position of each incoming example inside its sender's padded outgoing block.
-    moving = target_K != owner_K
-    moving_owner = owner_K[moving]
-    order = torch.argsort(moving_owner * owner_K.numel() + torch.nonzero(moving).flatten(), stable=True)
-    slot_in_sender = torch.empty_like(order)
-    sorted_owner = moving_owner[order]
-    starts = torch.cumsum(out_counts_W, 0) - out_counts_W
-    slot_in_sender[order] = torch.arange(order.numel(), device=order.device) - starts[sorted_owner]
-    recv_mask_moving = target_K[moving] == rank
-    recv_rows = moving_owner[recv_mask_moving] * max(max_out, 1) + slot_in_sender[recv_mask_moving]
+    recv_rows = _received_rows(owner_K, target_K, out_counts_W, max_out, rank)
     assert int(incoming.sum()) == recv_rows.numel()
 
     # One all-gather for the sequence widths of every 2-D per-example field (same key order on all ranks).
@@ -143,6 +134,22 @@ def exchange_examples(
         else:
             out[key] = value
     return out
+
+
+def _received_rows(
+    owner_K: torch.Tensor, target_K: torch.Tensor, out_counts_W: torch.Tensor, max_out: int, rank: int
+) -> torch.Tensor:
+    """The rows of the all-gathered outgoing blocks (each sender's padded to `max_out`) that `rank` receives."""
+    # Position of each incoming example inside its sender's padded outgoing block.
+    moving = target_K != owner_K
+    moving_owner = owner_K[moving]
+    order = torch.argsort(moving_owner * owner_K.numel() + torch.nonzero(moving).flatten(), stable=True)
+    slot_in_sender = torch.empty_like(order)
+    sorted_owner = moving_owner[order]
+    starts = torch.cumsum(out_counts_W, 0) - out_counts_W
+    slot_in_sender[order] = torch.arange(order.numel(), device=order.device) - starts[sorted_owner]
+    recv_mask_moving = target_K[moving] == rank
+    return moving_owner[recv_mask_moving] * max(max_out, 1) + slot_in_sender[recv_mask_moving]
 
 
 def _pad_to(x: torch.Tensor, rows: int, width: int | None, pad_value: int) -> torch.Tensor:

@@ -139,31 +139,10 @@ def assemble_problem(
     if world <= 1:
         problem = SelectionProblem(domain_N, min(kappa_rank, n), features_ND, gbar_D, fallback)
     else:
-        sizes_W = torch.cat(dist.all_gather(torch.tensor([n], device=device)))
-        n_max = int(sizes_W.max())
-        valid_P = (torch.arange(n_max, device=device)[None, :] < sizes_W[:, None]).flatten()
-        owner_P = torch.arange(world, device=device).repeat_interleave(n_max)[valid_P]
-        local_P = torch.arange(n_max, device=device).repeat(world)[valid_P]
-        domain_P = gather_rows(domain_N, n_max)[valid_P]
-        feats_PD = None
-        if needs_features:
-            # Every rank decides the same fallback: fall back if any rank failed.
-            flag = torch.tensor([0 if fallback is None else 1], device=device)
-            dist.all_reduce(flag, reduce_operation="MAX")
-            if int(flag) and fallback is None:
-                fallback = "the gradient features failed on another rank"
-            if fallback is None:
-                assert features_ND is not None
-                feats_PD = gather_rows(features_ND, n_max)[valid_P]
-                if val_rows_VD is not None and val_domain_V is not None:
-                    val_rows_VD, val_domain_V = _gather_validation_rows(val_rows_VD, val_domain_V, device)
-                if gbar_D is not None and not (balance_domains and val_rows_VD is not None):
-                    # One gather of (n_val * gbar, n_val): the mean over every rank's validation examples.
-                    packed = torch.cat([gbar_D * float(n_val), gbar_D.new_tensor([float(n_val)])])
-                    summed = torch.stack(dist.all_gather(packed)).sum(0)
-                    gbar_D = summed[:-1] / summed[-1]
-        kappa = min(kappa_rank, int(sizes_W.sum()) // world) * world
-        problem = SelectionProblem(domain_P, kappa, feats_PD, gbar_D, fallback, owner_P, local_P, world)
+        problem, val_rows_VD, val_domain_V = _gathered_problem(
+            domain_N, kappa_rank, world, device, needs_features, features_ND, gbar_D, n_val, fallback,
+            val_rows_VD, val_domain_V, balance_domains,
+        )
     if problem.fallback is None and val_rows_VD is not None and val_domain_V is not None:
         problem.val_rows_VD = val_rows_VD
         problem.val_domain_V = val_domain_V.to(val_rows_VD.device, non_blocking=True)
@@ -177,6 +156,50 @@ def assemble_problem(
     elif problem.gbar_D is not None and average_gbar is not None:
         problem.gbar_D = average_gbar(problem.gbar_D)
     return problem
+
+
+def _gathered_problem(
+    domain_N: torch.Tensor,
+    kappa_rank: int,
+    world: int,
+    device: torch.device,
+    needs_features: bool,
+    features_ND: torch.Tensor | None,
+    gbar_D: torch.Tensor | None,
+    n_val: int,
+    fallback: str | None,
+    val_rows_VD: torch.Tensor | None,
+    val_domain_V: torch.Tensor | None,
+    balance_domains: bool,
+) -> tuple[SelectionProblem, torch.Tensor | None, torch.Tensor | None]:
+    """`assemble_problem` under global scope: every rank's pool in one problem, and the gathered validation rows."""
+    n = int(domain_N.shape[0])
+    sizes_W = torch.cat(dist.all_gather(torch.tensor([n], device=device)))
+    n_max = int(sizes_W.max())
+    valid_P = (torch.arange(n_max, device=device)[None, :] < sizes_W[:, None]).flatten()
+    owner_P = torch.arange(world, device=device).repeat_interleave(n_max)[valid_P]
+    local_P = torch.arange(n_max, device=device).repeat(world)[valid_P]
+    domain_P = gather_rows(domain_N, n_max)[valid_P]
+    feats_PD = None
+    if needs_features:
+        # Every rank decides the same fallback: fall back if any rank failed.
+        flag = torch.tensor([0 if fallback is None else 1], device=device)
+        dist.all_reduce(flag, reduce_operation="MAX")
+        if int(flag) and fallback is None:
+            fallback = "the gradient features failed on another rank"
+        if fallback is None:
+            assert features_ND is not None
+            feats_PD = gather_rows(features_ND, n_max)[valid_P]
+            if val_rows_VD is not None and val_domain_V is not None:
+                val_rows_VD, val_domain_V = _gather_validation_rows(val_rows_VD, val_domain_V, device)
+            if gbar_D is not None and not (balance_domains and val_rows_VD is not None):
+                # One gather of (n_val * gbar, n_val): the mean over every rank's validation examples.
+                packed = torch.cat([gbar_D * float(n_val), gbar_D.new_tensor([float(n_val)])])
+                summed = torch.stack(dist.all_gather(packed)).sum(0)
+                gbar_D = summed[:-1] / summed[-1]
+    kappa = min(kappa_rank, int(sizes_W.sum()) // world) * world
+    problem = SelectionProblem(domain_P, kappa, feats_PD, gbar_D, fallback, owner_P, local_P, world)
+    return problem, val_rows_VD, val_domain_V
 
 
 def solve_problem(
@@ -328,8 +351,7 @@ def settle_on_host(
         `(outcome with a host result, extras as floats, failed checks: name -> message)`; `extras`
         is empty after a fallback, and so is the failed-checks mapping when every check passed.
     """
-    from composer_algos.features import FeatureError
-    from composer_algos.selection import SelectionNumericsError, SelectionResult, get_strategy
+    from composer_algos.selection import get_strategy
 
     result = outcome.result
     host_domains = problem.domain_P if problem.domain_P.device.type == "cpu" else None
@@ -346,14 +368,7 @@ def settle_on_host(
         fields += [(f"check:{name}:{i}", part) for i, part in enumerate(c.packed())]
     host = _fetch([t for _, t in fields])
     values = dict(zip((name for name, _ in fields), host))
-    failed: dict[str, str] = {}
-    for name, c in checks.items():
-        parts = [values[f"check:{name}:{i}"].reshape(-1) for i in range(len(c.packed()))]
-        try:
-            c.judge(torch.cat(parts).tolist() if parts else [])
-        except (FeatureError, SelectionNumericsError) as e:
-            failed[name] = str(e)
-            break
+    failed = _judge(checks, values)
     extra_values = {k[len("extra:"):]: float(v) for k, v in values.items() if k.startswith("extra:")}
     if failed:
         name, message = next(iter(failed.items()))
@@ -362,13 +377,38 @@ def settle_on_host(
         gen, caps_C = _step_generator(spec, problem, num_domains, seed, fractions, capacity_fn)
         fallback_result, _ = _run_strategy(spec, FALLBACK_STRATEGY, problem, None, None, num_domains, 0.0, gen, None, caps_C)
         return SolveOutcome(fallback_result, FALLBACK_STRATEGY, fallback, caps_C), {}, failed
+    host_result = _host_result(result, values, host_domains, num_domains)
+    caps = outcome.capacities.cpu() if outcome.capacities is not None else None
+    return SolveOutcome(host_result, outcome.strategy, outcome.fallback, caps), extra_values, {}
+
+
+def _judge(checks: Mapping[str, Any], values: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The deferred checks judged in order from the fetched values: the first failure's name -> message."""
+    from composer_algos.features import FeatureError
+    from composer_algos.selection import SelectionNumericsError
+
+    for name, c in checks.items():
+        parts = [values[f"check:{name}:{i}"].reshape(-1) for i in range(len(c.packed()))]
+        try:
+            c.judge(torch.cat(parts).tolist() if parts else [])
+        except (FeatureError, SelectionNumericsError) as e:
+            return {name: str(e)}
+    return {}
+
+
+def _host_result(
+    result: Any, values: Mapping[str, torch.Tensor], host_domains: torch.Tensor | None, num_domains: int
+) -> Any:
+    """The selection rebuilt from the fetched values, in the device result's dtypes; counts from host ids."""
+    from composer_algos.selection import SelectionResult
+
     indices = values["indices"].long()
     counts_C = (
         torch.bincount(host_domains.index_select(0, indices), minlength=num_domains)
         if host_domains is not None
         else values["domain_counts"].long()
     )
-    host_result = SelectionResult(
+    return SelectionResult(
         indices=indices,
         domain_counts=counts_C,
         weights=values["weights"].to(result.weights.dtype) if result.weights is not None else None,
@@ -378,8 +418,6 @@ def settle_on_host(
             **{k[len("info:"):]: v.to(result.info[k[len("info:"):]].dtype) for k, v in values.items() if k.startswith("info:")},
         },
     )
-    caps = outcome.capacities.cpu() if outcome.capacities is not None else None
-    return SolveOutcome(host_result, outcome.strategy, outcome.fallback, caps), extra_values, {}
 
 
 def _fetch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -272,6 +272,54 @@ class GradFeatureExtractor:
             raise ValueError("; ".join(problems))
         k_out, k_in = (sketch_dim, sketch_dim) if isinstance(sketch_dim, int) else tuple(sketch_dim)
 
+        self._bind_model(model, target_modules, last_n_blocks, include_lm_head, exact_max_numel, compile_forward)
+        self.logits_at = self._scoring_logits_at(logits_at)
+        self.k_out, self.k_in = k_out, k_in
+        self.normalization, self.adam_eps, self.precondition = normalization, adam_eps, precondition
+        self.chunk_size = chunk_size
+        self.chunk_size_in_use: int | None = None
+        self._oom_chunk_cap: int | None = None  # the chunk an out-of-memory error settled on
+        self._attempt_rows = 0  # rows of the chunk being scored (for the retry after an OOM)
+        self.seed, self.resample_projections, self.score_tokens = seed, resample_projections, score_tokens
+        self.score_length_in_use: int | None = None  # longest pool sequence the last call scored
+        # (n_v, d) the last call's validation features row by row (gbar is their mean), or None.
+        self.val_features_in_use: torch.Tensor | None = None
+        self.score_window, self.score_window_position = score_window, score_window_position
+        _log_scored_tokens(score_tokens, score_window, score_window_position)
+        self.simulated = SimulatedAdam(adam_betas, adam_eps)
+
+        self._raw_dims = [t.raw_dim(k_out, k_in) for t in self.targets]
+        self.proj_dim = self._resolved_proj_dim(proj_dim, sum(self._raw_dims))
+        self.normalization_in_use = normalization
+        # Share of target layers whose features carried the Adam normalisation in the last call (None
+        # before the first); with adam_optimizer, the layers whose parameters have optimizer state.
+        self.preconditioned_fraction: float | None = None
+        self._unpreconditioned_warned: tuple[str, ...] = ()
+        self.last_step: int | None = None
+        self._sketch_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Every target sketched (large layers, the pretraining recipes): products and FJLT batched
+        # across layers (`_sketched_rows_features`).
+        self._all_sketched = all(t.sketched for t in self.targets)
+        self._fjlt_stack_cache: dict[tuple, FJLTStack] = {}
+        self._call_cache: dict[tuple, Any] = {}  # per compute() call: projections scaled by that call's Adam scales
+        # `compile`: the batched products compiled once (static shapes: the pool, window and targets
+        # are fixed for a run); on CUDA in mode reduce-overhead, i.e. replayed as a CUDA graph.
+        self.compile = compile
+        self._products: Callable[..., torch.Tensor] = (
+            _compiled_products(next(self.model.parameters()).is_cuda) if compile else sketched_layer_products
+        )
+        self._fjlt_cache: dict[tuple, FJLTPlan] = {}
+
+    def _bind_model(
+        self,
+        model: nn.Module,
+        target_modules: list[str] | None,
+        last_n_blocks: int,
+        include_lm_head: bool,
+        exact_max_numel: int,
+        compile_forward: bool,
+    ) -> None:
+        """The model's parts the scoring pass uses: the forward module, the targets, the cut, FSDP's units."""
         self.model = unwrap_model(model)
         # Under FSDP the forward goes through the outermost FSDP wrapper (it gathers the shards) and the
         # Adam state of the targets is read from every rank's shard (docs/features.md, "FSDP").
@@ -293,80 +341,40 @@ class GradFeatureExtractor:
         self._cut = checkpoint_inner(choose_cut_module(self.model, self.targets))
         # `compile_forward`: the blocks below the cut compiled for the scoring forward (compiled_forward.py).
         self._compiled_below = CompiledBlocksBelowCut(self.model, self._cut) if compile_forward else None
-        # The model's `logits_at` (composer_algos.models.causal_lm): with `targets` the scoring forward projects
-        # only the positions with a loss too, where its logits are the decoder's output through a linear
-        # output embedding that is not itself a target, and outside FSDP (whose outermost wrapper's
-        # forward must run); the same per-example losses either way.
-        self.logits_at = "all"
-        if logits_at == "targets":
-            lm_head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-            if self._forward_model is not self.model:
-                log.info("model.logits_at=targets: the scoring forward projects every position under FSDP")
-            elif not projects_at_targets(self.model) or any(t.module is lm_head for t in self.targets):
-                log.info("model.logits_at=targets: the scoring forward projects every position (output embedding targeted or transformed)")
-            else:
-                self.logits_at = "targets"
         # What the optimizer keys each target's state by under such units (FSDP's flat parameters
         # with use_orig_params false); None: the targets' own parameters.
         self._state_params = (
             [fsdp_state_params(self._whole_units, t) for t in self.targets] if self._whole_units else None
         )
-        self.k_out, self.k_in = k_out, k_in
-        self.normalization = normalization
-        self.adam_eps = adam_eps
-        self.precondition = precondition
-        self.chunk_size = chunk_size
-        self.chunk_size_in_use: int | None = None
-        self._oom_chunk_cap: int | None = None  # the chunk an out-of-memory error settled on
-        self._attempt_rows = 0  # rows of the chunk being scored (for the retry after an OOM)
-        self.seed = seed
-        self.resample_projections = resample_projections
-        self.score_tokens = score_tokens
-        self.score_length_in_use: int | None = None  # longest pool sequence the last call scored
-        # (n_v, d) the last call's validation features row by row (gbar is their mean), or None.
-        self.val_features_in_use: torch.Tensor | None = None
-        if score_tokens is not None:
-            log.info("score_tokens=%d: pool examples are scored on their first %d target tokens", score_tokens, score_tokens)
-        self.score_window = score_window
-        self.score_window_position = score_window_position
-        if score_window is not None:
-            log.info(
-                "score_window=%d (%s): pool and validation rows are scored on %d-token windows, each as its own sequence",
-                score_window, score_window_position, score_window,
-            )
-        self.simulated = SimulatedAdam(adam_betas, adam_eps)
 
-        self._raw_dims = [t.raw_dim(k_out, k_in) for t in self.targets]
-        raw_total = sum(self._raw_dims)
+    def _scoring_logits_at(self, logits_at: str) -> str:
+        """Where the scoring forward projects to the vocabulary: the model's `logits_at` where it can.
+
+        With `targets` (composer_algos.models.causal_lm) the scoring forward projects only the positions
+        with a loss too, where its logits are the decoder's output through a linear output embedding that
+        is not itself a target, and outside FSDP (whose outermost wrapper's forward must run); the same
+        per-example losses either way.
+        """
+        if logits_at != "targets":
+            return "all"
+        lm_head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        if self._forward_model is not self.model:
+            log.info("model.logits_at=targets: the scoring forward projects every position under FSDP")
+            return "all"
+        if not projects_at_targets(self.model) or any(t.module is lm_head for t in self.targets):
+            log.info("model.logits_at=targets: the scoring forward projects every position (output embedding targeted or transformed)")
+            return "all"
+        return "targets"
+
+    def _resolved_proj_dim(self, proj_dim: int | None, raw_total: int) -> int:
+        """The projection width (default: the model's hidden size); 0 keeps features at `raw_total` unprojected."""
         if proj_dim is None:
             proj_dim = getattr(getattr(self.model, "config", None), "hidden_size", None)
             if not isinstance(proj_dim, int):
                 raise ValueError("`proj_dim=None` needs `model.config.hidden_size`; pass `proj_dim` explicitly")
-        self.proj_dim = 0 if proj_dim >= raw_total else proj_dim
-        if proj_dim and not self.proj_dim:
+        if proj_dim and proj_dim >= raw_total:
             log.info("proj_dim=%d >= raw feature width %d: features are kept uncompressed", proj_dim, raw_total)
-        self.normalization_in_use = normalization
-        # Share of target layers whose features carried the Adam normalisation in the last call (None
-        # before the first); with adam_optimizer, the layers whose parameters have optimizer state.
-        self.preconditioned_fraction: float | None = None
-        self._unpreconditioned_warned: tuple[str, ...] = ()
-        self.last_step: int | None = None
-        self._sketch_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Every target sketched (large layers, the pretraining recipes): products and FJLT batched
-        # across layers (`_sketched_rows_features`).
-        self._all_sketched = all(t.sketched for t in self.targets)
-        self._fjlt_stack_cache: dict[tuple, FJLTStack] = {}
-        self._call_cache: dict[tuple, Any] = {}  # per compute() call: projections scaled by that call's Adam scales
-        # `compile`: the batched products compiled once (static shapes: the pool, window and targets
-        # are fixed for a run); on CUDA in mode reduce-overhead, i.e. replayed as a CUDA graph.
-        self.compile = compile
-        self._products: Callable[..., torch.Tensor] = sketched_layer_products
-        if compile:
-            on_cuda = next(self.model.parameters()).is_cuda
-            self._products = torch.compile(
-                sketched_layer_products, dynamic=False, mode="reduce-overhead" if on_cuda else None
-            )
-        self._fjlt_cache: dict[tuple, FJLTPlan] = {}
+        return 0 if proj_dim >= raw_total else proj_dim
 
     @property
     def feature_dim(self) -> int:
@@ -426,32 +434,11 @@ class GradFeatureExtractor:
         pool_batch, val_batch = self._windowed(pool_batch, val_batch, step, row_offset)
         chunk = self._rows_per_forward(auto_chunk_size, full_length)
         while True:
-            bad_rows: list[torch.Tensor] = []  # per-call tensors; one host sync at the end
             oom = False
             try:
-                with scoring_mode(self.model):
-                    parts = [(pool_batch, pool_pre, use_sim, self.score_tokens)]
-                    if val_batch is not None:
-                        parts.append((val_batch, val_pre, False, None))
-                    # Windows of the pool and of the validation batch share one forward (their rows
-                    # have the same length); whole rows are scored batch by batch as before.
-                    joint = self._joint_windows(pool_batch, val_batch)
-                    outs = self._features_of(
-                        parts if joint else parts[:1], device, step, bad_rows, chunk=chunk,
-                        precision_context=precision_context,
-                    )
-                    if not joint and val_batch is not None:
-                        outs += self._features_of(
-                            parts[1:], device, step, bad_rows, chunk=chunk, precision_context=precision_context
-                        )
-                    G_nd = outs[0]
-                    gbar_d, self.val_features_in_use = None, None
-                    if val_batch is not None:
-                        V_nd = outs[1]
-                        gbar_d = V_nd.mean(dim=0)
-                        self.val_features_in_use = V_nd
-                with record_function("features/check_host_sync"):
-                    self._check(G_nd, gbar_d, bad_rows)
+                G_nd, gbar_d = self._score_once(
+                    pool_batch, val_batch, pool_pre, val_pre, use_sim, device, step, chunk, precision_context
+                )
                 break
             except BaseException as e:
                 self.simulated.discard()
@@ -466,6 +453,45 @@ class GradFeatureExtractor:
             self.simulated.commit()
         G_nd = G_nd.float()
         return G_nd, (gbar_d.float() if gbar_d is not None else None)
+
+    def _score_once(
+        self,
+        pool_batch: Mapping[str, torch.Tensor],
+        val_batch: Mapping[str, torch.Tensor] | None,
+        pool_pre: Any,
+        val_pre: Any,
+        use_sim: bool,
+        device: torch.device,
+        step: int,
+        chunk: int,
+        precision_context: Callable[[], AbstractContextManager] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One attempt of `compute` at `chunk` rows a forward: G and gbar, checked (one host sync)."""
+        bad_rows: list[torch.Tensor] = []  # per-call tensors; one host sync at the end
+        with scoring_mode(self.model):
+            parts = [(pool_batch, pool_pre, use_sim, self.score_tokens)]
+            if val_batch is not None:
+                parts.append((val_batch, val_pre, False, None))
+            # Windows of the pool and of the validation batch share one forward (their rows
+            # have the same length); whole rows are scored batch by batch as before.
+            joint = self._joint_windows(pool_batch, val_batch)
+            outs = self._features_of(
+                parts if joint else parts[:1], device, step, bad_rows, chunk=chunk,
+                precision_context=precision_context,
+            )
+            if not joint and val_batch is not None:
+                outs += self._features_of(
+                    parts[1:], device, step, bad_rows, chunk=chunk, precision_context=precision_context
+                )
+            G_nd = outs[0]
+            gbar_d, self.val_features_in_use = None, None
+            if val_batch is not None:
+                V_nd = outs[1]
+                gbar_d = V_nd.mean(dim=0)
+                self.val_features_in_use = V_nd
+        with record_function("features/check_host_sync"):
+            self._check(G_nd, gbar_d, bad_rows)
+        return G_nd, gbar_d
 
     def fidelity(
         self,
@@ -953,6 +979,23 @@ class GradFeatureExtractor:
                 raise FeatureError("the validation mean feature gbar is non-finite")
             if not gbar_nonzero:
                 raise FeatureError("the validation mean feature gbar is all zero (no validation target tokens?)")
+
+
+def _log_scored_tokens(score_tokens: int | None, score_window: int | None, position: str) -> None:
+    """Say which tokens of each row the scoring pass reads, when not all of them."""
+    if score_tokens is not None:
+        log.info("score_tokens=%d: pool examples are scored on their first %d target tokens", score_tokens, score_tokens)
+    if score_window is not None:
+        log.info(
+            "score_window=%d (%s): pool and validation rows are scored on %d-token windows, each as its own sequence",
+            score_window, position, score_window,
+        )
+
+
+def _compiled_products(on_cuda: bool) -> Callable[..., torch.Tensor]:
+    """`features.compile`: the batched products compiled once (static shapes: the pool, window and targets
+    are fixed for a run); on CUDA in mode reduce-overhead, i.e. replayed as a CUDA graph."""
+    return torch.compile(sketched_layer_products, dynamic=False, mode="reduce-overhead" if on_cuda else None)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

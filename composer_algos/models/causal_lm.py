@@ -161,57 +161,13 @@ def build_causal_lm(
         raise ValueError("model.reuse_scoring_prefix needs model.lora.top_blocks (the blocks it skips lie below them)")
     if eval_prefix_cache is not None and (lora is None or lora.get("top_blocks") is None):
         raise ValueError("model.eval_prefix_cache needs model.lora.top_blocks (the frozen blocks it caches lie below them)")
-    overrides = dict(config_overrides or {})
-    if pretrained_model_name_or_path is not None:
-        pretrained_model_name_or_path = resolve_pretrained(
-            pretrained_model_name_or_path, field="model.pretrained_model_name_or_path"
-        )
-    if config is not None:
-        cfg_dict = dict(config)
-        model_type = cfg_dict.pop("model_type")
-        hf_config = AutoConfig.for_model(model_type, **cfg_dict, **overrides)
-    else:
-        assert pretrained_model_name_or_path is not None
-        hf_config = AutoConfig.from_pretrained(
-            pretrained_model_name_or_path, trust_remote_code=trust_remote_code, **overrides
-        )
-    hf_config._attn_implementation = attn_implementation  # honoured by from_config / from_pretrained
-    if len(tokenizer) > hf_config.vocab_size:
-        raise ValueError(
-            f"model vocab_size {hf_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens; "
-            "set model.config.vocab_size (or model.config_overrides.vocab_size) to at least that"
-        )
-    if pretrained:
-        model = AutoModelForCausalLM.from_pretrained(
-            pretrained_model_name_or_path,
-            config=hf_config,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
-        )
-    else:
-        model = AutoModelForCausalLM.from_config(
-            hf_config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
-        )
+    model = _hf_model(
+        tokenizer, pretrained_model_name_or_path, pretrained, config, config_overrides, attn_implementation,
+        trust_remote_code,
+    )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    peft_config = None
-    if lora is not None:
-        from peft import LoraConfig as PeftLoraConfig
-
-        layers = None
-        if lora.get("top_blocks") is not None:
-            depth = int(model.config.num_hidden_layers)
-            if int(lora["top_blocks"]) > depth:
-                raise ValueError(f"model.lora.top_blocks {lora['top_blocks']} exceeds the model's {depth} blocks")
-            layers = list(range(depth - int(lora["top_blocks"]), depth))
-        peft_config = PeftLoraConfig(
-            r=int(lora["r"]),
-            lora_alpha=int(lora["alpha"]),
-            lora_dropout=float(lora["dropout"]),
-            target_modules=list(lora["target_modules"]),
-            layers_to_transform=layers,
-            task_type="CAUSAL_LM",
-        )
+    peft_config, layers = _lora_config(lora, int(model.config.num_hidden_layers)) if lora is not None else (None, None)
     if logits_at not in ("all", "targets"):
         raise ValueError(f"model.logits_at must be 'all' or 'targets', got {logits_at!r}")
     if logits_at == "targets" and not projects_at_targets(model):
@@ -219,6 +175,18 @@ def build_causal_lm(
             f"model.logits_at: targets needs a decoder followed by a linear output embedding; "
             f"{type(model).__name__} transforms its logits (or has no get_decoder): use logits_at: all"
         )
+    wrapped = _composer_model(model, tokenizer, peft_config, logits_at)
+    if eval_prefix_cache is not None:  # the blocks below the lowest adapted one are frozen
+        install_frozen_prefix_cache(wrapped.model, layers[0], eval_prefix_cache)
+    if reuse_scoring_prefix:
+        wrapped.scoring_prefix = install_scoring_prefix(wrapped.model, layers[0])
+    return wrapped
+
+
+def _composer_model(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, peft_config: Any, logits_at: str
+) -> DomainCausalLM:
+    """The Composer wrapper (LoRA adapters applied by it), with cross-entropy and perplexity as metrics."""
     metrics = [LanguageCrossEntropy(ignore_index=IGNORE_INDEX), LanguagePerplexity(ignore_index=IGNORE_INDEX)]
     wrapped = DomainCausalLM(
         model,
@@ -232,11 +200,62 @@ def build_causal_lm(
     )
     wrapped.logits_at = logits_at
     _wrap_per_block(wrapped.model)
-    if eval_prefix_cache is not None:  # the blocks below the lowest adapted one are frozen
-        install_frozen_prefix_cache(wrapped.model, layers[0], eval_prefix_cache)
-    if reuse_scoring_prefix:
-        wrapped.scoring_prefix = install_scoring_prefix(wrapped.model, layers[0])
     return wrapped
+
+
+def _hf_model(
+    tokenizer: PreTrainedTokenizerBase,
+    name_or_path: str | None,
+    pretrained: bool,
+    config: dict[str, Any] | None,
+    config_overrides: dict[str, Any] | None,
+    attn_implementation: str,
+    trust_remote_code: bool,
+) -> torch.nn.Module:
+    """The transformers model: its config (inline, or the checkpoint's with overrides), weights when `pretrained`."""
+    overrides = dict(config_overrides or {})
+    if name_or_path is not None:
+        name_or_path = resolve_pretrained(name_or_path, field="model.pretrained_model_name_or_path")
+    if config is not None:
+        cfg_dict = dict(config)
+        model_type = cfg_dict.pop("model_type")
+        hf_config = AutoConfig.for_model(model_type, **cfg_dict, **overrides)
+    else:
+        assert name_or_path is not None
+        hf_config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides)
+    hf_config._attn_implementation = attn_implementation  # honoured by from_config / from_pretrained
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ValueError(
+            f"model vocab_size {hf_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens; "
+            "set model.config.vocab_size (or model.config_overrides.vocab_size) to at least that"
+        )
+    if pretrained:
+        return AutoModelForCausalLM.from_pretrained(
+            name_or_path, config=hf_config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
+    return AutoModelForCausalLM.from_config(
+        hf_config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+    )
+
+
+def _lora_config(lora: dict[str, Any], depth: int) -> tuple[Any, list[int] | None]:
+    """peft's LoraConfig from the `lora` section, and the adapted blocks (None: every block)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    layers = None
+    if lora.get("top_blocks") is not None:
+        if int(lora["top_blocks"]) > depth:
+            raise ValueError(f"model.lora.top_blocks {lora['top_blocks']} exceeds the model's {depth} blocks")
+        layers = list(range(depth - int(lora["top_blocks"]), depth))
+    peft_config = PeftLoraConfig(
+        r=int(lora["r"]),
+        lora_alpha=int(lora["alpha"]),
+        lora_dropout=float(lora["dropout"]),
+        target_modules=list(lora["target_modules"]),
+        layers_to_transform=layers,
+        task_type="CAUSAL_LM",
+    )
+    return peft_config, layers
 
 
 def _wrap_per_block(hf_model: torch.nn.Module) -> None:

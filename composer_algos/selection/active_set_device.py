@@ -107,7 +107,6 @@ def omp_exact_on_device(
     pivot_tol = 64.0 * torch.finfo(dt).eps
     promote_tol = 1e4 * torch.finfo(dt).eps if dt == torch.float32 else 0.0
     rows_MN = torch.zeros(m, n, dtype=dt, device=dev)
-    rows_NM = rows_MN.T
     p_MM = torch.zeros(m, m, dtype=dt, device=dev)
     v_M = torch.zeros(m, dtype=dt, device=dev)
     elem_M = torch.zeros(m, dtype=torch.long, device=dev)
@@ -136,7 +135,25 @@ def omp_exact_on_device(
     else:
         for _ in range(k):
             one_round()
-    # The host loop's finalize(): the active system solved afresh (unused slots as identity rows).
+    return _finalized(mu_N, rows_MN, elem_M, used_M, inactive_N, sel_K, bad_1, ridge_1, tol_1)
+
+
+def _finalized(
+    mu_N: torch.Tensor,
+    rows_MN: torch.Tensor,
+    elem_M: torch.Tensor,
+    used_M: torch.Tensor,
+    inactive_N: torch.Tensor,
+    sel_K: torch.Tensor,
+    bad_1: torch.Tensor,
+    ridge_1: torch.Tensor,
+    tol_1: torch.Tensor,
+) -> DeviceOMPResult:
+    """The host loop's finalize(): the active system solved afresh (unused slots as identity rows).
+
+    `clean` is False when a round flagged another branch or the fresh weights disagree with the rounds'.
+    """
+    n, m, dt, dev = mu_N.shape[0], elem_M.shape[0], mu_N.dtype, mu_N.device
     kr_MM = rows_MN.index_select(1, elem_M)
     pair_MM = used_M.unsqueeze(1) & used_M.unsqueeze(0)
     eye_MM = torch.eye(m, dtype=dt, device=dev)
@@ -144,7 +161,7 @@ def omp_exact_on_device(
     chol_MM, info = torch.linalg.cholesky_ex(kr_MM)
     mu_M = torch.where(used_M, mu_N.index_select(0, elem_M), 0.0)
     v_fresh_M = torch.where(used_M, torch.cholesky_solve(mu_M.unsqueeze(1), chol_MM).squeeze(1), 0.0)
-    grad_N = torch.addmv(mu_N, rows_NM, v_fresh_M, alpha=-1.0)
+    grad_N = torch.addmv(mu_N, rows_MN.T, v_fresh_M, alpha=-1.0)
     agrees = (info == 0) & ~(used_M & ~(v_fresh_M > 0)).any() & ~((grad_N > tol_1) & inactive_N).any()
     clean = ~bad_1.squeeze(0) & agrees
     v_N = torch.zeros(n, dtype=dt, device=dev).index_add_(0, elem_M, v_fresh_M)

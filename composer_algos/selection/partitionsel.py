@@ -214,56 +214,11 @@ def run_weighted_selection(
     if solved is not None:
         sel_S, v_S, phi, info, ridge_abs = solved
     else:
-        # The setup's host reads in one transfer: the ridge's scale (mean diag K), and for the exact
-        # refit's host-side tests the gradient tolerance and diag(K).
-        exact = opts.refit == "exact"
-        parts = [gram.diag_N.mean().view(1)] + ([grad_tol.view(1), gram.diag_N] if exact else [])
-        setup = torch.cat(parts).tolist() if opts.ridge > 0 or exact else [0.0]
-        ridge_abs = opts.ridge * setup[0] if opts.ridge > 0 else 0.0
-        host_values = (setup[1], setup[2:]) if exact else None
-        # kappa >= n runs the same rounds: OMP then adds every element in gradient order, which is
-        # the incremental form of an exact refit on the whole pool.
-        sel_S, v_S, phi, info = omp_select(
-            gram,
-            mu_N,
-            dom_N,
-            caps_C,
-            inputs.k,
-            pick=opts.pick,
-            refit=opts.refit,
-            ridge_abs=ridge_abs,
-            apga_max_iters=opts.apga_max_iters,
-            apga_tol=opts.apga_tol,
-            generator=generator,
-            cpu_single_thread=opts.cpu_single_thread,
-            domain_ids_host=inputs.domain_ids_host,
-            host_values=host_values,
-        )
+        sel_S, v_S, phi, info, ridge_abs = _solve_from_host(opts, inputs, gram, mu_N, dom_N, caps_C, grad_tol, generator)
         if device_loop:
             info["device_loop_fallback"] = 1
     if opts.refine == "swap":
-        start = time.perf_counter()
-        info["objective_before_refine"] = _unscale(phi, inputs.eta)
-        if opts.refit != "exact":
-            # The swap estimates and their verification are closed forms around the exact optimum
-            # on the current support (Phi = <v, mu> / 2 there); APGA's weights are only close to it.
-            sel_S, v_S, phi, blocked = _resolve_exact(gram, mu_N, sel_S, v_S, ridge_abs, grad_tol)
-            info["singular_pivots"] = blocked
-        sel_S, v_S, phi, swap_info = refine_swap(
-            gram,
-            mu_N,
-            dom_N,
-            sel_S,
-            v_S,
-            ridge_abs=ridge_abs,
-            max_rounds=opts.swap_max_rounds,
-            max_checks=opts.swap_max_checks,
-            time_budget_s=opts.swap_time_budget_s,
-            grad_tol=grad_tol,
-            cpu_single_thread=opts.cpu_single_thread,
-        )
-        info.update(swap_info)
-        log.debug("%s: swap refinement took %.4fs", strategy, time.perf_counter() - start)
+        sel_S, v_S, phi = _refine(strategy, opts, inputs, gram, mu_N, dom_N, sel_S, v_S, phi, info, ridge_abs, grad_tol)
     if gram.lazy:
         info["gram_rows_computed"] = gram.rows_computed
     info["objective_scaled"] = phi
@@ -273,6 +228,85 @@ def run_weighted_selection(
     weights_S = v_S / inputs.eta if inputs.eta > 0 else v_S
     result = finish_result(sel_S, dom_N, num_domains, weights_S=weights_S, objective=_unscale(phi, inputs.eta), info=info)
     return _result_to(result, device) if on_cpu else result
+
+
+def _solve_from_host(
+    opts: PartitionSelOptions,
+    inputs: SelectionInputs,
+    gram: GramRows,
+    mu_N: torch.Tensor,
+    dom_N: torch.Tensor,
+    caps_C: torch.Tensor,
+    grad_tol: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, float]:
+    """The greedy rounds driven from the host (`omp_select`); returns its selection, weights, objective, info and ridge."""
+    # The setup's host reads in one transfer: the ridge's scale (mean diag K), and for the exact
+    # refit's host-side tests the gradient tolerance and diag(K).
+    exact = opts.refit == "exact"
+    parts = [gram.diag_N.mean().view(1)] + ([grad_tol.view(1), gram.diag_N] if exact else [])
+    setup = torch.cat(parts).tolist() if opts.ridge > 0 or exact else [0.0]
+    ridge_abs = opts.ridge * setup[0] if opts.ridge > 0 else 0.0
+    host_values = (setup[1], setup[2:]) if exact else None
+    # kappa >= n runs the same rounds: OMP then adds every element in gradient order, which is
+    # the incremental form of an exact refit on the whole pool.
+    sel_S, v_S, phi, info = omp_select(
+        gram,
+        mu_N,
+        dom_N,
+        caps_C,
+        inputs.k,
+        pick=opts.pick,
+        refit=opts.refit,
+        ridge_abs=ridge_abs,
+        apga_max_iters=opts.apga_max_iters,
+        apga_tol=opts.apga_tol,
+        generator=generator,
+        cpu_single_thread=opts.cpu_single_thread,
+        domain_ids_host=inputs.domain_ids_host,
+        host_values=host_values,
+    )
+    return sel_S, v_S, phi, info, ridge_abs
+
+
+def _refine(
+    strategy: str,
+    opts: PartitionSelOptions,
+    inputs: SelectionInputs,
+    gram: GramRows,
+    mu_N: torch.Tensor,
+    dom_N: torch.Tensor,
+    sel_S: torch.Tensor,
+    v_S: torch.Tensor,
+    phi: torch.Tensor,
+    info: dict,
+    ridge_abs: float,
+    grad_tol: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`refine: swap` after the greedy rounds (an exact refit first after APGA); its counters go into `info`."""
+    start = time.perf_counter()
+    info["objective_before_refine"] = _unscale(phi, inputs.eta)
+    if opts.refit != "exact":
+        # The swap estimates and their verification are closed forms around the exact optimum
+        # on the current support (Phi = <v, mu> / 2 there); APGA's weights are only close to it.
+        sel_S, v_S, phi, blocked = _resolve_exact(gram, mu_N, sel_S, v_S, ridge_abs, grad_tol)
+        info["singular_pivots"] = blocked
+    sel_S, v_S, phi, swap_info = refine_swap(
+        gram,
+        mu_N,
+        dom_N,
+        sel_S,
+        v_S,
+        ridge_abs=ridge_abs,
+        max_rounds=opts.swap_max_rounds,
+        max_checks=opts.swap_max_checks,
+        time_budget_s=opts.swap_time_budget_s,
+        grad_tol=grad_tol,
+        cpu_single_thread=opts.cpu_single_thread,
+    )
+    info.update(swap_info)
+    log.debug("%s: swap refinement took %.4fs", strategy, time.perf_counter() - start)
+    return sel_S, v_S, phi
 
 
 def omp_select(
@@ -364,13 +398,7 @@ def _omp_rounds(
     grad_tol = default_grad_tol(mu_N)
     caps_host = capacities_C if capacities_C.device.type == "cpu" else None
     capacities_C = capacities_C.to(device, non_blocking=True)
-    state: ActiveSetState | APGAState | APGAPoolState
-    if refit == "exact":
-        state = ActiveSetState(gram, mu_N, k, ridge_abs, grad_tol, host_values=host_values)
-    elif refit == "apga":
-        state = APGAState(gram, mu_N, k, ridge_abs, apga_max_iters, apga_tol)
-    else:
-        state = APGAPoolState(gram, mu_N, k, ridge_abs, apga_max_iters, apga_tol)
+    state = _refit_state(refit, gram, mu_N, k, ridge_abs, grad_tol, apga_max_iters, apga_tol, host_values)
     lazy = gram.lazy
     # Unavailable elements (selected, or in a full domain) carry -inf in the additive penalty.
     dom_N = domain_ids_N
@@ -390,11 +418,7 @@ def _omp_rounds(
         starts_C = torch.cumsum(counts_C, 0) - counts_C
         positions_N = torch.arange(n, device=device)
     if randomized:
-        gen = generator if generator is not None else torch.Generator(device=device)
-        uniforms_K = torch.rand(k, generator=gen, device=gen.device, dtype=torch.float64).to(device)
-        # Bounds summing above k (capacities: slack): the base of the matroid truncated at k keeps
-        # only the k - r heaviest of the per-domain bases.
-        truncated = int((caps_host if caps_host is not None else capacities_C).sum()) > k
+        uniforms_K, truncated = _randomized_draws(generator, k, device, caps_host if caps_host is not None else capacities_C)
     for r in range(k):
         scores_N = state.grad_N + penalty_N
         if randomized:
@@ -432,8 +456,41 @@ def _omp_rounds(
         state.finalize()
     sel_S = state.sel_M if isinstance(state, ActiveSetState) else state.sel_M[:k].clone()
     v_S = state.weights_on(sel_S)
+    return sel_S, v_S, state.scaled_objective(), _state_info(state)
+
+
+def _randomized_draws(
+    generator: torch.Generator | None, k: int, device: torch.device, capacities_C: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
+    """`pick: randomized`: one uniform a round, and whether the capacities sum above k (then the base of the
+    matroid truncated at k keeps only the k - r heaviest of the per-domain bases: capacities slack)."""
+    gen = generator if generator is not None else torch.Generator(device=device)
+    uniforms_K = torch.rand(k, generator=gen, device=gen.device, dtype=torch.float64).to(device)
+    return uniforms_K, int(capacities_C.sum()) > k
+
+
+def _refit_state(
+    refit: str,
+    gram: GramRows,
+    mu_N: torch.Tensor,
+    k: int,
+    ridge_abs: float,
+    grad_tol: torch.Tensor,
+    apga_max_iters: int,
+    apga_tol: float,
+    host_values: tuple[float, list[float]] | None,
+) -> ActiveSetState | APGAState | APGAPoolState:
+    """The refit the rounds grow: the exact active set, or APGA on the selection or on the pool."""
+    if refit == "exact":
+        return ActiveSetState(gram, mu_N, k, ridge_abs, grad_tol, host_values=host_values)
+    if refit == "apga":
+        return APGAState(gram, mu_N, k, ridge_abs, apga_max_iters, apga_tol)
+    return APGAPoolState(gram, mu_N, k, ridge_abs, apga_max_iters, apga_tol)
+
+
+def _state_info(state: ActiveSetState | APGAState | APGAPoolState) -> dict[str, torch.Tensor | int]:
+    """Counters of the host-side bookkeeping, as Python numbers (nothing to copy to or from a device)."""
     info: dict[str, torch.Tensor | int] = {}
-    # Counters of the host-side bookkeeping, as Python numbers (nothing to copy to or from a device).
     if isinstance(state, ActiveSetState):
         info["slow_refits"] = state.slow_refits
         info["weight_drops"] = state.drops
@@ -443,7 +500,7 @@ def _omp_rounds(
         info["singular_pivots"] = sum(1 for e in state.singular if e not in state.slot_of)
     else:
         info["apga_iterations"] = state.iterations
-    return sel_S, v_S, state.scaled_objective(), info
+    return info
 
 
 def _prefetch_priority(

@@ -72,17 +72,12 @@ def refine_swap(
         ``info`` holding ``swaps`` and ``swap_rounds``.
     """
     rows = as_gram_rows(gram)
-    gram_NN = rows.gram_NN
-    n = rows.n
-    k = sel_S.shape[0]
-    device = mu_N.device
+    gram_NN, n, k, device = rows.gram_NN, rows.n, sel_S.shape[0], mu_N.device
     tol = default_grad_tol(mu_N) if grad_tol is None else grad_tol
     rel_tol = 100.0 * torch.finfo(mu_N.dtype).eps
     start = time.perf_counter()
-    swaps = 0
-    rounds = 0
-    sel_S = sel_S.clone()
-    v_S = v_S.clone()
+    swaps = rounds = 0
+    sel_S, v_S = sel_S.clone(), v_S.clone()
     while 0 < k < n and rounds < max_rounds:
         if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
             break
@@ -92,43 +87,72 @@ def refine_swap(
         if not state.ok:
             log.warning("refine_swap: singular active Gram block (ridge %g); stopping the swap search", ridge_abs)
             break
-        unsel_U, est_US = estimate_swap_gains(
-            rows, mu_N, domain_ids_N, sel_S, v_S, ridge_abs=ridge_abs, p_AA=state.p_AA
-        )
-        top = torch.topk(est_US.flatten(), min(max_checks, est_US.numel()))
-        moved_i: set[int] = set()
-        moved_u: set[int] = set()
-        made = 0
-        unsel = unsel_U.tolist()
-        top_values, top_indices = top.values.tolist(), top.indices.tolist()
-        # The K rows of every candidate that may be verified, in one batch.
-        rows.ensure([unsel[flat // k] for est, flat in zip(top_values, top_indices) if math.isfinite(est)])
-        with single_thread_on_cpu(device, cpu_single_thread):
-            for est, flat in zip(top_values, top_indices):
-                if not math.isfinite(est) or est <= rel_tol * abs(state.phi):
-                    break
-                u, i = divmod(flat, k)
-                if i in moved_i or u in moved_u:
-                    continue
-                if state.ok and state.try_swap(i, unsel[u], rel_tol):
-                    moved_i.add(i)
-                    moved_u.add(u)
-                    made += 1
-            sel_S, v_S = state.selection()
+        unsel_U, est_US = estimate_swap_gains(rows, mu_N, domain_ids_N, sel_S, v_S, ridge_abs=ridge_abs, p_AA=state.p_AA)
+        sel_S, v_S, made = _verify_swaps(state, rows, unsel_U, est_US, k, max_checks, rel_tol, device, cpu_single_thread)
         swaps += made
         if made == 0:
             break
-    if swaps > 0:
+    v_S, phi_true = _polished(gram_NN, mu_N, sel_S, v_S, ridge_abs, tol, refit=swaps > 0)
+    info = {"swaps": torch.tensor(swaps, device=device), "swap_rounds": torch.tensor(rounds, device=device)}
+    return sel_S, v_S, phi_true, info
+
+
+def _polished(
+    gram_NN: torch.Tensor,
+    mu_N: torch.Tensor,
+    sel_S: torch.Tensor,
+    v_S: torch.Tensor,
+    ridge_abs: float,
+    tol: torch.Tensor,
+    *,
+    refit: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights (refit when swaps were made) and the true objective ``Phi`` (no ridge) of the selection."""
+    if refit:
         # Polish: the rank-one updates accumulate rounding; one warm-started exact refit removes it.
         gram_SS = gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)]
         v_S = refit_exact(gram_SS, mu_N[sel_S], ridge_abs=ridge_abs, v0_S=v_S, grad_tol=tol)
     gram_SS = gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)]
-    phi_true = torch.dot(v_S, mu_N[sel_S]) - 0.5 * torch.dot(v_S, gram_SS @ v_S)
-    info = {
-        "swaps": torch.tensor(swaps, device=device),
-        "swap_rounds": torch.tensor(rounds, device=device),
-    }
-    return sel_S, v_S, phi_true, info
+    return v_S, torch.dot(v_S, mu_N[sel_S]) - 0.5 * torch.dot(v_S, gram_SS @ v_S)
+
+
+def _verify_swaps(
+    state: _SwapState,
+    rows: GramRows,
+    unsel_U: torch.Tensor,
+    est_US: torch.Tensor,
+    k: int,
+    max_checks: int,
+    rel_tol: float,
+    device: torch.device,
+    cpu_single_thread: bool,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One round's verification: the `max_checks` best estimates in order, each swap made where it gains.
+
+    A candidate whose ``i`` or ``j`` already moved this round is skipped. Returns the selection, its
+    weights and the swaps made.
+    """
+    top = torch.topk(est_US.flatten(), min(max_checks, est_US.numel()))
+    moved_i: set[int] = set()
+    moved_u: set[int] = set()
+    made = 0
+    unsel = unsel_U.tolist()
+    top_values, top_indices = top.values.tolist(), top.indices.tolist()
+    # The K rows of every candidate that may be verified, in one batch.
+    rows.ensure([unsel[flat // k] for est, flat in zip(top_values, top_indices) if math.isfinite(est)])
+    with single_thread_on_cpu(device, cpu_single_thread):
+        for est, flat in zip(top_values, top_indices):
+            if not math.isfinite(est) or est <= rel_tol * abs(state.phi):
+                break
+            u, i = divmod(flat, k)
+            if i in moved_i or u in moved_u:
+                continue
+            if state.ok and state.try_swap(i, unsel[u], rel_tol):
+                moved_i.add(i)
+                moved_u.add(u)
+                made += 1
+        sel_S, v_S = state.selection()
+    return sel_S, v_S, made
 
 
 def estimate_swap_gains(

@@ -315,27 +315,10 @@ def strategy(
             **option_values: Any,
         ) -> SelectionResult:
             opts = parse_options(name, options, option_values)
-            if not needs_features:
-                # The features only fix the output device.
-                anchor = features if features is not None else gram
-                if anchor is not None and isinstance(domain_ids, torch.Tensor):
-                    domain_ids = domain_ids.to(anchor.device)
-                features = gram = None
-            inputs = validate_inputs(
-                name,
-                features=features,
-                val_feature=val_feature if needs_validation else None,
-                domain_ids=domain_ids,
-                num_domains=num_domains,
-                kappa=kappa,
-                eta=eta,
-                capacities=capacities,
-                gram=gram,
-                needs_features=needs_features,
-                needs_validation=needs_validation,
-                gram_suffices=gram_suffices,
-                val_rows=val_rows if needs_validation_rows else None,
-                needs_validation_rows=needs_validation_rows,
+            inputs = _strategy_inputs(
+                name, needs_features, needs_validation, gram_suffices, needs_validation_rows,
+                features=features, val_feature=val_feature, domain_ids=domain_ids, num_domains=num_domains,
+                kappa=kappa, eta=eta, capacities=capacities, gram=gram, val_rows=val_rows,
             )
             if inputs.k == 0:
                 return empty_result(inputs, num_domains, with_weights=weighted)
@@ -350,6 +333,42 @@ def strategy(
         return fn
 
     return decorate
+
+
+def _strategy_inputs(
+    name: str,
+    needs_features: bool,
+    needs_validation: bool,
+    gram_suffices: bool,
+    needs_validation_rows: bool,
+    *,
+    features: torch.Tensor | None,
+    val_feature: torch.Tensor | None,
+    domain_ids: torch.Tensor,
+    val_rows: torch.Tensor | None,
+    gram: torch.Tensor | None,
+    **rest: Any,
+) -> SelectionInputs:
+    """The prologue of a `strategy` call: what the strategy does not read is dropped, the rest validated."""
+    if not needs_features:
+        # The features only fix the output device.
+        anchor = features if features is not None else gram
+        if anchor is not None and isinstance(domain_ids, torch.Tensor):
+            domain_ids = domain_ids.to(anchor.device)
+        features = gram = None
+    return validate_inputs(
+        name,
+        features=features,
+        val_feature=val_feature if needs_validation else None,
+        domain_ids=domain_ids,
+        gram=gram,
+        needs_features=needs_features,
+        needs_validation=needs_validation,
+        gram_suffices=gram_suffices,
+        val_rows=val_rows if needs_validation_rows else None,
+        needs_validation_rows=needs_validation_rows,
+        **rest,
+    )
 
 
 def validate_inputs(
@@ -399,66 +418,34 @@ def validate_inputs(
     Raises:
         ValueError: naming the first bad argument, its value and what is allowed.
     """
-    if isinstance(num_domains, bool) or not isinstance(num_domains, int) or num_domains < 1:
-        raise ValueError(f"{strategy}: `num_domains` must be an int >= 1, got {num_domains!r}")
-    if isinstance(kappa, bool) or not isinstance(kappa, int) or kappa < 0:
-        raise ValueError(f"{strategy}: `kappa` must be an int >= 0, got {kappa!r}")
-    try:
-        eta_f = float(eta)
-    except (TypeError, ValueError):
-        raise ValueError(f"{strategy}: `eta` must be a finite float >= 0, got {eta!r}") from None
-    if not math.isfinite(eta_f) or eta_f < 0:
-        raise ValueError(f"{strategy}: `eta` must be a finite float >= 0, got {eta!r}")
+    eta_f = _checked_scalars(strategy, num_domains, kappa, eta)
     if not isinstance(domain_ids, torch.Tensor) or domain_ids.dim() != 1:
         raise ValueError(f"{strategy}: `domain_ids` must be a 1-D integer tensor, got {_describe(domain_ids)}")
     if domain_ids.dtype.is_floating_point or domain_ids.dtype == torch.bool or domain_ids.is_complex():
         raise ValueError(f"{strategy}: `domain_ids` must have an integer dtype, got {domain_ids.dtype}")
     n = domain_ids.shape[0]
+    _check_feature_shapes(strategy, n, features, gram, needs_features, gram_suffices)
+    _check_validation_shapes(strategy, features, val_feature, val_rows, needs_validation, needs_validation_rows)
 
-    if features is not None:
-        if not isinstance(features, torch.Tensor) or features.dim() != 2 or features.shape[0] != n:
-            raise ValueError(
-                f"{strategy}: `features` must be a ({n}, D) floating tensor matching `domain_ids`, "
-                f"got {_describe(features)}"
-            )
-        if not features.dtype.is_floating_point:
-            raise ValueError(f"{strategy}: `features` must be floating point, got {features.dtype}")
-    if gram is not None:
-        if not isinstance(gram, torch.Tensor) or gram.shape != (n, n) or not gram.dtype.is_floating_point:
-            raise ValueError(f"{strategy}: `gram` must be a floating ({n}, {n}) tensor, got {_describe(gram)}")
-    if needs_features and features is None and not (gram_suffices and gram is not None):
-        need = "`features` (or `gram`)" if gram_suffices else "`features`"
-        raise ValueError(f"{strategy}: needs {need}, got None")
-    if val_feature is not None:
-        dim = features.shape[1] if features is not None else None
-        if (
-            not isinstance(val_feature, torch.Tensor)
-            or val_feature.dim() != 1
-            or not val_feature.dtype.is_floating_point
-            or (dim is not None and val_feature.shape[0] != dim)
-        ):
-            raise ValueError(
-                f"{strategy}: `val_feature` must be a 1-D floating tensor of length D={dim}, "
-                f"got {_describe(val_feature)}"
-            )
-    if needs_validation and val_feature is None:
-        raise ValueError(f"{strategy}: needs `val_feature` (the validation gradient feature), got None")
-    if val_rows is not None:
-        dim = features.shape[1] if features is not None else None
-        if (
-            not isinstance(val_rows, torch.Tensor)
-            or val_rows.dim() != 2
-            or val_rows.shape[0] < 1
-            or not val_rows.dtype.is_floating_point
-            or (dim is not None and val_rows.shape[1] != dim)
-        ):
-            raise ValueError(
-                f"{strategy}: `val_rows` must be a floating (V >= 1, D={dim}) tensor of validation features, "
-                f"got {_describe(val_rows)}"
-            )
-    if needs_validation_rows and val_rows is None:
-        raise ValueError(f"{strategy}: needs `val_rows` (the validation examples' features, (V, D)), got None")
+    return _placed_inputs(
+        strategy, n, kappa, eta_f, num_domains, domain_ids, features, val_feature, val_rows, gram, capacities
+    )
 
+
+def _placed_inputs(
+    strategy: str,
+    n: int,
+    kappa: int,
+    eta: float,
+    num_domains: int,
+    domain_ids: torch.Tensor,
+    features: torch.Tensor | None,
+    val_feature: torch.Tensor | None,
+    val_rows: torch.Tensor | None,
+    gram: torch.Tensor | None,
+    capacities: Any,
+) -> SelectionInputs:
+    """The checked inputs on the features' device and dtype (float32 for half precision), ids in range."""
     anchor = features if features is not None else gram
     device = anchor.device if anchor is not None else domain_ids.device
     src_dtype = anchor.dtype if anchor is not None else torch.float32
@@ -491,22 +478,7 @@ def validate_inputs(
         # strategies' cheap check of diag(K).
         check_finite(strategy, gram=gram)
     if capacities is not None:
-        if (
-            not isinstance(capacities, torch.Tensor)
-            or capacities.shape != (num_domains,)
-            or capacities.dtype.is_floating_point
-            or capacities.dtype == torch.bool
-        ):
-            raise ValueError(
-                f"{strategy}: `capacities` must be an integer tensor of shape ({num_domains},), "
-                f"got {_describe(capacities)}"
-            )
-        # Checked where they are (host capacities, the step's, cost no sync), then moved.
-        if num_domains > 0 and bool((capacities < 0).any()):
-            raise ValueError(f"{strategy}: `capacities` must be >= 0, got {capacities.tolist()}")
-        if capacities.device.type == "cpu":
-            capacities_host = capacities.long()
-        capacities = capacities.to(device=device, dtype=torch.long, non_blocking=True)
+        capacities, capacities_host = _checked_capacities(strategy, capacities, num_domains, device)
     return SelectionInputs(
         n=n,
         k=min(kappa, n),
@@ -517,7 +489,7 @@ def validate_inputs(
         val_feature=val_feature,
         gram=gram,
         capacities=capacities,
-        eta=eta_f,
+        eta=eta,
         strategy=strategy,
         num_domains=num_domains,
         val_rows=val_rows,
@@ -525,6 +497,108 @@ def validate_inputs(
         domain_counts_host=counts_host,
         capacities_host=capacities_host,
     )
+
+
+def _checked_scalars(strategy: str, num_domains: Any, kappa: Any, eta: Any) -> float:
+    """Check ``num_domains``, ``kappa`` and ``eta``; returns ``eta`` as a float."""
+    if isinstance(num_domains, bool) or not isinstance(num_domains, int) or num_domains < 1:
+        raise ValueError(f"{strategy}: `num_domains` must be an int >= 1, got {num_domains!r}")
+    if isinstance(kappa, bool) or not isinstance(kappa, int) or kappa < 0:
+        raise ValueError(f"{strategy}: `kappa` must be an int >= 0, got {kappa!r}")
+    try:
+        eta_f = float(eta)
+    except (TypeError, ValueError):
+        raise ValueError(f"{strategy}: `eta` must be a finite float >= 0, got {eta!r}") from None
+    if not math.isfinite(eta_f) or eta_f < 0:
+        raise ValueError(f"{strategy}: `eta` must be a finite float >= 0, got {eta!r}")
+    return eta_f
+
+
+def _check_feature_shapes(
+    strategy: str,
+    n: int,
+    features: torch.Tensor | None,
+    gram: torch.Tensor | None,
+    needs_features: bool,
+    gram_suffices: bool,
+) -> None:
+    """``features`` (N, D) and ``gram`` (N, N) floating, and present when the strategy needs them."""
+    if features is not None:
+        if not isinstance(features, torch.Tensor) or features.dim() != 2 or features.shape[0] != n:
+            raise ValueError(
+                f"{strategy}: `features` must be a ({n}, D) floating tensor matching `domain_ids`, "
+                f"got {_describe(features)}"
+            )
+        if not features.dtype.is_floating_point:
+            raise ValueError(f"{strategy}: `features` must be floating point, got {features.dtype}")
+    if gram is not None:
+        if not isinstance(gram, torch.Tensor) or gram.shape != (n, n) or not gram.dtype.is_floating_point:
+            raise ValueError(f"{strategy}: `gram` must be a floating ({n}, {n}) tensor, got {_describe(gram)}")
+    if needs_features and features is None and not (gram_suffices and gram is not None):
+        need = "`features` (or `gram`)" if gram_suffices else "`features`"
+        raise ValueError(f"{strategy}: needs {need}, got None")
+
+
+def _check_validation_shapes(
+    strategy: str,
+    features: torch.Tensor | None,
+    val_feature: torch.Tensor | None,
+    val_rows: torch.Tensor | None,
+    needs_validation: bool,
+    needs_validation_rows: bool,
+) -> None:
+    """``val_feature`` (D,) and ``val_rows`` (V, D) floating, and present when the strategy needs them."""
+    dim = features.shape[1] if features is not None else None
+    if val_feature is not None:
+        if (
+            not isinstance(val_feature, torch.Tensor)
+            or val_feature.dim() != 1
+            or not val_feature.dtype.is_floating_point
+            or (dim is not None and val_feature.shape[0] != dim)
+        ):
+            raise ValueError(
+                f"{strategy}: `val_feature` must be a 1-D floating tensor of length D={dim}, "
+                f"got {_describe(val_feature)}"
+            )
+    if needs_validation and val_feature is None:
+        raise ValueError(f"{strategy}: needs `val_feature` (the validation gradient feature), got None")
+    if val_rows is not None:
+        if (
+            not isinstance(val_rows, torch.Tensor)
+            or val_rows.dim() != 2
+            or val_rows.shape[0] < 1
+            or not val_rows.dtype.is_floating_point
+            or (dim is not None and val_rows.shape[1] != dim)
+        ):
+            raise ValueError(
+                f"{strategy}: `val_rows` must be a floating (V >= 1, D={dim}) tensor of validation features, "
+                f"got {_describe(val_rows)}"
+            )
+    if needs_validation_rows and val_rows is None:
+        raise ValueError(f"{strategy}: needs `val_rows` (the validation examples' features, (V, D)), got None")
+
+
+def _checked_capacities(
+    strategy: str, capacities: Any, num_domains: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``capacities`` checked where they are (host capacities, the step's, cost no sync), then on ``device``.
+
+    Returns the capacities on the device and the host copy (None when they came from a device).
+    """
+    if (
+        not isinstance(capacities, torch.Tensor)
+        or capacities.shape != (num_domains,)
+        or capacities.dtype.is_floating_point
+        or capacities.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"{strategy}: `capacities` must be an integer tensor of shape ({num_domains},), "
+            f"got {_describe(capacities)}"
+        )
+    if num_domains > 0 and bool((capacities < 0).any()):
+        raise ValueError(f"{strategy}: `capacities` must be >= 0, got {capacities.tolist()}")
+    capacities_host = capacities.long() if capacities.device.type == "cpu" else None
+    return capacities.to(device=device, dtype=torch.long, non_blocking=True), capacities_host
 
 
 _OptionsT = TypeVar("_OptionsT")
