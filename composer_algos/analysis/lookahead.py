@@ -138,119 +138,211 @@ def run_lookahead(
         g_eval = _flat_grad(hf, params, evalset, None)
         precond_P = _adam_preconditioner(optimizer, params)
         n_guide = int(guide["input_ids"].shape[0])
-        g_guide = {}  # by guide size: the gradient of the first `size` guiding examples
-        for size in sorted({a.guide_size or n_guide for a in arms} | {n_guide}):
-            g_guide[size] = _flat_grad(hf, params, _rows(guide, torch.arange(size)), None)
-            result.guide_eval_cosine[size] = float(
-                torch.nn.functional.cosine_similarity(g_guide[size], g_eval, dim=0)
-            )
+        g_guide = _guide_grads(hf, params, guide, arms, n_guide, g_eval, result)
         extractors = {
             a.name: GradFeatureExtractor(hf, seed=seed, **dict(a.features))
             for a in arms
             if a.strategy not in ORACLES
         }
-
-        def drops_of(grads_NP, tokens_N, idx_K, weights_K) -> dict[tuple[str, str], float]:
-            grad_P = _subset_grad(grads_NP, tokens_N, idx_K, weights_K)
-            out = {}
-            for step in steps:
-                _apply_step(step, params, theta0, grad_P, optimizer, opt_state0, sgd_lr)
-                for name, rows in (("eval", evalset), ("guide", guide)):
-                    out[(step, name)] = base[name] - _mean_loss(hf, rows, chunk_size)
-                _restore(params, theta0, optimizer, opt_state0)
-            return out
-
+        run = _Run(
+            hf=hf, optimizer=optimizer, params=params, theta0=theta0, opt_state0=opt_state0, guide=guide,
+            evalset=evalset, steps=steps, base=base, sgd_lr=sgd_lr, chunk_size=chunk_size, kappa=kappa,
+            num_domains=num_domains, n_random=n_random, eta=eta, seed=seed, g_eval=g_eval, g_guide=g_guide,
+            precond_P=precond_P, n_guide=n_guide, extractors=extractors,
+        )
         for p_idx, pool in enumerate(pools):
-            gen = torch.Generator().manual_seed(seed + p_idx)
-            domain_N = pool["domain_id"]
-            caps_C = compute_capacities(torch.bincount(domain_N, minlength=num_domains), kappa, generator=gen)
-            # Exact full-model per-example gradients, once per pool: every subset's training gradient
-            # is a (token-weighted) mean of these rows, and they give the exact scores.
-            grads_NP, tokens_N = _per_example_grads(hf, params, pool)
-
-            def precond(g_P: torch.Tensor) -> torch.Tensor:
-                return g_P * precond_P if precond_P is not None else g_P
-
-            # Exact scores by kind and guide size: Adam-weighted and plain against the guiding
-            # gradient of that size; against the evaluation gradient for oracle_eval.
-            exact = {("eval", size): grads_NP @ precond(g_eval) for size in g_guide}
-            for size, g_P in g_guide.items():
-                exact[("adam", size)] = grads_NP @ precond(g_P)
-                exact[("sgd", size)] = grads_NP @ g_P
-            rand = []
-            for _ in range(n_random):
-                r = select_random_stratified(
-                    features=None,
-                    val_feature=None,
-                    domain_ids=domain_N,
-                    num_domains=num_domains,
-                    kappa=kappa,
-                    eta=eta,
-                    generator=gen,
-                    capacities=caps_C,
-                )
-                rand.append(drops_of(grads_NP, tokens_N, r.indices, None))
-            for key in rand[0]:
-                result.random_drops.setdefault(key, []).append([d[key] for d in rand])
-            for arm in arms:
-                guide_b = _rows(guide, torch.arange(arm.guide_size or n_guide))
-                feats_ND = gbar_D = None
-                if arm.strategy in ORACLES:
-                    # Top kappa within the capacities by an exact score (no features): the best a
-                    # first-order selector guided by that gradient could do.
-                    idx_K, weights = (
-                        _top_within(
-                            exact[(ORACLES[arm.strategy], arm.guide_size or n_guide)], domain_N, caps_C
-                        ),
-                        None,
-                    )
-                else:
-                    ex = extractors[arm.name]
-                    spec = STRATEGIES[arm.strategy]
-                    if spec.needs_features:
-                        feats_ND, gbar_D = ex.compute(
-                            pool, guide_b if spec.needs_validation else None, optimizer=optimizer
-                        )
-                    res = spec.fn(
-                        features=feats_ND,
-                        val_feature=gbar_D,
-                        domain_ids=domain_N,
-                        num_domains=num_domains,
-                        kappa=kappa,
-                        eta=eta,
-                        generator=torch.Generator().manual_seed(seed + p_idx),
-                        capacities=caps_C if spec.uses_capacities else None,
-                        **dict(arm.options),
-                    )
-                    idx_K = res.indices
-                    weights = res.weights if (arm.weighted_loss and res.weights is not None) else None
-                d = drops_of(grads_NP, tokens_N, idx_K, weights)
-                arm_drops = result.drops.setdefault(arm.name, {})
-                for key, value in d.items():
-                    arm_drops.setdefault(key, []).append(value)
-                result.selected.setdefault(arm.name, []).append(idx_K.tolist())
-                if feats_ND is not None and gbar_D is not None:
-                    scores = feats_ND.double() @ gbar_D.double()
-                    fid = result.fidelity.setdefault(arm.name, {})
-                    fid.setdefault("exact_spearman", []).append(
-                        spearman(scores, exact[("adam", arm.guide_size or n_guide)])
-                    )
-                    fid.setdefault("exact_sgd_spearman", []).append(
-                        spearman(scores, exact[("sgd", arm.guide_size or n_guide)])
-                    )
-                    ex = extractors[arm.name]
-                    raw = (
-                        ex.fidelity(pool, guide_b, optimizer=optimizer)["score_spearman"]
-                        if ex.proj_dim
-                        else 1.0
-                    )
-                    fid.setdefault("raw_spearman", []).append(raw)
+            _measure_pool(run, arms, p_idx, pool, result)
             if progress is not None:
                 progress(p_idx)
     finally:
         _restore(params, theta0, optimizer, opt_state0)
         hf.train(was_training)
     return result
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every pool of `run_lookahead` shares: the model as found, the sets, the settings, the fixed gradients."""
+
+    hf: nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]  # the trainable parameters
+    theta0: list[torch.Tensor]  # their values as found
+    opt_state0: dict  # the optimizer's state as found
+    guide: Mapping[str, torch.Tensor]
+    evalset: Mapping[str, torch.Tensor]
+    steps: tuple[str, ...]
+    base: dict[str, float]  # the mean losses of "eval" and "guide" before any step
+    sgd_lr: float
+    chunk_size: int
+    kappa: int
+    num_domains: int
+    n_random: int
+    eta: float
+    seed: int
+    g_eval: torch.Tensor  # (P,) the evaluation set's gradient
+    g_guide: dict[int, torch.Tensor]  # by guide size: (P,) the gradient of the first `size` guiding examples
+    precond_P: torch.Tensor | None  # the Adam preconditioner, None when the optimizer has no state yet
+    n_guide: int
+    extractors: dict[str, GradFeatureExtractor]  # by arm name, for the arms that are not oracles
+
+
+def _guide_grads(
+    hf: nn.Module,
+    params: list[torch.Tensor],
+    guide: Mapping[str, torch.Tensor],
+    arms: Sequence[Arm],
+    n_guide: int,
+    g_eval: torch.Tensor,
+    result: LookaheadResult,
+) -> dict[int, torch.Tensor]:
+    """By guide size: the gradient of the first `size` guiding examples; their cosines with `g_eval` go to `result`."""
+    g_guide = {}
+    for size in sorted({a.guide_size or n_guide for a in arms} | {n_guide}):
+        g_guide[size] = _flat_grad(hf, params, _rows(guide, torch.arange(size)), None)
+        result.guide_eval_cosine[size] = float(
+            torch.nn.functional.cosine_similarity(g_guide[size], g_eval, dim=0)
+        )
+    return g_guide
+
+
+def _drops(
+    run: _Run, grads_NP: torch.Tensor, tokens_N: torch.Tensor, idx_K: torch.Tensor, weights_K: torch.Tensor | None
+) -> dict[tuple[str, str], float]:
+    """By (step, set): the loss drop of one step on the subset `idx_K`, the model and optimizer restored after."""
+    grad_P = _subset_grad(grads_NP, tokens_N, idx_K, weights_K)
+    out = {}
+    for step in run.steps:
+        _apply_step(step, run.params, run.theta0, grad_P, run.optimizer, run.opt_state0, run.sgd_lr)
+        for name, rows in (("eval", run.evalset), ("guide", run.guide)):
+            out[(step, name)] = run.base[name] - _mean_loss(run.hf, rows, run.chunk_size)
+        _restore(run.params, run.theta0, run.optimizer, run.opt_state0)
+    return out
+
+
+def _measure_pool(
+    run: _Run, arms: Sequence[Arm], p_idx: int, pool: Mapping[str, torch.Tensor], result: LookaheadResult
+) -> None:
+    """Append to `result` the drops of the random subsets and of every arm on pool `p_idx`, and the arms' fidelity."""
+    gen = torch.Generator().manual_seed(run.seed + p_idx)
+    domain_N = pool["domain_id"]
+    caps_C = compute_capacities(torch.bincount(domain_N, minlength=run.num_domains), run.kappa, generator=gen)
+    # Exact full-model per-example gradients, once per pool: every subset's training gradient
+    # is a (token-weighted) mean of these rows, and they give the exact scores.
+    grads_NP, tokens_N = _per_example_grads(run.hf, run.params, pool)
+    exact = _exact_scores(run, grads_NP)
+    rand = []
+    for _ in range(run.n_random):
+        r = select_random_stratified(
+            features=None,
+            val_feature=None,
+            domain_ids=domain_N,
+            num_domains=run.num_domains,
+            kappa=run.kappa,
+            eta=run.eta,
+            generator=gen,
+            capacities=caps_C,
+        )
+        rand.append(_drops(run, grads_NP, tokens_N, r.indices, None))
+    for key in rand[0]:
+        result.random_drops.setdefault(key, []).append([d[key] for d in rand])
+    for arm in arms:
+        guide_b = _rows(run.guide, torch.arange(arm.guide_size or run.n_guide))
+        idx_K, weights, feats_ND, gbar_D = _select(run, arm, p_idx, pool, guide_b, exact, domain_N, caps_C)
+        d = _drops(run, grads_NP, tokens_N, idx_K, weights)
+        arm_drops = result.drops.setdefault(arm.name, {})
+        for key, value in d.items():
+            arm_drops.setdefault(key, []).append(value)
+        result.selected.setdefault(arm.name, []).append(idx_K.tolist())
+        if feats_ND is not None and gbar_D is not None:
+            _record_fidelity(run, arm, pool, guide_b, feats_ND, gbar_D, exact, result)
+
+
+def _exact_scores(run: _Run, grads_NP: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+    """(N,) exact scores by (kind, guide size): kinds "adam", "sgd" and "eval" (see `ORACLES`)."""
+
+    def precond(g_P: torch.Tensor) -> torch.Tensor:
+        return g_P * run.precond_P if run.precond_P is not None else g_P
+
+    # Exact scores by kind and guide size: Adam-weighted and plain against the guiding
+    # gradient of that size; against the evaluation gradient for oracle_eval.
+    exact = {("eval", size): grads_NP @ precond(run.g_eval) for size in run.g_guide}
+    for size, g_P in run.g_guide.items():
+        exact[("adam", size)] = grads_NP @ precond(g_P)
+        exact[("sgd", size)] = grads_NP @ g_P
+    return exact
+
+
+def _select(
+    run: _Run,
+    arm: Arm,
+    p_idx: int,
+    pool: Mapping[str, torch.Tensor],
+    guide_b: Mapping[str, torch.Tensor],
+    exact: Mapping[tuple[str, int], torch.Tensor],
+    domain_N: torch.Tensor,
+    caps_C: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The arm's subset of the pool: `(idx_K, weights or None, feats_ND, gbar_D)`, the features None when unused."""
+    feats_ND = gbar_D = None
+    if arm.strategy in ORACLES:
+        # Top kappa within the capacities by an exact score (no features): the best a
+        # first-order selector guided by that gradient could do.
+        idx_K, weights = (
+            _top_within(
+                exact[(ORACLES[arm.strategy], arm.guide_size or run.n_guide)], domain_N, caps_C
+            ),
+            None,
+        )
+    else:
+        ex = run.extractors[arm.name]
+        spec = STRATEGIES[arm.strategy]
+        if spec.needs_features:
+            feats_ND, gbar_D = ex.compute(
+                pool, guide_b if spec.needs_validation else None, optimizer=run.optimizer
+            )
+        res = spec.fn(
+            features=feats_ND,
+            val_feature=gbar_D,
+            domain_ids=domain_N,
+            num_domains=run.num_domains,
+            kappa=run.kappa,
+            eta=run.eta,
+            generator=torch.Generator().manual_seed(run.seed + p_idx),
+            capacities=caps_C if spec.uses_capacities else None,
+            **dict(arm.options),
+        )
+        idx_K = res.indices
+        weights = res.weights if (arm.weighted_loss and res.weights is not None) else None
+    return idx_K, weights, feats_ND, gbar_D
+
+
+def _record_fidelity(
+    run: _Run,
+    arm: Arm,
+    pool: Mapping[str, torch.Tensor],
+    guide_b: Mapping[str, torch.Tensor],
+    feats_ND: torch.Tensor,
+    gbar_D: torch.Tensor,
+    exact: Mapping[tuple[str, int], torch.Tensor],
+    result: LookaheadResult,
+) -> None:
+    """Append the arm's fidelity figures on this pool to `result.fidelity` (see `LookaheadResult`)."""
+    scores = feats_ND.double() @ gbar_D.double()
+    fid = result.fidelity.setdefault(arm.name, {})
+    fid.setdefault("exact_spearman", []).append(
+        spearman(scores, exact[("adam", arm.guide_size or run.n_guide)])
+    )
+    fid.setdefault("exact_sgd_spearman", []).append(
+        spearman(scores, exact[("sgd", arm.guide_size or run.n_guide)])
+    )
+    ex = run.extractors[arm.name]
+    raw = (
+        ex.fidelity(pool, guide_b, optimizer=run.optimizer)["score_spearman"]
+        if ex.proj_dim
+        else 1.0
+    )
+    fid.setdefault("raw_spearman", []).append(raw)
 
 
 def summarize(result: LookaheadResult) -> dict[str, Any]:

@@ -195,21 +195,7 @@ def capture_layer_signals(
     handles = [t.module.register_forward_hook(make_hook(t.index)) for t in targets]
     try:
         with truncated_graph(cut_module) as status:
-            with (precision_context or nullcontext)():
-                if logits_at == "targets":
-                    with record_function("features/forward"):
-                        logits_NV, targets_N, rows_N = target_position_logits(model, input_ids, attention_mask, labels)
-                    with record_function("features/loss"):
-                        losses_n = row_means(target_token_losses(logits_NV, targets_N), rows_N, n)
-                    del logits_NV
-                else:
-                    with record_function("features/forward"):
-                        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-                    with record_function("features/loss"):
-                        losses_n = per_example_losses(out.logits, labels)
-                    # The loss's backward needs its own saved tensors, not the logits: dropping them
-                    # here keeps the n x T x V logits out of the backward's peak.
-                    del out
+            losses_n = _forward_losses(model, input_ids, attention_mask, labels, n, precision_context, logits_at)
             if not status["fired"]:
                 raise ValueError(f"the cut module {type(cut_module).__name__} did not run in the forward")
             missing = [t.name for t in targets if not records[t.index]]
@@ -225,6 +211,48 @@ def capture_layer_signals(
         for h in handles:
             h.remove()
 
+    return _signals_by_target(targets, records, deltas, n), losses_n.detach()
+
+
+def _forward_losses(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    n: int,
+    precision_context: Callable[[], AbstractContextManager] | None,
+    logits_at: str,
+) -> torch.Tensor:
+    """The forward and the loss of `capture_layer_signals` in the precision context: (n,) per-example losses."""
+    with (precision_context or nullcontext)():
+        if logits_at == "targets":
+            with record_function("features/forward"):
+                logits_NV, targets_N, rows_N = target_position_logits(model, input_ids, attention_mask, labels)
+            with record_function("features/loss"):
+                losses_n = row_means(target_token_losses(logits_NV, targets_N), rows_N, n)
+            del logits_NV
+        else:
+            with record_function("features/forward"):
+                out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            with record_function("features/loss"):
+                losses_n = per_example_losses(out.logits, labels)
+            # The loss's backward needs its own saved tensors, not the logits: dropping them
+            # here keeps the n x T x V logits out of the backward's peak.
+            del out
+    return losses_n
+
+
+def _signals_by_target(
+    targets: list[TargetLayer],
+    records: Mapping[int, list[tuple[torch.Tensor, torch.Tensor]]],
+    deltas: tuple[torch.Tensor, ...],
+    n: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per target `(a_nTI, delta_nTO)`: its calls' inputs and output-gradients (`deltas` in call order), concatenated.
+
+    Raises:
+        ValueError: when a target's activations are not batch-major.
+    """
     signals = []
     pos = 0
     for t in targets:
@@ -242,7 +270,7 @@ def capture_layer_signals(
         a_nTI = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
         delta_nTO = d_parts[0] if len(d_parts) == 1 else torch.cat(d_parts, dim=1)
         signals.append((a_nTI, delta_nTO))
-    return signals, losses_n.detach()
+    return signals
 
 
 def per_example_grads(

@@ -215,38 +215,9 @@ def sharded_adam_scales(
     parts: list[torch.Tensor] = []
     device = None
     for params, d_out, d_in, sketched in layers:
-        cols = d_in + (len(params) > 1)
-        payload = torch.zeros(d_out + cols if sketched else d_out * cols, dtype=torch.float64)
-        meta = torch.zeros(2 * len(params), dtype=torch.float64)  # per param: covered elements, missing flag
-        for k, p in enumerate(params):
-            if id(p) not in shards:
-                raise ValueError(
-                    f"target parameter of shape {tuple(p.shape)} is not managed by FSDP while other parameters "
-                    f"are; wrap the whole model (Composer does for a yaml with fsdp_config)"
-                )
-            shard = shards[id(p)]
-            if shard.end <= shard.start:
-                continue
-            device = p.device
-            st = state_of.get(p)
-            if not st or "exp_avg_sq" not in st or id(p) not in beta2_of:
-                meta[2 * k + 1] = 1.0
-                continue
-            v_hat = (st["exp_avg_sq"].reshape(-1).double() / (1.0 - beta2_of[id(p)] ** st.get("step", 1))).cpu()
-            if v_hat.numel() != shard.end - shard.start:
-                raise ValueError(
-                    f"optimizer state of a target parameter holds {v_hat.numel()} elements, but this rank's FSDP "
-                    f"shard of it spans {shard.end - shard.start}; the optimizer must be built on the FSDP model"
-                )
-            meta[2 * k] = float(v_hat.numel())
-            flat_idx = torch.arange(shard.start, shard.end)
-            # Weight element e is (row e // d_in, column e % d_in); bias element e is (row e, column d_in).
-            rows, col = (flat_idx // d_in, flat_idx % d_in) if k == 0 else (flat_idx, torch.full_like(flat_idx, d_in))
-            if sketched:
-                payload.index_add_(0, rows, v_hat)
-                payload.index_add_(0, d_out + col, v_hat)
-            else:
-                payload.index_add_(0, rows * cols + col, v_hat)
+        payload, meta, layer_device = _local_layer_sums(params, d_out, d_in, sketched, shards, state_of, beta2_of)
+        if layer_device is not None:
+            device = layer_device
         parts += [payload, meta]
     flat = torch.cat(parts)
     if device is not None and device.type != "cpu":
@@ -262,36 +233,105 @@ def sharded_adam_scales(
         payload = flat[offset : offset + width]
         meta = flat[offset + width : offset + width + 2 * len(params)]
         offset += width + 2 * len(params)
-        copies = []
-        missing = False
-        for k, p in enumerate(params):
-            covered, flagged = float(meta[2 * k]), float(meta[2 * k + 1])
-            numel = shards[id(p)].numel
-            missing = missing or flagged > 0 or covered == 0
-            # A rank without state leaves its slice uncovered: the count is then checked no further.
-            if not missing and covered % numel:
-                raise ValueError(
-                    f"FSDP shards of a target parameter ({numel} elements) cover {int(covered)} elements over all "
-                    f"ranks, not a whole number of copies"
-                )
-            copies.append(covered / numel)
-        if missing:
-            out.append(None)
-            continue
-        replicas = copies[0]
-        target_device = params[0].device
-        if sketched:
-            row_sum_O, col_sum_I = payload[:d_out] / replicas, payload[d_out:] / replicas
-            total = row_sum_O.sum()
-            scales = _factored_scales(
-                (row_sum_O / cols).float(), (col_sum_I / d_out).float(), (total / (d_out * cols)).float(), eps
-            )
-            out.append(tuple(s.to(target_device) for s in scales))
-        else:
-            v_OI = (payload / replicas).float().reshape(d_out, cols)
-            v_hats = [v_OI[:, :d_in]] + ([v_OI[:, d_in]] if len(params) > 1 else [])
-            out.append((exact_adam_scale(v_hats, eps).to(target_device),))
+        out.append(_layer_scales_from_sums(params, d_out, d_in, sketched, payload, meta, shards, eps))
     return out
+
+
+def _local_layer_sums(
+    params: Sequence[torch.nn.Parameter],
+    d_out: int,
+    d_in: int,
+    sketched: bool,
+    shards: Mapping[int, ParamShard],
+    state_of: Mapping,
+    beta2_of: Mapping[int, float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.device | None]:
+    """This rank's part of one target's buffer for `sharded_adam_scales`.
+
+    Returns:
+        The float64 payload (the slice of the flattened `v_hat`, or its row and column sums when
+        sketched), the per-parameter meta (covered elements, missing flag), and the device of the
+        last parameter this rank holds a nonempty slice of (None when it holds none).
+    """
+    cols = d_in + (len(params) > 1)
+    payload = torch.zeros(d_out + cols if sketched else d_out * cols, dtype=torch.float64)
+    meta = torch.zeros(2 * len(params), dtype=torch.float64)  # per param: covered elements, missing flag
+    device = None
+    for k, p in enumerate(params):
+        if id(p) not in shards:
+            raise ValueError(
+                f"target parameter of shape {tuple(p.shape)} is not managed by FSDP while other parameters "
+                f"are; wrap the whole model (Composer does for a yaml with fsdp_config)"
+            )
+        shard = shards[id(p)]
+        if shard.end <= shard.start:
+            continue
+        device = p.device
+        st = state_of.get(p)
+        if not st or "exp_avg_sq" not in st or id(p) not in beta2_of:
+            meta[2 * k + 1] = 1.0
+            continue
+        v_hat = (st["exp_avg_sq"].reshape(-1).double() / (1.0 - beta2_of[id(p)] ** st.get("step", 1))).cpu()
+        if v_hat.numel() != shard.end - shard.start:
+            raise ValueError(
+                f"optimizer state of a target parameter holds {v_hat.numel()} elements, but this rank's FSDP "
+                f"shard of it spans {shard.end - shard.start}; the optimizer must be built on the FSDP model"
+            )
+        meta[2 * k] = float(v_hat.numel())
+        flat_idx = torch.arange(shard.start, shard.end)
+        # Weight element e is (row e // d_in, column e % d_in); bias element e is (row e, column d_in).
+        rows, col = (flat_idx // d_in, flat_idx % d_in) if k == 0 else (flat_idx, torch.full_like(flat_idx, d_in))
+        if sketched:
+            payload.index_add_(0, rows, v_hat)
+            payload.index_add_(0, d_out + col, v_hat)
+        else:
+            payload.index_add_(0, rows * cols + col, v_hat)
+    return payload, meta, device
+
+
+def _layer_scales_from_sums(
+    params: Sequence[torch.nn.Parameter],
+    d_out: int,
+    d_in: int,
+    sketched: bool,
+    payload: torch.Tensor,
+    meta: torch.Tensor,
+    shards: Mapping[int, ParamShard],
+    eps: float,
+) -> tuple[torch.Tensor, ...] | None:
+    """One target's scales from its all-reduced payload and meta: `(scale_D,)` or `(s_out_O, s_in_I)`, or None.
+
+    Raises:
+        ValueError: when the gathered coverage is not a whole number of copies of a parameter.
+    """
+    cols = d_in + (len(params) > 1)
+    copies = []
+    missing = False
+    for k, p in enumerate(params):
+        covered, flagged = float(meta[2 * k]), float(meta[2 * k + 1])
+        numel = shards[id(p)].numel
+        missing = missing or flagged > 0 or covered == 0
+        # A rank without state leaves its slice uncovered: the count is then checked no further.
+        if not missing and covered % numel:
+            raise ValueError(
+                f"FSDP shards of a target parameter ({numel} elements) cover {int(covered)} elements over all "
+                f"ranks, not a whole number of copies"
+            )
+        copies.append(covered / numel)
+    if missing:
+        return None
+    replicas = copies[0]
+    target_device = params[0].device
+    if sketched:
+        row_sum_O, col_sum_I = payload[:d_out] / replicas, payload[d_out:] / replicas
+        total = row_sum_O.sum()
+        scales = _factored_scales(
+            (row_sum_O / cols).float(), (col_sum_I / d_out).float(), (total / (d_out * cols)).float(), eps
+        )
+        return tuple(s.to(target_device) for s in scales)
+    v_OI = (payload / replicas).float().reshape(d_out, cols)
+    v_hats = [v_OI[:, :d_in]] + ([v_OI[:, d_in]] if len(params) > 1 else [])
+    return (exact_adam_scale(v_hats, eps).to(target_device),)
 
 
 def _factored_scales(

@@ -346,6 +346,34 @@ def resolve_targets(
             f"(got {type(lm_head).__name__}); set include_lm_head=False"
         )
 
+    candidates = _candidate_layers(model, block_prefix, first_block, include_lm_head, lm_head)
+    chosen = _chosen_candidates(model, candidates, target_modules, last_n_blocks, include_lm_head)
+
+    targets = []
+    for i, (name, mod, block) in enumerate(chosen):
+        # in/out_features, not weight.shape: under FSDP the weight is this rank's 1-D flat shard.
+        d_out, d_in = mod.out_features, mod.in_features
+        has_bias = mod.bias is not None
+        targets.append(
+            TargetLayer(
+                name=name,
+                module=mod,
+                index=i,
+                block=block,
+                d_out=d_out,
+                d_in=d_in,
+                has_bias=has_bias,
+                sketched=d_out * d_in > exact_max_numel,
+            )
+        )
+    log.debug("gradient-feature targets: %s", [(t.name, "sketch" if t.sketched else "exact") for t in targets])
+    return targets
+
+
+def _candidate_layers(
+    model: nn.Module, block_prefix: str, first_block: int, include_lm_head: bool, lm_head: nn.Module | None
+) -> list[tuple[str, nn.Linear, int | None]]:
+    """`(name, module, block)` of every `nn.Linear` in the blocks from `first_block` on, and `lm_head` when included."""
     candidates: list[tuple[str, nn.Linear, int | None]] = []
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
@@ -356,7 +384,21 @@ def resolve_targets(
             candidates.append((name, mod, block))
         elif include_lm_head and mod is lm_head:
             candidates.append((name, mod, None))
+    return candidates
 
+
+def _chosen_candidates(
+    model: nn.Module,
+    candidates: list[tuple[str, nn.Linear, int | None]],
+    target_modules: list[str] | None,
+    last_n_blocks: int,
+    include_lm_head: bool,
+) -> list[tuple[str, nn.Linear, int | None]]:
+    """The candidates `target_modules` keeps (or the defaults of `resolve_targets`).
+
+    Raises:
+        ValueError: for a bad pattern, or when nothing matches (the message lists the candidates).
+    """
     if target_modules is not None:
         if isinstance(target_modules, str):
             target_modules = [target_modules]
@@ -379,26 +421,7 @@ def resolve_targets(
             f"no target module matches {what} in the last {last_n_blocks} block(s) "
             f"(include_lm_head={include_lm_head}); candidate nn.Linear modules are: {names}"
         )
-
-    targets = []
-    for i, (name, mod, block) in enumerate(chosen):
-        # in/out_features, not weight.shape: under FSDP the weight is this rank's 1-D flat shard.
-        d_out, d_in = mod.out_features, mod.in_features
-        has_bias = mod.bias is not None
-        targets.append(
-            TargetLayer(
-                name=name,
-                module=mod,
-                index=i,
-                block=block,
-                d_out=d_out,
-                d_in=d_in,
-                has_bias=has_bias,
-                sketched=d_out * d_in > exact_max_numel,
-            )
-        )
-    log.debug("gradient-feature targets: %s", [(t.name, "sketch" if t.sketched else "exact") for t in targets])
-    return targets
+    return chosen
 
 
 def choose_cut_module(model: nn.Module, targets: list[TargetLayer]) -> nn.Module:
