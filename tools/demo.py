@@ -35,20 +35,7 @@ _LOSS_RE = re.compile(r"Train loss/train/total: (\S+)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "demo_out", help="working directory (default: demo_out/)"
-    )
-    parser.add_argument("--steps", type=int, default=150, help="training steps (default: 150)")
-    parser.add_argument(
-        "--strategy",
-        default="partitionsel",
-        help="selection strategy: partitionsel, greats, id, iwd, gradnorm, colm, random, random_stratified, none",
-    )
-    parser.add_argument("--seed", type=int, default=17, help="training seed (default: 17)")
-    parser.add_argument("--yaml", type=Path, default=REPO / "yamls" / "testing" / "demo_dolma.yaml")
+    parser = _build_parser()
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -120,6 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_summary(run_dir, train_wall, time.perf_counter() - start)
     return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The demo's options: working directory, steps, strategy, seed and yaml."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "demo_out", help="working directory (default: demo_out/)"
+    )
+    parser.add_argument("--steps", type=int, default=150, help="training steps (default: 150)")
+    parser.add_argument(
+        "--strategy",
+        default="partitionsel",
+        help="selection strategy: partitionsel, greats, id, iwd, gradnorm, colm, random, random_stratified, none",
+    )
+    parser.add_argument("--seed", type=int, default=17, help="training seed (default: 17)")
+    parser.add_argument("--yaml", type=Path, default=REPO / "yamls" / "testing" / "demo_dolma.yaml")
+    return parser
 
 
 def print_summary(run_dir: Path, train_wall_s: float, total_wall_s: float) -> None:

@@ -47,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    model_args = _model_arguments()
+    _add_math_command(sub, model_args)
+    _add_mol_command(sub, model_args)
+    _add_ppl_command(sub, model_args)
+    _add_answers_command(sub, model_args)
+    return parser
+
+
+def _model_arguments() -> argparse.ArgumentParser:
+    """The options of the model every subcommand loads (a parent parser, its `model` group)."""
     model_args = argparse.ArgumentParser(add_help=False)
     g = model_args.add_argument_group("model")
     g.add_argument("--model", help="HF model folder, .gguf file (converted once, cached), PEFT adapter folder, or Composer checkpoint (.pt)")
@@ -57,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="default: bf16 on GPU, fp32 on CPU")
     g.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per generate call (default 8)")
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return model_args
 
+
+def _add_math_command(sub: argparse._SubParsersAction, model_args: argparse.ArgumentParser) -> None:
+    """`math`: accuracy on the math suites by greedy generation."""
     m = sub.add_parser("math", parents=[model_args], help="accuracy on the math suites by greedy generation")
     m.add_argument("--data-dir", required=True, help="folder of suite files (flat or MAmmoTH's dataset/ layout)")
     m.add_argument(
@@ -76,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--predictions-out", help="predictions JSONL path (default: beside --out)")
     m.set_defaults(func=run_math)
 
+
+def _add_mol_command(sub: argparse._SubParsersAction, model_args: argparse.ArgumentParser) -> None:
+    """`mol`: the Mol-Instructions metrics, of given predictions or of generated ones."""
     mol = sub.add_parser("mol", parents=[model_args], help="BLEU / Levenshtein / exact / validity / fingerprints")
     src = mol.add_mutually_exclusive_group(required=True)
     src.add_argument("--predictions", help="JSONL with task, prediction, reference per line (no model needed)")
@@ -92,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     mol.add_argument("--out", help="summary JSON path (generated predictions go to <stem>.predictions.jsonl)")
     mol.set_defaults(func=run_mol)
 
+
+def _add_ppl_command(sub: argparse._SubParsersAction, model_args: argparse.ArgumentParser) -> None:
+    """`ppl`: per-domain validation log-perplexity on shards."""
     p = sub.add_parser("ppl", parents=[model_args], help="per-domain validation log-perplexity on shards")
     p.add_argument("--shards", required=True, help="output directory of tools/shard.py")
     p.add_argument("--split", default="val", choices=("train", "val"), help="split to score (default: val)")
@@ -107,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the per-domain results as JSON here")
     p.set_defaults(func=run_ppl)
 
+
+def _add_answers_command(sub: argparse._SubParsersAction, model_args: argparse.ArgumentParser) -> None:
+    """`answers`: exact-match accuracy of greedy answers to the held-out questions of fine-tuning shards."""
     a = sub.add_parser(
         "answers", parents=[model_args],
         help="exact-match accuracy of greedy answers to the held-out questions of fine-tuning shards, per domain",
@@ -122,7 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-new-tokens", type=_positive_int, default=16, help="default 16")
     a.add_argument("--out", help="write the accuracy and every question's answer as JSON here")
     a.set_defaults(func=run_answers)
-    return parser
 
 
 def run_answers(args: argparse.Namespace) -> int:

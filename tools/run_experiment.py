@@ -99,12 +99,65 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
+    runs_of = _parse_runs(parser, args)
+    strategies = list(runs_of)
+    seeds = _parse_seeds(parser, args)
+    if not args.yaml.is_file():
+        parser.error(f"--yaml: no such file {args.yaml}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.budget_seconds is not None and not args.budget_seconds > 0:
+        parser.error(f"--budget-seconds must be > 0, got {args.budget_seconds}")
+    if args.report_only and args.rerun:
+        parser.error("--report-only and --rerun contradict each other")
+    budget = _parse_budget(parser, args)
+    given_costs = _settle_compute_options(parser, args, budget)
+    if args.paired_baseline is not None and args.paired_baseline not in strategies:
+        parser.error(f"--paired-baseline {args.paired_baseline!r} must be one of --strategies {strategies}")
+
+    gpus = [g for g in (args.gpus or "").split(",") if g]
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = None
+    if budget is not None:
+        try:
+            plan = plan_compute(args, strategies, runs_of, seeds[0], budget, given_costs, extra, gpus)
+        except PlanError as e:
+            parser.error(str(e))
+        steps_of = dict(plan["steps"])
+        for label, counts in plan["sensitivity"].items():  # the same arm at the edges of its calibration noise
+            for n in counts:
+                runs_of[sensitivity_label(label, n)] = runs_of[label]
+                steps_of[sensitivity_label(label, n)] = n
+    else:
+        steps_of = {label: args.steps for label in strategies}
+    todo = _queue_runs(args, runs_of, steps_of, seeds, extra, plan)
+    if args.report_only:
+        if not _report_only_ready(args, todo, seeds):
+            return 2
+        todo = []
+    failed = _run_queue(todo, jobs=args.jobs, gpus=gpus, budget_seconds=args.budget_seconds)
+    if failed:
+        print(f"failed runs: {failed}")
+        return 1
+    report(
+        args.out,
+        strategies,
+        seeds,
+        steps=args.steps,
+        budget_seconds=args.budget_seconds,
+        paired_baseline=args.paired_baseline,
+        plan=plan,
+    )
+    return 0
+
+
+def _parse_runs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
+    """label -> (strategy, overrides): the plain `--strategies`, then the named `--variant`s."""
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     known = known_strategies()
     bad = [s for s in strategies if s not in known]
     if bad:
         parser.error(f"--strategies: unknown {bad}; allowed: {', '.join(known)}")
-    # label -> (strategy, overrides): plain strategies, then the named variants.
     runs_of: dict[str, tuple[str, list[str]]] = {s: (s, []) for s in strategies}
     for text in args.variant:
         try:
@@ -116,22 +169,23 @@ def main(argv: list[str] | None = None) -> int:
         if label in runs_of:
             parser.error(f"--variant {text!r}: the name {label!r} is already used")
         runs_of[label] = (strategy, overrides)
-    strategies = list(runs_of)
+    return runs_of
+
+
+def _parse_seeds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """The `--seeds`, at least one."""
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     if not seeds:
         parser.error("--seeds: give at least one seed")
-    if not args.yaml.is_file():
-        parser.error(f"--yaml: no such file {args.yaml}")
-    if args.jobs < 1:
-        parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    if args.budget_seconds is not None and not args.budget_seconds > 0:
-        parser.error(f"--budget-seconds must be > 0, got {args.budget_seconds}")
-    if args.report_only and args.rerun:
-        parser.error("--report-only and --rerun contradict each other")
-    from composer_algos.analysis.compute_plan import parse_compute_budget, parse_step_costs
+    return seeds
+
+
+def _parse_budget(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The `--compute-budget` (None for equal steps or `--budget-seconds`), once the budget options agree."""
+    from composer_algos.analysis.compute_plan import parse_compute_budget
 
     budget = None
     if args.compute_budget is not None:
@@ -156,6 +210,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    return budget
+
+
+def _settle_compute_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, budget: Any
+) -> dict[str, float] | None:
+    """Check the options only `--compute-budget` takes and fill in their defaults; the given `--step-costs`.
+
+    Returns None when the costs are to be calibrated.
+    """
+    from composer_algos.analysis.compute_plan import parse_step_costs
+
     compute_only = {
         "--step-costs": args.step_costs is not None,
         "--cost-clock": args.cost_clock is not None,
@@ -193,24 +259,18 @@ def main(argv: list[str] | None = None) -> int:
             given_costs = parse_step_costs(args.step_costs)
         except ValueError as e:
             parser.error(str(e))
-    if args.paired_baseline is not None and args.paired_baseline not in strategies:
-        parser.error(f"--paired-baseline {args.paired_baseline!r} must be one of --strategies {strategies}")
+    return given_costs
 
-    gpus = [g for g in (args.gpus or "").split(",") if g]
-    args.out.mkdir(parents=True, exist_ok=True)
-    plan = None
-    if budget is not None:
-        try:
-            plan = plan_compute(args, strategies, runs_of, seeds[0], budget, given_costs, extra, gpus)
-        except PlanError as e:
-            parser.error(str(e))
-        steps_of = dict(plan["steps"])
-        for label, counts in plan["sensitivity"].items():  # the same arm at the edges of its calibration noise
-            for n in counts:
-                runs_of[sensitivity_label(label, n)] = runs_of[label]
-                steps_of[sensitivity_label(label, n)] = n
-    else:
-        steps_of = {label: args.steps for label in strategies}
+
+def _queue_runs(
+    args: argparse.Namespace,
+    runs_of: dict[str, tuple[str, list[str]]],
+    steps_of: dict[str, int],
+    seeds: list[int],
+    extra: list[str],
+    plan: dict[str, Any] | None,
+) -> list[tuple[Path, list[str]]]:
+    """(run folder, train.py command) of every run still to train, in `plan_runs`' order; finished runs are reused."""
     todo = []
     # With several jobs at once, the costlier runs of each seed start first (plan_runs).
     cost = expected_costs(args, steps_of, runs_of, extra, plan) if args.jobs > 1 and not args.report_only else None
@@ -239,32 +299,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run_dir.name}: already done, reusing{note}", flush=True)
             continue
         todo.append((run_dir, cmd))
-    if args.report_only:
-        if todo:
-            print(f"--report-only: {len(todo)} runs not finished, left out: {', '.join(d.name for d, _ in todo)}")
-        base = args.paired_baseline
-        if base is not None and base not in collect(args.out, [base], seeds)["per_seed"]:
-            print(
-                f"--report-only: no finished run of the paired baseline {base!r} in {args.out}; nothing to pair "
-                "against (run without --report-only to train it, or give another --paired-baseline)",
-                file=sys.stderr,
-            )
-            return 2
-        todo = []
-    failed = _run_queue(todo, jobs=args.jobs, gpus=gpus, budget_seconds=args.budget_seconds)
-    if failed:
-        print(f"failed runs: {failed}")
-        return 1
-    report(
-        args.out,
-        strategies,
-        seeds,
-        steps=args.steps,
-        budget_seconds=args.budget_seconds,
-        paired_baseline=args.paired_baseline,
-        plan=plan,
-    )
-    return 0
+    return todo
+
+
+def _report_only_ready(args: argparse.Namespace, todo: list[tuple[Path, list[str]]], seeds: list[int]) -> bool:
+    """`--report-only`: list the unfinished runs; False (said on stderr) when the paired baseline has no finished run."""
+    if todo:
+        print(f"--report-only: {len(todo)} runs not finished, left out: {', '.join(d.name for d, _ in todo)}")
+    base = args.paired_baseline
+    if base is not None and base not in collect(args.out, [base], seeds)["per_seed"]:
+        print(
+            f"--report-only: no finished run of the paired baseline {base!r} in {args.out}; nothing to pair "
+            "against (run without --report-only to train it, or give another --paired-baseline)",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 # What may differ between two runs of one configuration: where and under which name they are saved,
@@ -488,10 +538,24 @@ def calibrate(
             f"(target {100 * args.calibration_target:.2f}%); the sensitivity runs show what it moves",
             flush=True,
         )
-    summary = {
+    return costs, spread, _calibration_summary(path, machine, chunks, known, groups, arms, model, worst)
+
+
+def _calibration_summary(
+    path: Path,
+    machine: dict[str, Any],
+    rounds: int,
+    known: dict[str, Any],
+    groups: dict[str, str],
+    arms: dict[str, tuple[str, Any]],
+    model: Any,
+    worst: float,
+) -> dict[str, Any]:
+    """plan.json's account of a calibration: its file, machine, rounds, timed steps, groups and fitted model."""
+    return {
         "file": str(path),
         "machine": machine,
-        "rounds": chunks,
+        "rounds": rounds,
         "timed_steps": {label: sum(len(c["step_times_s"]) for c in known["groups"][key]["chunks"]) for label, (key, _) in arms.items()},
         "groups": {label: key for label, (key, _) in arms.items()},
         "model": {
@@ -502,7 +566,6 @@ def calibrate(
         "max_spread": worst,
         "from_runs": {groups[k]: known["groups"][k]["from_runs"] for k in groups if known["groups"][k].get("from_runs")},
     }
-    return costs, spread, summary
 
 
 def _calibration_from_runs(
@@ -699,6 +762,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    _add_run_options(parser)
+    _add_compute_budget_options(parser)
+    _add_time_budget_and_report_options(parser)
+    _add_queue_options(parser)
+    return parser
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The yaml, shards, strategies, variants and seeds of the runs, and `--steps`."""
     parser.add_argument("--yaml", type=Path, required=True, help="base run yaml")
     parser.add_argument("--shard-dir", required=True, help="shards every run trains on (variables.shard_dir)")
     parser.add_argument(
@@ -718,6 +790,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="training steps of every run (with --budget-seconds: the step cap and the schedule's horizon)",
     )
+
+
+def _add_compute_budget_options(parser: argparse.ArgumentParser) -> None:
+    """`--compute-budget` and the options of its step costs: given, or calibrated (rounds, target, files)."""
     parser.add_argument(
         "--compute-budget",
         default=None,
@@ -786,6 +862,10 @@ def build_parser() -> argparse.ArgumentParser:
         "noise at its planned steps minus and plus that noise's worth of steps, and report whether its "
         "verdict holds across them",
     )
+
+
+def _add_time_budget_and_report_options(parser: argparse.ArgumentParser) -> None:
+    """`--budget-seconds`, then what the reports hold (paired baseline, selected ids, evaluations) and `--out`."""
     parser.add_argument(
         "--budget-seconds",
         type=float,
@@ -807,6 +887,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-interval", type=int, default=None, help="evaluate every N steps (default: a run's steps/5)"
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
+
+
+def _add_queue_options(parser: argparse.ArgumentParser) -> None:
+    """Which runs train (rerun, reuse, report only) and how many at a time, on which GPUs."""
     parser.add_argument("--rerun", action="store_true", help="rerun runs that already have results")
     parser.add_argument(
         "--reuse-from",
@@ -830,7 +914,6 @@ def build_parser() -> argparse.ArgumentParser:
         "give each job its own device with CUDA_VISIBLE_DEVICES in --gpus",
     )
     parser.add_argument("--gpus", default=None, help="comma-separated GPU ids handed out to jobs in turn")
-    return parser
 
 
 def known_strategies() -> tuple[str, ...]:

@@ -103,16 +103,7 @@ def assign_parts(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="Dolma files or directories")
-    p.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")
-    p.add_argument("--part", action="append", default=[], help="NAME=FRACTION (repeatable, in order)")
-    p.add_argument("--rest", default="train", help="the part of the remaining documents (default: train)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the hash (default: 0)")
-    p.add_argument("--id-field", default="id", help="the document id field (default: id)")
-    p.add_argument("--domain-from", choices=("source", "dir"), default="source", help="domain: the record's "
-                   "`source` field (default) or its directory, as tools/shard.py dolma --domain-from")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p = _build_parser()
     args = p.parse_args(argv)
     try:
         parts = [parse_part(t) for t in args.part]
@@ -131,6 +122,56 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.out / "split.json").exists():
             p.error(f"--out {args.out} holds no split.json: refusing to delete a directory this tool did not write")
 
+    records = _read_records(args)
+
+    ids_by_domain: dict[str, list[str]] = defaultdict(list)
+    for domain, doc_id, _, _ in records:
+        ids_by_domain[domain].append(doc_id)
+    assignment = assign_parts(dict(ids_by_domain), parts, seed=args.seed, rest=args.rest)
+
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    stats = _write_parts(records, assignment, tmp, names)
+    summary = {
+        "inputs": [str(x) for x in args.inputs],
+        "parts": dict(parts),
+        "rest": args.rest,
+        "seed": args.seed,
+        "id_field": args.id_field,
+        "domain_from": args.domain_from,
+        "stats": stats,
+    }
+    (tmp / "split.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    tmp.rename(args.out)
+    for name in names:
+        docs = sum(e["documents"] for e in stats[name].values())
+        chars = sum(e["characters"] for e in stats[name].values())
+        print(f"{name}: {docs} documents, {chars / 1e6:.2f} M characters, "
+              + ", ".join(f"{d} {e['documents']}" for d, e in sorted(stats[name].items())))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The inputs, the output folder, the parts and the hash's seed, the id and domain fields."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="Dolma files or directories")
+    p.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--part", action="append", default=[], help="NAME=FRACTION (repeatable, in order)")
+    p.add_argument("--rest", default="train", help="the part of the remaining documents (default: train)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the hash (default: 0)")
+    p.add_argument("--id-field", default="id", help="the document id field (default: id)")
+    p.add_argument("--domain-from", choices=("source", "dir"), default="source", help="domain: the record's "
+                   "`source` field (default) or its directory, as tools/shard.py dolma --domain-from")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    return p
+
+
+def _read_records(args: argparse.Namespace) -> list[tuple[str, str, bytes, int]]:
+    """(domain, id, line, characters) of every input document, in input order; a bad or repeated id stops the tool."""
     spec = make_corpus_spec("dolma", domain_from="field" if args.domain_from == "source" else "dir")
     records: list[tuple[str, str, bytes, int]] = []  # (domain, id, line, characters)
     seen: dict[tuple[str, str], str] = {}
@@ -156,15 +197,13 @@ def main(argv: list[str] | None = None) -> int:
                 records.append((rec.domain, doc_id, line, len(rec.text or "")))
     except (CorpusError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    return records
 
-    ids_by_domain: dict[str, list[str]] = defaultdict(list)
-    for domain, doc_id, _, _ in records:
-        ids_by_domain[domain].append(doc_id)
-    assignment = assign_parts(dict(ids_by_domain), parts, seed=args.seed, rest=args.rest)
 
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+def _write_parts(
+    records: list[tuple[str, str, bytes, int]], assignment: dict[str, dict[str, str]], tmp: Path, names: list[str]
+) -> dict[str, dict[str, dict[str, int]]]:
+    """Write each document's line to TMP/<part>/<domain>/part-000.jsonl.gz; documents and characters per part and domain."""
     stats: dict[str, dict[str, dict[str, int]]] = {n: {} for n in names}
     writers: dict[tuple[str, str], gzip.GzipFile] = {}
     try:
@@ -182,26 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for w in writers.values():
             w.close()
-    summary = {
-        "inputs": [str(x) for x in args.inputs],
-        "parts": dict(parts),
-        "rest": args.rest,
-        "seed": args.seed,
-        "id_field": args.id_field,
-        "domain_from": args.domain_from,
-        "stats": stats,
-    }
-    (tmp / "split.json").write_text(json.dumps(summary, indent=1) + "\n")
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    tmp.rename(args.out)
-    for name in names:
-        docs = sum(e["documents"] for e in stats[name].values())
-        chars = sum(e["characters"] for e in stats[name].values())
-        print(f"{name}: {docs} documents, {chars / 1e6:.2f} M characters, "
-              + ", ".join(f"{d} {e['documents']}" for d, e in sorted(stats[name].items())))
-    print(f"wrote {args.out}")
-    return 0
+    return stats
 
 
 if __name__ == "__main__":

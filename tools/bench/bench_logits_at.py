@@ -39,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from composer_algos.features.capture import capture_layer_signals, scoring_mode
     from composer_algos.features.targets import choose_cut_module, resolve_targets, unwrap_model
     from composer_algos.models.causal_lm import build_causal_lm
     from composer_algos.registry import load_run_config
@@ -64,9 +63,35 @@ def main(argv: list[str] | None = None) -> int:
         batches.append(batch)
         if len(batches) == args.steps + 1:
             break
-    times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in models for k in KINDS}
     targets = {mode: resolve_targets(unwrap_model(model), last_n_blocks=1) for mode, model in models.items()}
     cuts = {mode: choose_cut_module(unwrap_model(model), targets[mode]) for mode, model in models.items()}
+    times, gap = _time_modes(models, batches, targets, cuts)
+    tokens = statistics.mean(float(b["attention_mask"].sum()) for b in batches[1:])
+    targets = statistics.mean(float((b["labels"] != -100).sum()) for b in batches[1:])
+    print(f"{args.yaml.name}: {len(batches) - 1} batches of {cfg.global_train_batch_size} rows, "
+          f"{tokens:.0f} tokens and {targets:.0f} target tokens each (median s)")
+    print(f"{'':>8}{'all':>10}{'targets':>10}{'ratio':>8}")
+    for kind in KINDS:
+        a, t = statistics.median(times[("all", kind)]), statistics.median(times[("targets", kind)])
+        print(f"{kind:>8}{a:>10.3f}{t:>10.3f}{t / a:>8.3f}")
+    print(f"largest relative loss difference: {gap:.2e}")
+    if gap > 1e-4:
+        print("error: the two modes' losses differ: `targets` must compute the loss of `all`", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _time_modes(models: dict, batches: list, targets: dict, cuts: dict) -> tuple[dict[tuple[str, str], list[float]], float]:
+    """Each mode's train, eval and scoring times on every batch but the first, modes interleaved on each batch.
+
+    Also returns the largest relative difference of the two modes' losses.
+    """
+    import torch
+
+    from composer_algos.features.capture import capture_layer_signals, scoring_mode
+    from composer_algos.features.targets import unwrap_model
+
+    times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in models for k in KINDS}
     gap = 0.0
     for i in range(len(batches)):
         losses = {}
@@ -96,19 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[(mode, "eval")].append(eval_s)
                 times[(mode, "score")].append(score_s)
         gap = max(gap, abs(losses["targets"] - losses["all"]) / max(abs(losses["all"]), 1e-12))
-    tokens = statistics.mean(float(b["attention_mask"].sum()) for b in batches[1:])
-    targets = statistics.mean(float((b["labels"] != -100).sum()) for b in batches[1:])
-    print(f"{args.yaml.name}: {len(batches) - 1} batches of {cfg.global_train_batch_size} rows, "
-          f"{tokens:.0f} tokens and {targets:.0f} target tokens each (median s)")
-    print(f"{'':>8}{'all':>10}{'targets':>10}{'ratio':>8}")
-    for kind in KINDS:
-        a, t = statistics.median(times[("all", kind)]), statistics.median(times[("targets", kind)])
-        print(f"{kind:>8}{a:>10.3f}{t:>10.3f}{t / a:>8.3f}")
-    print(f"largest relative loss difference: {gap:.2e}")
-    if gap > 1e-4:
-        print("error: the two modes' losses differ: `targets` must compute the loss of `all`", file=sys.stderr)
-        return 1
-    return 0
+    return times, gap
 
 
 if __name__ == "__main__":

@@ -147,6 +147,27 @@ def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int) -> int:
 
 
 def main() -> int:
+    parser = _build_parser()
+    args = parser.parse_args()
+    if args.quick:
+        args.cases, args.repeats, args.apga_repeats, args.pool_repeats = ["small"], 1, 1, 1
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    torch.set_num_threads(args.threads)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"threads {torch.get_num_threads()}"
+    print(
+        f"torch {torch.__version__}, {args.device} ({where}), float32, eta={ETA},"
+        f" cpu_single_thread={args.cpu_single_thread}, load average {os.getloadavg()[0]:.2f}"
+    )
+    for name in args.cases:
+        _bench_case(args, name)
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options: repeats, cases, threads, the variants to add or leave out, the device."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of exact and exact+swap (median)")
     parser.add_argument("--apga-repeats", type=int, default=3, help="timed runs of the support APGA")
@@ -181,144 +202,156 @@ def main() -> int:
         "--device", choices=("cpu", "cuda"), default="cpu",
         help="where the features live and the solver runs (cuda: every call bracketed by a synchronize)",
     )
-    args = parser.parse_args()
-    if args.quick:
-        args.cases, args.repeats, args.apga_repeats, args.pool_repeats = ["small"], 1, 1, 1
+    return parser
+
+
+def _bench_case(args: argparse.Namespace, name: str) -> None:
+    """Time every variant on one case, then print their times, objectives, op counts and ratios to exact."""
     import torch
 
-    from composer_algos.selection import compute_gram, select_partitionsel
     from composer_algos.selection.objective import build_objective
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
-    torch.set_num_threads(args.threads)
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"threads {torch.get_num_threads()}"
-    print(
-        f"torch {torch.__version__}, {args.device} ({where}), float32, eta={ETA},"
-        f" cpu_single_thread={args.cpu_single_thread}, load average {os.getloadavg()[0]:.2f}"
+    case = CASES[name]
+    features, val_feature, domain_ids = make_instance(case["n"], case["dim"], case["num_domains"], seed=args.seed)
+    # The selection step hands the solver device features and host domain ids (the loader's).
+    features, val_feature = features.to(args.device), val_feature.to(args.device)
+    common = dict(
+        features=features,
+        val_feature=val_feature,
+        domain_ids=domain_ids,
+        num_domains=case["num_domains"],
+        kappa=case["kappa"],
+        eta=ETA,
+        generator=None,
+        cpu_single_thread=args.cpu_single_thread,
     )
-    for name in args.cases:
-        case = CASES[name]
-        features, val_feature, domain_ids = make_instance(case["n"], case["dim"], case["num_domains"], seed=args.seed)
-        # The selection step hands the solver device features and host domain ids (the loader's).
-        features, val_feature = features.to(args.device), val_feature.to(args.device)
-        common = dict(
-            features=features,
-            val_feature=val_feature,
-            domain_ids=domain_ids,
-            num_domains=case["num_domains"],
-            kappa=case["kappa"],
-            eta=ETA,
-            generator=None,
-            cpu_single_thread=args.cpu_single_thread,
-        )
-        apga = dict(apga_max_iters=APGA_ITERS, apga_tol=0.0)
-        small = case["n"] <= 512
-        fns = {
-            "gram": lambda: compute_gram(features),
-            "exact": lambda: select_partitionsel(**common, refit="exact", solver_loop="host"),
-            "device": lambda: select_partitionsel(**common, refit="exact", solver_loop="device"),
-            "cpu": lambda: select_partitionsel(**common, refit="exact", solver_loop="cpu"),
-            "swap": lambda: select_partitionsel(**common, refit="exact", refine="swap"),
-            "apga": lambda: select_partitionsel(**common, refit="apga", **apga),
-        }
-        repeats = {
-            "gram": args.repeats,
-            "exact": args.repeats,
-            "device": args.repeats,
-            "cpu": args.repeats,
-            "swap": args.repeats,
-            "apga": args.apga_repeats,
-        }
-        if args.compiled:
-            fns["compiled"] = lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled")
-            repeats["compiled"] = args.repeats
-        warmup = dict.fromkeys(fns, True)
-        if not args.skip_pool:
-            fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)
-            repeats["pool"] = args.pool_repeats if args.pool_repeats is not None else (3 if small else 1)
-            warmup["pool"] = small
-        if args.device == "cuda":
-            fns = {key: _synchronized(fn) for key, fn in fns.items()}
-        timed = time_interleaved(fns, repeats, warmup)
-        w_gram, c_gram, _ = timed["gram"]
-        w_ex, c_ex, res_ex = timed["exact"]
-        w_sw, c_sw, res_sw = timed["swap"]
-        w_dv, c_dv, res_dv = timed["device"]
-        w_cp, c_cp, res_cp = timed["cpu"]
-        w_ap, c_ap, res_ap = timed["apga"]
-        rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
-        if args.compiled:
-            w_dc, c_dc, res_dc = timed["compiled"]
-            rows.insert(2, ("exact, compiled rounds", w_dc, c_dc, res_dc))
-        if not args.skip_pool:
-            w_po, c_po, res_po = timed["pool"]
-            rows.append(("apga_pool (paper) x128", w_po, c_po, res_po))
-        rows.append(("exact + swap", w_sw, c_sw, res_sw))
-        f_ex = float(res_ex.objective)
-        rows_computed = res_ex.info.get("gram_rows_computed")
-        gram_note = "full Gram" if rows_computed is None else f"lazy Gram, {int(rows_computed)} rows"
+    fns, repeats, warmup = _case_variants(args, case, common, features)
+    timed = time_interleaved(fns, repeats, warmup)
+    w_gram, c_gram, _ = timed["gram"]
+    w_ex, c_ex, res_ex = timed["exact"]
+    w_sw, c_sw, res_sw = timed["swap"]
+    w_dv, c_dv, res_dv = timed["device"]
+    w_cp, c_cp, res_cp = timed["cpu"]
+    w_ap, c_ap, res_ap = timed["apga"]
+    rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
+    if args.compiled:
+        w_dc, c_dc, res_dc = timed["compiled"]
+        rows.insert(2, ("exact, compiled rounds", w_dc, c_dc, res_dc))
+    if not args.skip_pool:
+        w_po, c_po, res_po = timed["pool"]
+        rows.append(("apga_pool (paper) x128", w_po, c_po, res_po))
+    rows.append(("exact + swap", w_sw, c_sw, res_sw))
+    f_ex = float(res_ex.objective)
+    _print_rows(args, name, case, rows, w_gram, c_gram, res_ex)
+    k = case["kappa"]
+    _print_solve_counts(args, common, [features, val_feature], k)
+    same = res_dv.indices.tolist() == res_ex.indices.tolist()
+    fallback = int(res_dv.info.get("device_loop_fallback", 0))
+    print(
+        f"  device loop / host loop {w_dv / w_ex:6.2f}x wall, {c_dv / c_ex:6.2f}x cpu; the same picks: {same};"
+        f" handed over to the host loop: {bool(fallback)}"
+    )
+    if args.compiled:
         print(
-            f"\n[{name}] n={case['n']} kappa={case['kappa']} C={case['num_domains']} D={case['dim']} seed={args.seed}"
-            f"\n  gram alone              {_fmt(w_gram, c_gram)}"
+            f"  compiled rounds / host loop {w_dc / w_ex:6.2f}x wall, {c_dc / c_ex:6.2f}x cpu; the same picks:"
+            f" {res_dc.indices.tolist() == res_ex.indices.tolist()}; handed over:"
+            f" {bool(res_dc.info.get('device_loop_fallback', 0))}"
         )
-        for label, wall, cpu, res in rows:
-            f = float(res.objective)
-            extra = ""
-            if "slow_refits" in res.info:
-                extra = f"  slow refits {int(res.info['slow_refits'])}, {gram_note}"
-            if "swaps" in res.info:
-                extra += f", swaps {int(res.info['swaps'])} in {int(res.info['swap_rounds'])} rounds"
-            print(
-                f"  {label:<23} {_fmt(wall, cpu)}   f(S) = {f:.6f}  (exact - this) / |this| ="
-                f" {(f_ex - f) / abs(f):+.2e}{extra}"
-            )
-        k = case["kappa"]
-        for loop in ("host", "device", "cpu"):
-            ops, kernels, syncs = per_solve_counts(
-                lambda: select_partitionsel(**common, refit="exact", solver_loop=loop), [features, val_feature]
-            )
-            print(
-                f"  exact ({loop} loop), one solve: {ops} aten ops ({kernels} kernel launches), {syncs} host syncs"
-                f" ({'torch' if args.device == 'cuda' else 'emulated'}); per pick {ops / k:.1f} ops,"
-                f" {kernels / k:.1f} launches, {syncs / k:.2f} syncs"
-            )
-        if args.compiled and args.device == "cuda":
-            # torch's sync count only: the op count's dispatch mode would run under the compiled code's feet.
-            from step_audit import cuda_sync_count
+        gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
+        caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
+        calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16))
+        print(f"  one compiled round: {calls} kernels (inductor's generated code, {args.device}); the eager round about 45 ops")
+    print(
+        f"  cpu solve / host loop   {w_cp / w_ex:6.2f}x wall, {c_cp / c_ex:6.2f}x cpu; the same picks:"
+        f" {res_cp.indices.tolist() == res_ex.indices.tolist()}"
+    )
+    gain = (float(res_sw.objective) - f_ex) / abs(f_ex)
+    print(f"  swap extra              {_fmt(w_sw - w_ex, c_sw - c_ex)}   f(S) gain {gain:+.3%}")
+    for label, wall, cpu, res in [r for r in rows if r[0].startswith("apga")]:
+        ok = (f_ex - float(res.objective)) >= -1e-6 * abs(float(res.objective))
+        print(
+            f"  exact vs {label:<22}: {wall / w_ex:6.1f}x wall, {cpu / c_ex:6.1f}x cpu faster;"
+            f" solve only (Gram subtracted) {(wall - w_gram) / (w_ex - w_gram):6.1f}x wall,"
+            f" {(cpu - c_gram) / (c_ex - c_gram):6.1f}x cpu; objective at least as high (1e-6): {ok}"
+        )
 
-            syncs = cuda_sync_count(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"))
-            print(f"  exact (compiled rounds), one solve: {syncs} host syncs (torch)")
-        same = res_dv.indices.tolist() == res_ex.indices.tolist()
-        fallback = int(res_dv.info.get("device_loop_fallback", 0))
+
+def _case_variants(args: argparse.Namespace, case: dict, common: dict, features) -> tuple[dict, dict, dict]:
+    """(functions, timed runs, warm-up or not) of every variant timed on the case, by key."""
+    from composer_algos.selection import compute_gram, select_partitionsel
+
+    apga = dict(apga_max_iters=APGA_ITERS, apga_tol=0.0)
+    small = case["n"] <= 512
+    fns = {
+        "gram": lambda: compute_gram(features),
+        "exact": lambda: select_partitionsel(**common, refit="exact", solver_loop="host"),
+        "device": lambda: select_partitionsel(**common, refit="exact", solver_loop="device"),
+        "cpu": lambda: select_partitionsel(**common, refit="exact", solver_loop="cpu"),
+        "swap": lambda: select_partitionsel(**common, refit="exact", refine="swap"),
+        "apga": lambda: select_partitionsel(**common, refit="apga", **apga),
+    }
+    repeats = {
+        "gram": args.repeats,
+        "exact": args.repeats,
+        "device": args.repeats,
+        "cpu": args.repeats,
+        "swap": args.repeats,
+        "apga": args.apga_repeats,
+    }
+    if args.compiled:
+        fns["compiled"] = lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled")
+        repeats["compiled"] = args.repeats
+    warmup = dict.fromkeys(fns, True)
+    if not args.skip_pool:
+        fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)
+        repeats["pool"] = args.pool_repeats if args.pool_repeats is not None else (3 if small else 1)
+        warmup["pool"] = small
+    if args.device == "cuda":
+        fns = {key: _synchronized(fn) for key, fn in fns.items()}
+    return fns, repeats, warmup
+
+
+def _print_rows(args: argparse.Namespace, name: str, case: dict, rows: list, w_gram: float, c_gram: float, res_ex) -> None:
+    """The case's heading, the Gram's time, then each variant's time and objective against exact's."""
+    f_ex = float(res_ex.objective)
+    rows_computed = res_ex.info.get("gram_rows_computed")
+    gram_note = "full Gram" if rows_computed is None else f"lazy Gram, {int(rows_computed)} rows"
+    print(
+        f"\n[{name}] n={case['n']} kappa={case['kappa']} C={case['num_domains']} D={case['dim']} seed={args.seed}"
+        f"\n  gram alone              {_fmt(w_gram, c_gram)}"
+    )
+    for label, wall, cpu, res in rows:
+        f = float(res.objective)
+        extra = ""
+        if "slow_refits" in res.info:
+            extra = f"  slow refits {int(res.info['slow_refits'])}, {gram_note}"
+        if "swaps" in res.info:
+            extra += f", swaps {int(res.info['swaps'])} in {int(res.info['swap_rounds'])} rounds"
         print(
-            f"  device loop / host loop {w_dv / w_ex:6.2f}x wall, {c_dv / c_ex:6.2f}x cpu; the same picks: {same};"
-            f" handed over to the host loop: {bool(fallback)}"
+            f"  {label:<23} {_fmt(wall, cpu)}   f(S) = {f:.6f}  (exact - this) / |this| ="
+            f" {(f_ex - f) / abs(f):+.2e}{extra}"
         )
-        if args.compiled:
-            print(
-                f"  compiled rounds / host loop {w_dc / w_ex:6.2f}x wall, {c_dc / c_ex:6.2f}x cpu; the same picks:"
-                f" {res_dc.indices.tolist() == res_ex.indices.tolist()}; handed over:"
-                f" {bool(res_dc.info.get('device_loop_fallback', 0))}"
-            )
-            gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
-            caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
-            calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16))
-            print(f"  one compiled round: {calls} kernels (inductor's generated code, {args.device}); the eager round about 45 ops")
+
+
+def _print_solve_counts(args: argparse.Namespace, common: dict, device_tensors: list, k: int) -> None:
+    """One exact solve's aten ops, kernel launches and host syncs for each solver loop, in total and per pick."""
+    from composer_algos.selection import select_partitionsel
+
+    for loop in ("host", "device", "cpu"):
+        ops, kernels, syncs = per_solve_counts(
+            lambda: select_partitionsel(**common, refit="exact", solver_loop=loop), device_tensors
+        )
         print(
-            f"  cpu solve / host loop   {w_cp / w_ex:6.2f}x wall, {c_cp / c_ex:6.2f}x cpu; the same picks:"
-            f" {res_cp.indices.tolist() == res_ex.indices.tolist()}"
+            f"  exact ({loop} loop), one solve: {ops} aten ops ({kernels} kernel launches), {syncs} host syncs"
+            f" ({'torch' if args.device == 'cuda' else 'emulated'}); per pick {ops / k:.1f} ops,"
+            f" {kernels / k:.1f} launches, {syncs / k:.2f} syncs"
         )
-        gain = (float(res_sw.objective) - f_ex) / abs(f_ex)
-        print(f"  swap extra              {_fmt(w_sw - w_ex, c_sw - c_ex)}   f(S) gain {gain:+.3%}")
-        for label, wall, cpu, res in [r for r in rows if r[0].startswith("apga")]:
-            ok = (f_ex - float(res.objective)) >= -1e-6 * abs(float(res.objective))
-            print(
-                f"  exact vs {label:<22}: {wall / w_ex:6.1f}x wall, {cpu / c_ex:6.1f}x cpu faster;"
-                f" solve only (Gram subtracted) {(wall - w_gram) / (w_ex - w_gram):6.1f}x wall,"
-                f" {(cpu - c_gram) / (c_ex - c_gram):6.1f}x cpu; objective at least as high (1e-6): {ok}"
-            )
-    return 0
+    if args.compiled and args.device == "cuda":
+        # torch's sync count only: the op count's dispatch mode would run under the compiled code's feet.
+        from step_audit import cuda_sync_count
+
+        syncs = cuda_sync_count(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"))
+        print(f"  exact (compiled rounds), one solve: {syncs} host syncs (torch)")
 
 
 if __name__ == "__main__":

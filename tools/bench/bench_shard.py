@@ -163,38 +163,10 @@ def compare_start_methods(docs: Path, root: Path, methods: list[str], workers_li
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # Scale 4 (~2.7M tokens): each worker pays a fixed ~0.4 s to import and load the tokenizer, which
-    # a real corpus amortises; at scale 1 that start-up alone is 10% of the run.
-    parser.add_argument("--scale", type=float, default=4.0, help="sample-corpus scale (default 4: ~2.7M Dolma tokens)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats of each measurement (default 3)")
-    parser.add_argument("--tokenizer", default=DEMO_TOKENIZER, help="tokenizer (default: the demo tokenizer)")
-    parser.add_argument("--max-seq-len", type=int, default=128)
-    parser.add_argument(
-        "--start-methods",
-        help="compare worker start methods instead, comma-separated (e.g. fork,forkserver; the first is the reference)",
-    )
-    parser.add_argument("--workers", default="2,8", help="with --start-methods: worker counts, comma-separated (default: 2,8)")
+    parser = _build_parser()
     args = parser.parse_args(argv)
     if args.start_methods:
-        import multiprocessing
-
-        methods = args.start_methods.split(",")
-        unknown = [m for m in methods if m not in multiprocessing.get_all_start_methods()]
-        if unknown or len(methods) < 2:
-            parser.error(f"--start-methods needs two or more of {multiprocessing.get_all_start_methods()}, got {args.start_methods!r}")
-        try:
-            workers_list = [int(w) for w in args.workers.split(",")]
-        except ValueError:
-            workers_list = []
-        if not workers_list or min(workers_list) < 2:
-            parser.error(f"--workers must be integers >= 2 (a pool starts only then), got {args.workers!r}")
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
-            write_sample_corpus(root / "corpus", seed=0, scale=args.scale)
-            docs = root / "corpus" / "dolma" / "documents"
-            compare_start_methods(docs, root, methods, workers_list, args.repeats, args.tokenizer, args.max_seq_len)
-        return 0
+        return _compare_start_methods_command(parser, args)
 
     tok_key, w1, w2 = "tokenizer alone (1 thread)", "shard.py --workers 1", "shard.py --workers 2"
     wall: dict[str, list[float]] = {tok_key: [], w1: [], w2: []}
@@ -221,7 +193,61 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("TOKENIZERS_PARALLELISM", None)
     else:
         os.environ["TOKENIZERS_PARALLELISM"] = saved
+    _print_report(args, texts, wall, cpu, tokens, threaded_wall, keys=(tok_key, w1, w2))
+    return 0
 
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The corpus scale, repeats, tokenizer and sequence length; or the start-method comparison's options."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Scale 4 (~2.7M tokens): each worker pays a fixed ~0.4 s to import and load the tokenizer, which
+    # a real corpus amortises; at scale 1 that start-up alone is 10% of the run.
+    parser.add_argument("--scale", type=float, default=4.0, help="sample-corpus scale (default 4: ~2.7M Dolma tokens)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of each measurement (default 3)")
+    parser.add_argument("--tokenizer", default=DEMO_TOKENIZER, help="tokenizer (default: the demo tokenizer)")
+    parser.add_argument("--max-seq-len", type=int, default=128)
+    parser.add_argument(
+        "--start-methods",
+        help="compare worker start methods instead, comma-separated (e.g. fork,forkserver; the first is the reference)",
+    )
+    parser.add_argument("--workers", default="2,8", help="with --start-methods: worker counts, comma-separated (default: 2,8)")
+    return parser
+
+
+def _compare_start_methods_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`--start-methods`: check the methods and worker counts, then compare them on a fresh sample corpus."""
+    import multiprocessing
+
+    methods = args.start_methods.split(",")
+    unknown = [m for m in methods if m not in multiprocessing.get_all_start_methods()]
+    if unknown or len(methods) < 2:
+        parser.error(f"--start-methods needs two or more of {multiprocessing.get_all_start_methods()}, got {args.start_methods!r}")
+    try:
+        workers_list = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        workers_list = []
+    if not workers_list or min(workers_list) < 2:
+        parser.error(f"--workers must be integers >= 2 (a pool starts only then), got {args.workers!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_sample_corpus(root / "corpus", seed=0, scale=args.scale)
+        docs = root / "corpus" / "dolma" / "documents"
+        compare_start_methods(docs, root, methods, workers_list, args.repeats, args.tokenizer, args.max_seq_len)
+    return 0
+
+
+def _print_report(
+    args: argparse.Namespace,
+    texts: list[str],
+    wall: dict[str, list[float]],
+    cpu: dict[str, list[tuple[float, float]]],
+    tokens: dict[str, int],
+    threaded_wall: float,
+    *,
+    keys: tuple[str, str, str],
+) -> None:
+    """The measurements' table, then the targets' verdicts from wall time and the same from CPU seconds."""
+    tok_key, w1, w2 = keys
     print(f"corpus: {len(texts)} Dolma-style documents, {sum(map(len, texts)) / 1e6:.1f}M characters, max_seq_len {args.max_seq_len}")
     print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} at the end; repeats: {args.repeats}")
     print(f"{'measurement':30s} {'tokens':>9s} {'wall best':>9s} {'median':>7s} {'tokens/s':>10s} {'cpu main':>9s} {'cpu workers':>11s}")
@@ -250,7 +276,6 @@ def main(argv: list[str] | None = None) -> int:
         f"          projected 2/1-worker speedup: {cpu1 / max(main2, child2 / 2):.2f}x on >= 3 free cores, "
         f"{cpu1 / ((main2 + child2) / 2):.2f}x on 2 free cores"
     )
-    return 0
 
 
 if __name__ == "__main__":

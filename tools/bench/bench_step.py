@@ -276,6 +276,63 @@ def parse_ps_variants(specs: list[str]) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.ps_variants = parse_ps_variants(args.ps_variant)
+    except ValueError as e:
+        parser.error(f"--ps-variant: {e}")
+    if bad := [o for o in args.long_override if "=" not in o]:
+        parser.error(f"--long-override takes KEY=VALUE, got {bad}")
+    if args.solver_threads:
+        return solver_threads(args.threads or 2)
+    if args.quick:
+        args.configs, args.ratios, args.steps, args.repeats = "tiny", "2", QUICK_STEPS, 1
+        if args.long == "on":
+            args.long = "off"
+    long_seqs, long_ratios, windows, head_windows = _parse_long_options(parser, args)
+    configs, ratios = _parse_short_options(parser, args)
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine; use --device cpu")
+
+    t_start = time.perf_counter()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+        root = Path(tmp)
+        shards = root / "shards"
+        rc = write_bench_shards(root / "corpus", shards, scale=QUICK_CORPUS_SCALE if args.quick else 1.0)
+        if rc:
+            return rc
+        where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
+        print(
+            f"torch {torch.__version__}, {args.device} ({where}); {args.steps} steps per strategy "
+            f"({args.warmup} warm-up), {args.repeats} standalone rounds; load average {load_before[0]:.2f}\n",
+            flush=True,
+        )
+        rows, shares, floors = _short_rows(root, shards, configs, ratios, args)
+        shares[f"Llama-3.2-1B (S={LLAMA_1B_SEQ})"] = llama = lm_head_flop_share(LLAMA_1B, LLAMA_1B_SEQ)
+        floors["Llama-3.2-1B, no validation batch, last 1 block"] = scoring_flop_floor(
+            llama, LLAMA_1B["num_hidden_layers"], 1, 0
+        )
+        if args.long != "only":
+            print()
+            print(format_table(rows, shares, floors))
+        if args.long != "off":
+            long_table(root, args, long_seqs, long_ratios, windows, head_windows)
+    load_after = os.getloadavg()
+    print(
+        f"\nwall {time.perf_counter() - t_start:.0f} s; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after (on a shared machine compare the ratios, not the milliseconds)"
+    )
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options: the short configs, the solver-thread comparison, the long-sequence rows."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="tiny,proportioned", help=f"of {sorted(CONFIGS)} (default: both)")
     parser.add_argument("--ratios", default="2,4", help="oversampling ratios r (default: 2,4)")
@@ -344,19 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         "--long-override", action="append", default=[], metavar="KEY=VALUE",
         help="long rows: a config override for every arm (repeatable), e.g. the recipe's optimizer",
     )
-    args = parser.parse_args(argv)
-    try:
-        args.ps_variants = parse_ps_variants(args.ps_variant)
-    except ValueError as e:
-        parser.error(f"--ps-variant: {e}")
-    if bad := [o for o in args.long_override if "=" not in o]:
-        parser.error(f"--long-override takes KEY=VALUE, got {bad}")
-    if args.solver_threads:
-        return solver_threads(args.threads or 2)
-    if args.quick:
-        args.configs, args.ratios, args.steps, args.repeats = "tiny", "2", QUICK_STEPS, 1
-        if args.long == "on":
-            args.long = "off"
+    return parser
+
+
+def _parse_long_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[int], list[float], list[int | None], list[int]]:
+    """The long rows' sequence lengths, ratios, windows (None: the whole row) and lm_head windows, checked."""
     try:
         long_seqs = [int(x) for x in args.long_seqs.split(",") if x.strip()]
         long_ratios = [float(x) for x in args.long_ratios.split(",") if x.strip()]
@@ -370,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--long-batch must be at least 1 (got {args.long_batch})")
     if args.long_steps < 3:
         parser.error("--long-steps must be at least 3 (2 warm-up steps are dropped)")
+    return long_seqs, long_ratios, windows, head_windows
+
+
+def _parse_short_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[float]]:
+    """The short rows' configs and ratios, checked; sets `args.warmup`."""
     args.warmup = QUICK_WARMUP_STEPS if args.quick else WARMUP_STEPS
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
@@ -380,66 +436,38 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [float(r) for r in args.ratios.split(",")]
     if any(r <= 1 for r in ratios):
         parser.error(f"--ratios must all be > 1, got {args.ratios}")
-    import torch
+    return configs, ratios
 
+
+def _short_rows(
+    root: Path, shards: Path, configs: list[str], ratios: list[float], args: argparse.Namespace
+) -> tuple[dict[str, list[dict]], dict[str, float], dict[str, float]]:
+    """Each short config's rows (`bench_ratio` at each ratio), its lm_head FLOP share and its scoring floors."""
     from pipeline.config import load_config
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch.cuda.is_available() is False on this machine; use --device cpu")
-
-    t_start = time.perf_counter()
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
-        root = Path(tmp)
-        shards = root / "shards"
-        rc = write_bench_shards(root / "corpus", shards, scale=QUICK_CORPUS_SCALE if args.quick else 1.0)
-        if rc:
-            return rc
-        where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
-        print(
-            f"torch {torch.__version__}, {args.device} ({where}); {args.steps} steps per strategy "
-            f"({args.warmup} warm-up), {args.repeats} standalone rounds; load average {load_before[0]:.2f}\n",
-            flush=True,
-        )
-        rows: dict[str, list[dict]] = {}
-        shares: dict[str, float] = {}
-        floors: dict[str, float] = {}
-        for name in configs if args.long != "only" else ():
-            cfg = load_config(CONFIGS[name], [f"variables.shard_dir={shards}"])
-            model_cfg = cfg.model.config
-            assert model_cfg is not None
-            shares[f"{name} (S={SEQ_LEN})"] = share = lm_head_flop_share(model_cfg, SEQ_LEN)
-            # The yaml's mapping (train.py builds DataSelection from it), with DataSelection's defaults
-            # for what it leaves out: validation batch 4 and last_n_blocks 1.
-            sel = cfg.algorithms["data_selection"]
-            val_cfg = sel.get("validation") or {}
-            val = int(val_cfg.get("batch_size", 4) if isinstance(val_cfg, Mapping) else 4)
-            blocks = int((sel.get("features") or {}).get("last_n_blocks", 1))
-            for r in ratios:
-                pool = int(round(cfg.global_train_batch_size * r))
-                floors[f"{name} r={r:g} (pool {pool}, validation {val}, last {blocks} block)"] = scoring_flop_floor(
-                    share, int(model_cfg["num_hidden_layers"]), pool, val, blocks
-                )
-            rows[name] = [
-                bench_ratio(name, CONFIGS[name], shards, root / f"runs-{name}-r{r:g}", r, args) for r in ratios
-            ]
-        shares[f"Llama-3.2-1B (S={LLAMA_1B_SEQ})"] = llama = lm_head_flop_share(LLAMA_1B, LLAMA_1B_SEQ)
-        floors["Llama-3.2-1B, no validation batch, last 1 block"] = scoring_flop_floor(
-            llama, LLAMA_1B["num_hidden_layers"], 1, 0
-        )
-        if args.long != "only":
-            print()
-            print(format_table(rows, shares, floors))
-        if args.long != "off":
-            long_table(root, args, long_seqs, long_ratios, windows, head_windows)
-    load_after = os.getloadavg()
-    print(
-        f"\nwall {time.perf_counter() - t_start:.0f} s; load average {load_before[0]:.2f} before, "
-        f"{load_after[0]:.2f} after (on a shared machine compare the ratios, not the milliseconds)"
-    )
-    return 0
+    rows: dict[str, list[dict]] = {}
+    shares: dict[str, float] = {}
+    floors: dict[str, float] = {}
+    for name in configs if args.long != "only" else ():
+        cfg = load_config(CONFIGS[name], [f"variables.shard_dir={shards}"])
+        model_cfg = cfg.model.config
+        assert model_cfg is not None
+        shares[f"{name} (S={SEQ_LEN})"] = share = lm_head_flop_share(model_cfg, SEQ_LEN)
+        # The yaml's mapping (train.py builds DataSelection from it), with DataSelection's defaults
+        # for what it leaves out: validation batch 4 and last_n_blocks 1.
+        sel = cfg.algorithms["data_selection"]
+        val_cfg = sel.get("validation") or {}
+        val = int(val_cfg.get("batch_size", 4) if isinstance(val_cfg, Mapping) else 4)
+        blocks = int((sel.get("features") or {}).get("last_n_blocks", 1))
+        for r in ratios:
+            pool = int(round(cfg.global_train_batch_size * r))
+            floors[f"{name} r={r:g} (pool {pool}, validation {val}, last {blocks} block)"] = scoring_flop_floor(
+                share, int(model_cfg["num_hidden_layers"]), pool, val, blocks
+            )
+        rows[name] = [
+            bench_ratio(name, CONFIGS[name], shards, root / f"runs-{name}-r{r:g}", r, args) for r in ratios
+        ]
+    return rows, shares, floors
 
 
 def long_table(root: Path, args: argparse.Namespace, seqs, ratios, windows, head_windows) -> None:

@@ -88,26 +88,33 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps * 1000
-        print(f"\n===== {name}: {wall:.1f} ms a step (profiled, {steps} steps) =====")
-        if cuda:
-            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-            print(f"GPU: {sum(e.device_time for e in kernels) / 1000 / steps:.1f} ms of device events a step, "
-                  f"{len(kernels) / steps:.0f} events a step")
-        print(ps.format_stages(ps._stage_totals(prof.events()), steps))
-        if name != "random":
-            averages = prof.key_averages()
-            print(averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
-            if cuda:
-                print(averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-            for e in averages:
-                if "synchron" in e.key.lower() or e.key in ("aten::item", "Command Buffer Full"):
-                    print(f"host wait: {e.key} {e.count / steps:.0f} a step, {e.cpu_time_total / 1000 / steps:.1f} ms a step")
+        _print_profile(name, prof, wall, steps, cuda)
         if args.trace_dir is not None:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(args.trace_dir / f"{name}.json"))
         trainer.close()
         del trainer
     return 0
+
+
+def _print_profile(name: str, prof, wall: float, steps: int, cuda: bool) -> None:
+    """One arm's profile: its time a step, the GPU's events, the step's stages and (but random) the busiest ops."""
+    import profile_step as ps
+
+    print(f"\n===== {name}: {wall:.1f} ms a step (profiled, {steps} steps) =====")
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        print(f"GPU: {sum(e.device_time for e in kernels) / 1000 / steps:.1f} ms of device events a step, "
+              f"{len(kernels) / steps:.0f} events a step")
+    print(ps.format_stages(ps._stage_totals(prof.events()), steps))
+    if name != "random":
+        averages = prof.key_averages()
+        print(averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+        if cuda:
+            print(averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        for e in averages:
+            if "synchron" in e.key.lower() or e.key in ("aten::item", "Command Buffer Full"):
+                print(f"host wait: {e.key} {e.count / steps:.0f} a step, {e.cpu_time_total / 1000 / steps:.1f} ms a step")
 
 
 if __name__ == "__main__":

@@ -49,19 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.draws < 2:
         raise SystemExit(f"--draws must be >= 2 (an interval needs two), got {args.draws}")
-    import torch
-
     # tools/studies/lookahead.py: the model (and checkpoint) loaded as the one-step check does.
     from lookahead import load_model_and_optimizer
 
-    from composer_algos.analysis.lookahead import _flat_grad
-    from composer_algos.data_selection.capacity_policy import domain_balanced_mean
-    from composer_algos.data_selection.validation_source import ValidationSource
     from composer_algos.features.targets import unwrap_model
     from pipeline.collators import build_collator
     from pipeline.config import load_config
     from pipeline.dataset import DomainStreamingDataset
-    from pipeline.holdout import DEFAULT_GUIDE_FRACTION, dataset_guide_mask
+    from pipeline.holdout import DEFAULT_GUIDE_FRACTION
     from pipeline.tokenizer import load_tokenizer
 
     cfg = load_config(args.yaml, args.overrides)
@@ -85,41 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     collate = build_collator(val.manifest.mode, pad_token_id=pad, max_seq_len=cfg.max_seq_len)
 
-    # The held-out gradient: each evaluated domain's mean-loss gradient, averaged with equal weights.
-    held = ~dataset_guide_mask(val, guide_fraction)
     evaluated = trained or [names[i] for i in sorted(set(val.stream_domain_ids))]
-    gen = torch.Generator().manual_seed(args.seed)
-    per_domain = []
-    for s, did in enumerate(val.stream_domain_ids):
-        if names[did] not in evaluated:
-            continue
-        start, n = int(val.sample_offset_per_stream[s]), int(val.samples_per_stream[s])
-        ids = [start + i for i in range(n) if held[start + i]]
-        pick = [ids[i] for i in torch.randperm(len(ids), generator=gen)[: args.eval_per_domain].tolist()]
-        per_domain.append(_flat_grad(hf, params, collate([val[i] for i in pick]), None))
-    g_eval = torch.stack(per_domain).mean(0)
-
-    variants = [("plain", False, None), ("stratified", True, None)]
-    if trained is not None:
-        variants += [("plain, trained domains", False, trained), ("stratified, trained domains", True, trained)]
-    rows = {}
-    for label, stratify, domains in variants:
-        source = ValidationSource(
-            shard_dir=shard_dir, batch_size=batch_size, seed=args.seed, stratify=stratify, domains=domains,
-            guide_fraction=guide_fraction, max_seq_len=cfg.max_seq_len,
-        )
-        cos = {"mean": [], "domain_balanced": []}
-        for step in range(args.draws):
-            batch = source.batch_for_step(step)
-            grads = torch.stack(
-                [_flat_grad(hf, params, {k: v[i : i + 1] for k, v in batch.items()}, None) for i in range(batch_size)]
-            )
-            dom = batch["domain_id"]
-            for target, g in (("mean", grads.mean(0)), ("domain_balanced", domain_balanced_mean(grads, dom))):
-                cos[target].append(float(torch.nn.functional.cosine_similarity(g, g_eval, dim=0)))
-        diffs = [b - m for b, m in zip(cos["domain_balanced"], cos["mean"])]
-        rows[label] = {"mean": _interval(cos["mean"]), "domain_balanced": _interval(cos["domain_balanced"])}
-        rows[label]["balanced_minus_mean"] = _interval(diffs)
+    g_eval = _held_out_gradient(hf, params, collate, val, names, evaluated, guide_fraction, args)
+    rows = _guide_cosines(
+        hf, params, g_eval, args, shard_dir=shard_dir, batch_size=batch_size, guide_fraction=guide_fraction,
+        max_seq_len=cfg.max_seq_len, trained=trained,
+    )
     summary = {
         "settings": {k: v for k, v in vars(args).items() if k != "overrides"}
         | {"overrides": args.overrides, "batch_size": batch_size, "evaluated_domains": evaluated},
@@ -134,6 +100,64 @@ def main(argv: list[str] | None = None) -> int:
         (out / "summary.md").write_text(text + "\n")
         print(f"wrote {out}/summary.md and summary.json")
     return 0
+
+
+def _held_out_gradient(
+    hf, params: list, collate, val, names: list[str], evaluated: list[str], guide_fraction: float,
+    args: argparse.Namespace,
+):
+    """The held-out gradient: each evaluated domain's mean-loss gradient, averaged with equal weights."""
+    import torch
+
+    from composer_algos.analysis.lookahead import _flat_grad
+    from pipeline.holdout import dataset_guide_mask
+
+    held = ~dataset_guide_mask(val, guide_fraction)
+    gen = torch.Generator().manual_seed(args.seed)
+    per_domain = []
+    for s, did in enumerate(val.stream_domain_ids):
+        if names[did] not in evaluated:
+            continue
+        start, n = int(val.sample_offset_per_stream[s]), int(val.samples_per_stream[s])
+        ids = [start + i for i in range(n) if held[start + i]]
+        pick = [ids[i] for i in torch.randperm(len(ids), generator=gen)[: args.eval_per_domain].tolist()]
+        per_domain.append(_flat_grad(hf, params, collate([val[i] for i in pick]), None))
+    return torch.stack(per_domain).mean(0)
+
+
+def _guide_cosines(
+    hf, params: list, g_eval, args: argparse.Namespace, *, shard_dir: str, batch_size: int, guide_fraction: float,
+    max_seq_len: int, trained: list[str] | None,
+) -> dict[str, dict]:
+    """Per draw kind (plain, stratified; on the trained domains too): each target's cosine with `g_eval`."""
+    import torch
+
+    from composer_algos.analysis.lookahead import _flat_grad
+    from composer_algos.data_selection.capacity_policy import domain_balanced_mean
+    from composer_algos.data_selection.validation_source import ValidationSource
+
+    variants = [("plain", False, None), ("stratified", True, None)]
+    if trained is not None:
+        variants += [("plain, trained domains", False, trained), ("stratified, trained domains", True, trained)]
+    rows = {}
+    for label, stratify, domains in variants:
+        source = ValidationSource(
+            shard_dir=shard_dir, batch_size=batch_size, seed=args.seed, stratify=stratify, domains=domains,
+            guide_fraction=guide_fraction, max_seq_len=max_seq_len,
+        )
+        cos = {"mean": [], "domain_balanced": []}
+        for step in range(args.draws):
+            batch = source.batch_for_step(step)
+            grads = torch.stack(
+                [_flat_grad(hf, params, {k: v[i : i + 1] for k, v in batch.items()}, None) for i in range(batch_size)]
+            )
+            dom = batch["domain_id"]
+            for target, g in (("mean", grads.mean(0)), ("domain_balanced", domain_balanced_mean(grads, dom))):
+                cos[target].append(float(torch.nn.functional.cosine_similarity(g, g_eval, dim=0)))
+        diffs = [b - m for b, m in zip(cos["domain_balanced"], cos["mean"])]
+        rows[label] = {"mean": _interval(cos["mean"]), "domain_balanced": _interval(cos["domain_balanced"])}
+        rows[label]["balanced_minus_mean"] = _interval(diffs)
+    return rows
 
 
 def _interval(values: list[float]) -> dict[str, float]:

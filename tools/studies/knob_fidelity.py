@@ -59,6 +59,7 @@ Writes DIR/knob_fidelity.md (the table) and DIR/knob_fidelity.json (per step and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -238,17 +239,55 @@ def run(
         raise ValueError(f"the variants must include 'full' (the reference), got {list(variants)}")
     stale_intervals = STALE_INTERVALS if stale else ()
     import torch
-    from composer.core.precision import get_precision_context
-    from composer.loggers import ConsoleLogger, ProgressBarLogger
 
     import composer_algos.data_selection.algorithm as sa
+
+    cfg, trainer = _quiet_trainer(yaml, shards, save_folder, steps, extra)
+    algo = sa.find_data_selection(trainer.state)
+    assert algo is not None and algo.scope != "global", "the shadows compare one rank's selections"
+    trained: dict[int, set[int]] = {}
+    records: list[dict] = []
+    shadows: dict[str, Any] = {}  # variant -> its GradFeatureExtractor, built on the first step
+    stale_gbar: dict[int, torch.Tensor] = {}  # selecting step of the stale variants -> its gbar
+
+    original_redistribute = sa.redistribute
+
+    def recording_redistribute(batch, problem, result, **kw):
+        trained[int(trainer.state.timestamp.batch.value)] = set(result.indices.tolist())
+        return original_redistribute(batch, problem, result, **kw)
+
+    sa.redistribute = recording_redistribute
+    original_select = algo._select
+
+    def select_with_shadows(state, logger):
+        shadow = _prepare_shadow_step(algo, state, variants, shadows)
+        rec = _shadow_record(shadow, variants, stale_intervals, stale_gbar)
+        original_select(state, logger)
+        rec["trained"] = trained.get(shadow.step)
+        full = rec["sel"]["full"]
+        rec["jaccard"] = {name: jaccard(sel, full) for name, sel in rec["sel"].items() if name != "full"}
+        rec["jaccard"]["full"] = jaccard(full, rec["trained"]) if rec["trained"] is not None else float("nan")
+        rec["pool"], rec["kappa"] = int(shadow.domain_N.shape[0]), int(algo.kappa)
+        records.append(rec)
+
+    algo._select = select_with_shadows  # type: ignore[method-assign]
+    try:
+        trainer.fit()
+    finally:
+        sa.redistribute = original_redistribute
+        trainer.close()
+    for rec in records:  # sets are not JSON
+        rec["sel"] = {k: sorted(v) for k, v in rec["sel"].items()}
+        rec["trained"] = sorted(rec["trained"]) if rec["trained"] is not None else None
+    return records, _run_meta(yaml, shards, steps, cfg, algo, records, variants, stale_intervals)
+
+
+def _quiet_trainer(yaml: Path, shards: Path, save_folder: Path, steps: int, extra: list[str]) -> tuple[Any, Any]:
+    """(config, trainer) of the yaml's PartitionSel on the CPU in fp32, without evaluation or console loggers."""
+    from composer.loggers import ConsoleLogger, ProgressBarLogger
+
     import train
-    from composer_algos.data_selection.step import assemble_problem, solve_problem
-    from composer_algos.data_selection.validation_source import model_inputs
-    from composer_algos.features import GradFeatureExtractor, spearman
     from composer_algos.registry import load_run_config
-    from composer_algos.seeding import mix_seed
-    from composer_algos.selection import compute_capacities
 
     cfg = load_run_config(
         yaml,
@@ -269,144 +308,188 @@ def run(
     quiet = (ConsoleLogger, ProgressBarLogger)
     trainer.logger.destinations = tuple(d for d in trainer.logger.destinations if not isinstance(d, quiet))
     trainer.state.callbacks[:] = [c for c in trainer.state.callbacks if not isinstance(c, quiet)]
-    algo = sa.find_data_selection(trainer.state)
-    assert algo is not None and algo.scope != "global", "the shadows compare one rank's selections"
-    trained: dict[int, set[int]] = {}
-    records: list[dict] = []
-    shadows: dict[str, GradFeatureExtractor] = {}
-    stale_gbar: dict[int, torch.Tensor] = {}  # selecting step of the stale variants -> its gbar
+    return cfg, trainer
 
-    original_redistribute = sa.redistribute
 
-    def recording_redistribute(batch, problem, result, **kw):
-        trained[int(trainer.state.timestamp.batch.value)] = set(result.indices.tolist())
-        return original_redistribute(batch, problem, result, **kw)
+@dataclasses.dataclass
+class _ShadowStep:
+    """One step's pool, validation batch and solver settings, shared by the step's shadow selections."""
 
-    sa.redistribute = recording_redistribute
-    original_select = algo._select
+    algo: Any
+    state: Any
+    step: int
+    domain_N: Any
+    device: Any
+    pool: dict[str, Any]
+    val: dict[str, Any]
+    n_val: int
+    optimizer: Any
+    eta: float
+    gen_seed: int
+    chunk: Any
+    options: Any
+    shadows: dict[str, Any]
 
-    def select_with_shadows(state, logger):
-        step = int(state.timestamp.batch.value)
-        batch = state.batch
-        domain_N = batch[algo.domain_key]
-        algo._prepare(state, int(domain_N.shape[0]), domain_N)
-        if algo.validation is None:
-            algo._build_validation(state)
-        model = state.model  # as the algorithm's own extractor gets it (single process: no DDP wrapper)
-        device = next(model.parameters()).device
-        if not shadows:
-            for name, opts in variants.items():
-                shadows[name] = GradFeatureExtractor(model, seed=algo.seed, **{**algo.feature_cfg, **opts})
-        pool = model_inputs(batch, device)
-        val_batch = algo.validation.batch_for_step(step)
-        val = model_inputs(val_batch, device)
-        n_val = int(val["input_ids"].shape[0])
-        optimizer = state.optimizers[0]
-        eta = float(optimizer.param_groups[0]["lr"])
-        gen_seed = mix_seed(algo.seed, step, 0)
-        chunk = algo._auto_chunk_size(state)
-        options = algo.strategy_options.get("partitionsel")
+    def context(self):
+        """The run's precision context (what the algorithm's own extractor runs under)."""
+        from composer.core.precision import get_precision_context
 
-        def context():
-            return get_precision_context(state.precision, state.precision_config)
+        return get_precision_context(self.state.precision, self.state.precision_config)
 
-        def features(name: str, with_val: bool = True, val_batch=val):
-            ext = shadows[name]
-            t = time.perf_counter()
-            G, gbar = ext.compute(
-                pool, val_batch if with_val else None, step=step, optimizer=optimizer, precision_context=context,
-                auto_chunk_size=chunk,
-            )
-            return G, gbar, time.perf_counter() - t
+    def features(self, name: str, with_val: bool = True, val_batch: dict[str, Any] | None = None):
+        """`name`'s features of the pool and of `val_batch` (default the step's validation batch), and their time."""
+        val_batch = self.val if val_batch is None else val_batch
+        ext = self.shadows[name]
+        t = time.perf_counter()
+        G, gbar = ext.compute(
+            self.pool, val_batch if with_val else None, step=self.step, optimizer=self.optimizer,
+            precision_context=self.context, auto_chunk_size=self.chunk,
+        )
+        return G, gbar, time.perf_counter() - t
 
-        def solve(strategy: str, G=None, gbar=None, eta=eta):
-            t = time.perf_counter()
-            problem = assemble_problem(
-                domain_N, kappa_rank=algo.kappa, gather=False, needs_features=G is not None, features_ND=G,
-                gbar_D=gbar, n_val=n_val,
-            )
-            outcome = solve_problem(
-                problem, strategy, eta=eta, seed=gen_seed, num_domains=algo.num_domains,
-                options=options if strategy == "partitionsel" else None, fractions=algo._fractions,
-                capacity_fn=algo._capacity_fn(),
-            )
-            return set(outcome.result.indices.tolist()), time.perf_counter() - t, outcome.fallback
+    def solve(self, strategy: str, G=None, gbar=None, eta: float | None = None):
+        """`strategy`'s selection of the pool (on features `G`, `gbar` when given), its time and its fallback."""
+        from composer_algos.data_selection.step import assemble_problem, solve_problem
 
-        def top_within(scores_N):
-            """The top kappa by `scores_N` within the step's capacities (drawn as a selecting step draws them)."""
-            t = time.perf_counter()
-            counts_C = torch.bincount(domain_N.to(scores_N.device), minlength=algo.num_domains)
-            caps_C = compute_capacities(counts_C, algo.kappa, algo._fractions, generator=torch.Generator().manual_seed(gen_seed))
-            sel = sa.top_k_within_capacities(scores_N, domain_N.to(scores_N.device), caps_C, algo.kappa)
-            return set(sel.tolist()), time.perf_counter() - t
+        eta = self.eta if eta is None else eta
+        algo = self.algo
+        t = time.perf_counter()
+        problem = assemble_problem(
+            self.domain_N, kappa_rank=algo.kappa, gather=False, needs_features=G is not None, features_ND=G,
+            gbar_D=gbar, n_val=self.n_val,
+        )
+        outcome = solve_problem(
+            problem, strategy, eta=eta, seed=self.gen_seed, num_domains=algo.num_domains,
+            options=self.options if strategy == "partitionsel" else None, fractions=algo._fractions,
+            capacity_fn=algo._capacity_fn(),
+        )
+        return set(outcome.result.indices.tolist()), time.perf_counter() - t, outcome.fallback
 
-        def stale(G, gbar_stale):
-            return top_within(G @ gbar_stale.to(G.dtype))
+    def top_within(self, scores_N):
+        """The top kappa by `scores_N` within the step's capacities (drawn as a selecting step draws them)."""
+        import torch
 
-        # The jobs, in an order rotated every step; "pool_only" times the stale steps' features.
-        jobs = [*variants, *(["pool_only"] if stale_intervals else [])]
-        shift = step % len(jobs)
-        targets_N = (pool["labels"][:, 1:] != -100).sum(dim=1)
-        rec: dict[str, Any] = {
-            "step": step, "feat_s": {}, "solve_s": {}, "sel": {}, "fallback": {}, "score_seq_len": {}, "spearman": {},
-            "seq_len": int(pool["input_ids"].shape[1]),
-            "targets_median": float(targets_N.float().median()), "targets_max": int(targets_N.max()),
-        }
-        results: dict[str, Any] = {}
-        for name in jobs[shift:] + jobs[:shift]:
-            if name == "pool_only":
-                G, _, t_feat = features("full", with_val=False)
-                results[name] = G
-                rec["feat_s"][name] = t_feat
-                continue
-            if name == "val_redraw":
-                other = model_inputs(algo.validation.batch_for_step(step + 1), device)
-                G, gbar, t_feat = features("full", val_batch=other)
-            else:
-                G, gbar, t_feat = features(name)
-            if shadows[name].score_length_in_use is not None:
-                rec["score_seq_len"][name] = shadows[name].score_length_in_use
-            sel, t_solve, fallback = solve("partitionsel", G, gbar)
-            results[name] = (G, gbar)
-            rec["feat_s"][name], rec["solve_s"][name], rec["sel"][name] = t_feat, t_solve, sel
-            rec["fallback"][name] = fallback
-        G_full, gbar_full = results["full"]
-        # Each variant's scores <g_i, gbar> (its own features and validation side) against full's.
-        scores_full = G_full.double() @ gbar_full.double()
-        for name in variants:
-            G, gbar = results[name]
-            rec["spearman"][name] = spearman(G.double() @ gbar.double(), scores_full)
-        for k in stale_intervals:
-            name = f"stale_topk_i{k}"
-            if step % k == 0:
-                stale_gbar[k] = gbar_full
-                rec["sel"][name] = rec["sel"]["full"]
-                rec.setdefault("stale_between", {})[name] = False
-            elif k in stale_gbar:
-                rec["sel"][name], rec["solve_s"][name] = stale(results["pool_only"], stale_gbar[k])
-                rec.setdefault("stale_between", {})[name] = True
-        rec["terms"] = mu_terms(G_full, gbar_full, eta)
-        rec["sel"]["eta0"], rec["solve_s"]["eta0"], _ = solve("partitionsel", G_full, gbar_full, eta=0.0)
-        rec["sel"]["gradnorm_caps"], rec["solve_s"]["gradnorm_caps"] = top_within((G_full.double() ** 2).sum(dim=1))
-        rec["sel"]["random"], rec["solve_s"]["random"], _ = solve("random")
-        rec["sel"]["random_caps"], rec["solve_s"]["random_caps"], _ = solve("random_stratified")
-        original_select(state, logger)
-        rec["trained"] = trained.get(step)
-        full = rec["sel"]["full"]
-        rec["jaccard"] = {name: jaccard(sel, full) for name, sel in rec["sel"].items() if name != "full"}
-        rec["jaccard"]["full"] = jaccard(full, rec["trained"]) if rec["trained"] is not None else float("nan")
-        rec["pool"], rec["kappa"] = int(domain_N.shape[0]), int(algo.kappa)
-        records.append(rec)
+        import composer_algos.data_selection.algorithm as sa
+        from composer_algos.selection import compute_capacities
 
-    algo._select = select_with_shadows  # type: ignore[method-assign]
-    try:
-        trainer.fit()
-    finally:
-        sa.redistribute = original_redistribute
-        trainer.close()
-    for rec in records:  # sets are not JSON
-        rec["sel"] = {k: sorted(v) for k, v in rec["sel"].items()}
-        rec["trained"] = sorted(rec["trained"]) if rec["trained"] is not None else None
+        algo, domain_N = self.algo, self.domain_N
+        t = time.perf_counter()
+        counts_C = torch.bincount(domain_N.to(scores_N.device), minlength=algo.num_domains)
+        caps_C = compute_capacities(counts_C, algo.kappa, algo._fractions, generator=torch.Generator().manual_seed(self.gen_seed))
+        sel = sa.top_k_within_capacities(scores_N, domain_N.to(scores_N.device), caps_C, algo.kappa)
+        return set(sel.tolist()), time.perf_counter() - t
+
+    def stale(self, G, gbar_stale):
+        """A stale step's selection: the pool's features scored against a kept validation feature."""
+        return self.top_within(G @ gbar_stale.to(G.dtype))
+
+
+def _prepare_shadow_step(algo: Any, state: Any, variants: dict[str, dict[str, Any]], shadows: dict[str, Any]) -> _ShadowStep:
+    """The step's inputs as the algorithm's own selection gets them; builds the variants' extractors on the first step."""
+    from composer_algos.data_selection.validation_source import model_inputs
+    from composer_algos.features import GradFeatureExtractor
+    from composer_algos.seeding import mix_seed
+
+    step = int(state.timestamp.batch.value)
+    batch = state.batch
+    domain_N = batch[algo.domain_key]
+    algo._prepare(state, int(domain_N.shape[0]), domain_N)
+    if algo.validation is None:
+        algo._build_validation(state)
+    model = state.model  # as the algorithm's own extractor gets it (single process: no DDP wrapper)
+    device = next(model.parameters()).device
+    if not shadows:
+        for name, opts in variants.items():
+            shadows[name] = GradFeatureExtractor(model, seed=algo.seed, **{**algo.feature_cfg, **opts})
+    pool = model_inputs(batch, device)
+    val_batch = algo.validation.batch_for_step(step)
+    val = model_inputs(val_batch, device)
+    n_val = int(val["input_ids"].shape[0])
+    optimizer = state.optimizers[0]
+    eta = float(optimizer.param_groups[0]["lr"])
+    gen_seed = mix_seed(algo.seed, step, 0)
+    chunk = algo._auto_chunk_size(state)
+    options = algo.strategy_options.get("partitionsel")
+    return _ShadowStep(
+        algo=algo, state=state, step=step, domain_N=domain_N, device=device, pool=pool, val=val, n_val=n_val,
+        optimizer=optimizer, eta=eta, gen_seed=gen_seed, chunk=chunk, options=options, shadows=shadows,
+    )
+
+
+def _shadow_record(
+    shadow: _ShadowStep,
+    variants: dict[str, dict[str, Any]],
+    stale_intervals: tuple[int, ...],
+    stale_gbar: dict[int, Any],
+) -> dict[str, Any]:
+    """Every variant's and reference's selection of the step, with their times and score Spearmans (before the real one)."""
+    from composer_algos.data_selection.validation_source import model_inputs
+    from composer_algos.features import spearman
+
+    step, pool, algo = shadow.step, shadow.pool, shadow.algo
+    # The jobs, in an order rotated every step; "pool_only" times the stale steps' features.
+    jobs = [*variants, *(["pool_only"] if stale_intervals else [])]
+    shift = step % len(jobs)
+    targets_N = (pool["labels"][:, 1:] != -100).sum(dim=1)
+    rec: dict[str, Any] = {
+        "step": step, "feat_s": {}, "solve_s": {}, "sel": {}, "fallback": {}, "score_seq_len": {}, "spearman": {},
+        "seq_len": int(pool["input_ids"].shape[1]),
+        "targets_median": float(targets_N.float().median()), "targets_max": int(targets_N.max()),
+    }
+    results: dict[str, Any] = {}
+    for name in jobs[shift:] + jobs[:shift]:
+        if name == "pool_only":
+            G, _, t_feat = shadow.features("full", with_val=False)
+            results[name] = G
+            rec["feat_s"][name] = t_feat
+            continue
+        if name == "val_redraw":
+            other = model_inputs(algo.validation.batch_for_step(step + 1), shadow.device)
+            G, gbar, t_feat = shadow.features("full", val_batch=other)
+        else:
+            G, gbar, t_feat = shadow.features(name)
+        if shadow.shadows[name].score_length_in_use is not None:
+            rec["score_seq_len"][name] = shadow.shadows[name].score_length_in_use
+        sel, t_solve, fallback = shadow.solve("partitionsel", G, gbar)
+        results[name] = (G, gbar)
+        rec["feat_s"][name], rec["solve_s"][name], rec["sel"][name] = t_feat, t_solve, sel
+        rec["fallback"][name] = fallback
+    G_full, gbar_full = results["full"]
+    # Each variant's scores <g_i, gbar> (its own features and validation side) against full's.
+    scores_full = G_full.double() @ gbar_full.double()
+    for name in variants:
+        G, gbar = results[name]
+        rec["spearman"][name] = spearman(G.double() @ gbar.double(), scores_full)
+    for k in stale_intervals:
+        name = f"stale_topk_i{k}"
+        if step % k == 0:
+            stale_gbar[k] = gbar_full
+            rec["sel"][name] = rec["sel"]["full"]
+            rec.setdefault("stale_between", {})[name] = False
+        elif k in stale_gbar:
+            rec["sel"][name], rec["solve_s"][name] = shadow.stale(results["pool_only"], stale_gbar[k])
+            rec.setdefault("stale_between", {})[name] = True
+    rec["terms"] = mu_terms(G_full, gbar_full, shadow.eta)
+    rec["sel"]["eta0"], rec["solve_s"]["eta0"], _ = shadow.solve("partitionsel", G_full, gbar_full, eta=0.0)
+    rec["sel"]["gradnorm_caps"], rec["solve_s"]["gradnorm_caps"] = shadow.top_within((G_full.double() ** 2).sum(dim=1))
+    rec["sel"]["random"], rec["solve_s"]["random"], _ = shadow.solve("random")
+    rec["sel"]["random_caps"], rec["solve_s"]["random_caps"], _ = shadow.solve("random_stratified")
+    return rec
+
+
+def _run_meta(
+    yaml: Path,
+    shards: Path,
+    steps: int,
+    cfg: Any,
+    algo: Any,
+    records: list[dict],
+    variants: dict[str, dict[str, Any]],
+    stale_intervals: tuple[int, ...],
+) -> dict[str, Any]:
+    """The run's setting beside its records: config, pool, features, model shape, threads, sequence lengths."""
+    import torch
+
     model_cfg = dict(getattr(cfg.model, "config", None) or {})
     meta = {
         "yaml": str(yaml),
@@ -428,7 +511,7 @@ def run(
         "variants": list(variants),
         "stale_intervals": list(stale_intervals),
     }
-    return records, meta
+    return meta
 
 
 def summarize(records: list[dict]) -> dict[str, dict[str, float]]:

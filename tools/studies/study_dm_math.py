@@ -81,6 +81,57 @@ ARMS = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    p = _build_parser()
+    args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    bad = [x for x in parts if x not in PARTS]
+    if bad:
+        p.error(f"--parts: unknown {bad}; allowed: {', '.join(PARTS)}")
+    ablations = [x for x in (args.ablations or ",".join(ABLATIONS)).split(",") if x]
+    unknown = [x for x in ablations if x not in ABLATIONS]
+    if unknown:
+        p.error(f"--ablations: unknown {unknown}; allowed: {', '.join(ABLATIONS)}")
+    if not DATA.is_dir():
+        p.error(f"the dm_math corpus is not at {DATA} (it ships in ../shared/data/dm_math)")
+    if args.quick:
+        args.steps, args.early, args.pools, args.seeds = 6, 3, 2, "1,2"
+    out = args.out.resolve()
+    shards = out / "shards" / "dm_math"
+    base_a, base_b = out / "base_scratch", out / "base_other"
+    steps = args.steps
+
+    if "shard" in parts and not (shards / "manifest.json").exists():
+        _run(
+            [
+                sys.executable,
+                "tools/shard.py",
+                "metamathqa",
+                str(DATA / "train.json"),
+                "--val-file",
+                str(DATA / "val.json"),
+                "--out",
+                str(shards),
+                "--max-seq-len",
+                "160",
+                "--overwrite",
+            ]
+        )
+    common = [f"variables.shard_dir={shards}"]
+    if "base" in parts:
+        _train_bases(common, base_a, base_b, steps=steps, early=args.early)
+    if "lookahead" in parts:
+        _lookahead(out, base_a, common, steps=steps, early=args.early, pools=args.pools)
+    _experiments(args, parts, ablations, out=out, shards=shards, base_b=base_b, steps=steps)
+    if "report" in parts:
+        from study_report import write_report  # tools/studies/study_report.py
+
+        write_report(out, args.doc, steps=steps, early=args.early)
+        print(f"wrote {args.doc}")
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The study's command line: its parts, sizes, budget, ablations and jobs."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "study")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
@@ -118,100 +169,78 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="tiny sizes everywhere (a smoke test of the pipeline)"
     )
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "results" / "study_dm_math.md")
-    args = p.parse_args(argv)
-    parts = [x for x in args.parts.split(",") if x]
-    bad = [x for x in parts if x not in PARTS]
-    if bad:
-        p.error(f"--parts: unknown {bad}; allowed: {', '.join(PARTS)}")
-    ablations = [x for x in (args.ablations or ",".join(ABLATIONS)).split(",") if x]
-    unknown = [x for x in ablations if x not in ABLATIONS]
-    if unknown:
-        p.error(f"--ablations: unknown {unknown}; allowed: {', '.join(ABLATIONS)}")
-    if not DATA.is_dir():
-        p.error(f"the dm_math corpus is not at {DATA} (it ships in ../shared/data/dm_math)")
-    if args.quick:
-        args.steps, args.early, args.pools, args.seeds = 6, 3, 2, "1,2"
-    out = args.out.resolve()
-    shards = out / "shards" / "dm_math"
-    base_a, base_b = out / "base_scratch", out / "base_other"
-    steps = args.steps
+    return p
 
-    if "shard" in parts and not (shards / "manifest.json").exists():
+
+def _train_bases(common: list[str], base_a: Path, base_b: Path, *, steps: int, early: int) -> None:
+    """The base part: regime (a)'s from-scratch run with its checkpoints, regime (b)'s base on another mixture."""
+    if not (base_a / f"ep0-ba{steps}-rank0.pt").exists():
         _run(
-            [
-                sys.executable,
-                "tools/shard.py",
-                "metamathqa",
-                str(DATA / "train.json"),
-                "--val-file",
-                str(DATA / "val.json"),
-                "--out",
-                str(shards),
-                "--max-seq-len",
-                "160",
-                "--overwrite",
-            ]
+            _train(
+                common
+                + [
+                    f"{SEL}.strategy=random_stratified",
+                    f"save_folder={base_a}",
+                    f"save_interval={early}ba",
+                    f"max_duration={steps}ba",
+                    "save_overwrite=true",
+                    "run_name=study-base-scratch",
+                ]
+            )
         )
-    common = [f"variables.shard_dir={shards}"]
-    if "base" in parts:
-        if not (base_a / f"ep0-ba{steps}-rank0.pt").exists():
-            _run(
-                _train(
-                    common
-                    + [
-                        f"{SEL}.strategy=random_stratified",
-                        f"save_folder={base_a}",
-                        f"save_interval={args.early}ba",
-                        f"max_duration={steps}ba",
-                        "save_overwrite=true",
-                        "run_name=study-base-scratch",
-                    ]
-                )
+    if not (base_b / "latest-rank0.pt").exists():
+        _run(
+            _train(
+                common
+                + [
+                    f"{SEL}.strategy=random",
+                    f"train_loader.dataset.domains={BASE_DOMAINS}",
+                    f"save_folder={base_b}",
+                    f"save_interval={steps}ba",
+                    f"max_duration={steps}ba",
+                    "save_overwrite=true",
+                    "eval_loader=null",
+                    "run_name=study-base-other",
+                ]
             )
-        if not (base_b / "latest-rank0.pt").exists():
-            _run(
-                _train(
-                    common
-                    + [
-                        f"{SEL}.strategy=random",
-                        f"train_loader.dataset.domains={BASE_DOMAINS}",
-                        f"save_folder={base_b}",
-                        f"save_interval={steps}ba",
-                        f"max_duration={steps}ba",
-                        "save_overwrite=true",
-                        "eval_loader=null",
-                        "run_name=study-base-other",
-                    ]
-                )
-            )
-    if "lookahead" in parts:
-        for step in (args.early, steps):
-            dest = out / "lookahead" / f"ba{step}"
-            if (dest / "summary.json").exists():
-                continue
-            cmd = [
-                sys.executable,
-                "tools/studies/lookahead.py",
-                "--yaml",
-                str(YAML),
-                "--checkpoint",
-                str(base_a / f"ep0-ba{step}-rank0.pt"),
-                "--pools",
-                str(args.pools),
-                "--n-random",
-                "8",
-                "--eval-size",
-                "128",
-                "--guide-size",
-                "64",
-                "--sgd-lr",
-                "1e-3",
-                "--out",
-                str(dest),
-            ]
-            for arm in ARMS:
-                cmd += ["--arm", arm]
-            _run(cmd + common)
+        )
+
+
+def _lookahead(out: Path, base_a: Path, common: list[str], *, steps: int, early: int, pools: int) -> None:
+    """The lookahead part: tools/studies/lookahead.py at the early and the later checkpoint of regime (a)."""
+    for step in (early, steps):
+        dest = out / "lookahead" / f"ba{step}"
+        if (dest / "summary.json").exists():
+            continue
+        cmd = [
+            sys.executable,
+            "tools/studies/lookahead.py",
+            "--yaml",
+            str(YAML),
+            "--checkpoint",
+            str(base_a / f"ep0-ba{step}-rank0.pt"),
+            "--pools",
+            str(pools),
+            "--n-random",
+            "8",
+            "--eval-size",
+            "128",
+            "--guide-size",
+            "64",
+            "--sgd-lr",
+            "1e-3",
+            "--out",
+            str(dest),
+        ]
+        for arm in ARMS:
+            cmd += ["--arm", arm]
+        _run(cmd + common)
+
+
+def _experiments(
+    args: argparse.Namespace, parts: list[str], ablations: list[str], *, out: Path, shards: Path, base_b: Path, steps: int
+) -> None:
+    """The tools/run_experiment.py parts: main, wallclock, ablations and ablations_finetune."""
     experiment = [
         sys.executable,
         "tools/run_experiment.py",
@@ -265,12 +294,6 @@ def main(argv: list[str] | None = None) -> int:
         for name in FINETUNE_ABLATIONS:
             cmd += ["--variant", ",".join([f"ps_{name}=partitionsel", *ABLATIONS[name]])]
         _run(cmd + ["--", *regimes["main_finetune"]])
-    if "report" in parts:
-        from study_report import write_report  # tools/studies/study_report.py
-
-        write_report(out, args.doc, steps=steps, early=args.early)
-        print(f"wrote {args.doc}")
-    return 0
 
 
 def _train(overrides: list[str]) -> list[str]:

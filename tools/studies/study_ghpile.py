@@ -50,6 +50,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data" / "ghpile"
@@ -125,33 +126,7 @@ STUDY_OVERRIDES = ["scheduler.t_warmup=0.1dur", f"{SEL}.validation.batch_size=16
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "runs" / "ghpile")
-    p.add_argument("--parts", default="setup,timing", help=f"comma-separated subset of {','.join(PARTS)}")
-    p.add_argument("--seq-len", type=int, default=512, choices=SEQ_LENS, help="S of every part after timing")
-    p.add_argument("--seeds", default="1,2,3")
-    p.add_argument("--steps", type=int, default=200, help="steps of the base run and each diagnosis run (default 200)")
-    p.add_argument("--early", type=int, default=50, help="the early lookahead checkpoint (default 50)")
-    p.add_argument("--later", type=int, default=150, help="the later lookahead checkpoint (default 150)")
-    p.add_argument("--pools", type=int, default=8, help="lookahead pools per checkpoint (default 8)")
-    p.add_argument("--cosine-draws", type=int, default=8, help="lookahead: guide draws for the cosines (default 8)")
-    p.add_argument(
-        "--cosine-eval-size", type=int, default=100_000,
-        help="lookahead: evaluation rows of the cosines' held-out gradient (default: all of them)",
-    )
-    p.add_argument("--eval-size", type=int, default=64, help="lookahead held-out rows (default 64)")
-    p.add_argument("--r4", action="store_true", help="lookahead: also pools of 64 (r = 4) at each checkpoint")
-    p.add_argument("--timing-steps", type=int, default=12, help="steps of each timing run (default 12; the first is left out)")
-    p.add_argument("--variants", default=None, help=f"diagnose: subset of {','.join(DIAGNOSE_VARIANTS)}")
-    p.add_argument("--fidelity-steps", type=int, default=50, help="steps of the fidelity run (default 50)")
-    p.add_argument("--jobs", type=int, default=2, help="diagnose, study: training processes at once (default 2)")
-    p.add_argument("--profile", choices=("quick", "full"), default="quick", help="study: quick (the main table) or full")
-    p.add_argument(
-        "--budget-steps", type=int, default=80,
-        help="study: the equal-compute budget, the cost of this many random steps, and the equal-steps length (default 80)",
-    )
-    p.add_argument("--more-seeds", default="1,2,3,4,5,6,7", help="more: the seeds of MORE_ARMS (default 1-7)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes everywhere (a smoke test of the pipeline)")
+    p = _build_parser()
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in parts if x not in PARTS]
@@ -177,44 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         timing(out, env, steps=args.timing_steps)
     base = out / f"base_s{args.seq_len}"
     if "base" in parts:
-        last = base / f"ep0-ba{args.steps}-rank0.pt"
-        if not last.exists():
-            _run(
-                _train(
-                    common
-                    + [
-                        f"{SEL}.strategy=random_stratified",
-                        f"save_folder={base}",
-                        f"save_interval={_gcd(args.early, args.later, args.steps)}ba",
-                        f"max_duration={args.steps}ba",
-                        f"eval_interval={args.steps}ba",
-                        "save_overwrite=true",
-                        "run_name=ghpile-base",
-                    ]
-                ),
-                env,
-            )
+        _train_base(base, common, env, args)
     if "lookahead" in parts:
-        runs = [("", 32, ARMS)] + ([("_r4", 64, R4_ARMS)] if args.r4 else [])
-        for step in (args.early, args.later):
-            for suffix, pool, arms in runs:
-                dest = out / "lookahead" / f"ba{step}{suffix}"
-                if (dest / "summary.json").exists():
-                    continue
-                cmd = [
-                    sys.executable, "tools/studies/lookahead.py", "--yaml", str(YAML),
-                    "--checkpoint", str(base / f"ep0-ba{step}-rank0.pt"),
-                    "--pools", str(args.pools), "--pool-size", str(pool), "--kappa", "16",
-                    "--n-random", "6", "--eval-size", str(args.eval_size), "--guide-size", "16",
-                    "--step-kinds", "opt", "--out", str(dest),
-                ]
-                for arm in arms:
-                    cmd += ["--arm", arm]
-                _run(cmd + common, env)
-            cosines(
-                out / "lookahead" / f"ba{step}_cosine", env, checkpoint=base / f"ep0-ba{step}-rank0.pt",
-                draws=args.cosine_draws, eval_size=args.cosine_eval_size, common=common,
-            )
+        _lookahead(out, base, common, env, args)
     if "diagnose" in parts:
         diagnose(
             out / f"diagnose_s{args.seq_len}", env, shards=shards, seq_len=args.seq_len, variants=variants,
@@ -244,6 +184,83 @@ def main(argv: list[str] | None = None) -> int:
     if "report" in parts:
         print(study_report(study_dir))
     return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The study's command line: its parts, S, seeds, sizes of each part, jobs and the study's profile."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "ghpile")
+    p.add_argument("--parts", default="setup,timing", help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--seq-len", type=int, default=512, choices=SEQ_LENS, help="S of every part after timing")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--steps", type=int, default=200, help="steps of the base run and each diagnosis run (default 200)")
+    p.add_argument("--early", type=int, default=50, help="the early lookahead checkpoint (default 50)")
+    p.add_argument("--later", type=int, default=150, help="the later lookahead checkpoint (default 150)")
+    p.add_argument("--pools", type=int, default=8, help="lookahead pools per checkpoint (default 8)")
+    p.add_argument("--cosine-draws", type=int, default=8, help="lookahead: guide draws for the cosines (default 8)")
+    p.add_argument(
+        "--cosine-eval-size", type=int, default=100_000,
+        help="lookahead: evaluation rows of the cosines' held-out gradient (default: all of them)",
+    )
+    p.add_argument("--eval-size", type=int, default=64, help="lookahead held-out rows (default 64)")
+    p.add_argument("--r4", action="store_true", help="lookahead: also pools of 64 (r = 4) at each checkpoint")
+    p.add_argument("--timing-steps", type=int, default=12, help="steps of each timing run (default 12; the first is left out)")
+    p.add_argument("--variants", default=None, help=f"diagnose: subset of {','.join(DIAGNOSE_VARIANTS)}")
+    p.add_argument("--fidelity-steps", type=int, default=50, help="steps of the fidelity run (default 50)")
+    p.add_argument("--jobs", type=int, default=2, help="diagnose, study: training processes at once (default 2)")
+    p.add_argument("--profile", choices=("quick", "full"), default="quick", help="study: quick (the main table) or full")
+    p.add_argument(
+        "--budget-steps", type=int, default=80,
+        help="study: the equal-compute budget, the cost of this many random steps, and the equal-steps length (default 80)",
+    )
+    p.add_argument("--more-seeds", default="1,2,3,4,5,6,7", help="more: the seeds of MORE_ARMS (default 1-7)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes everywhere (a smoke test of the pipeline)")
+    return p
+
+
+def _train_base(base: Path, common: list[str], env: dict[str, str], args: argparse.Namespace) -> None:
+    """The base part: random within capacities, checkpoints at the lookahead steps (kept when finished)."""
+    last = base / f"ep0-ba{args.steps}-rank0.pt"
+    if not last.exists():
+        _run(
+            _train(
+                common
+                + [
+                    f"{SEL}.strategy=random_stratified",
+                    f"save_folder={base}",
+                    f"save_interval={_gcd(args.early, args.later, args.steps)}ba",
+                    f"max_duration={args.steps}ba",
+                    f"eval_interval={args.steps}ba",
+                    "save_overwrite=true",
+                    "run_name=ghpile-base",
+                ]
+            ),
+            env,
+        )
+
+
+def _lookahead(out: Path, base: Path, common: list[str], env: dict[str, str], args: argparse.Namespace) -> None:
+    """The lookahead part: each arm's one-step check at the early and later checkpoint, then the guide cosines."""
+    runs = [("", 32, ARMS)] + ([("_r4", 64, R4_ARMS)] if args.r4 else [])
+    for step in (args.early, args.later):
+        for suffix, pool, arms in runs:
+            dest = out / "lookahead" / f"ba{step}{suffix}"
+            if (dest / "summary.json").exists():
+                continue
+            cmd = [
+                sys.executable, "tools/studies/lookahead.py", "--yaml", str(YAML),
+                "--checkpoint", str(base / f"ep0-ba{step}-rank0.pt"),
+                "--pools", str(args.pools), "--pool-size", str(pool), "--kappa", "16",
+                "--n-random", "6", "--eval-size", str(args.eval_size), "--guide-size", "16",
+                "--step-kinds", "opt", "--out", str(dest),
+            ]
+            for arm in arms:
+                cmd += ["--arm", arm]
+            _run(cmd + common, env)
+        cosines(
+            out / "lookahead" / f"ba{step}_cosine", env, checkpoint=base / f"ep0-ba{step}-rank0.pt",
+            draws=args.cosine_draws, eval_size=args.cosine_eval_size, common=common,
+        )
 
 
 def _experiment_command(arms: dict[str, tuple[str, list[str]]], *, shards: Path, seeds: str, jobs: int) -> list[str]:
@@ -327,8 +344,6 @@ def more_seeds_command(
 
 def study_report(dest: Path) -> str:
     """OUT/study.md (the paired tables and verdicts of each experiment) and OUT/frontier.png."""
-    import math
-
     lines = [f"# ghpile study tables ({dest})", ""]
     points = []
     for name, title in (
@@ -347,28 +362,7 @@ def study_report(dest: Path) -> str:
             "|---|---:|---:|---:|---:|---:|",
         ]
         paired = json.loads(paired_path.read_text()) if paired_path.exists() else {}
-        for label, entry in strategies.items():
-            avg = entry.get("average", {})
-            diff = paired.get("strategies", {}).get(label, {}).get("average", {}) if label != "random" else {}
-            steps = plan["steps"].get(label) if plan else entry.get("steps", {}).get("mean")
-            if isinstance(steps, float) and steps.is_integer():
-                steps = int(steps)  # a mean over seeds of equal step counts
-            cost = plan["step_costs_s"].get(label) if plan else None
-            spread = (plan or {}).get("spread", {}).get(label)
-            flops = (entry.get("flops") or {}).get("mean")
-            d = (
-                f"{diff['mean']:+.4f} [{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}], {diff['n']}"
-                if diff.get("mean") is not None and diff.get("ci_low") is not None
-                else "-"
-            )
-            lines.append(
-                f"| {label} | {steps if steps is not None else '-'} | "
-                f"{f'{cost:.3f}' if cost else '-'}{f' +- {100 * spread:.2f}%' if spread else ''} | "
-                f"{avg.get('mean', float('nan')):.4f} +- {avg.get('std', float('nan')):.4f} | "
-                f"{f'{flops:.3g}' if flops else '-'} | {d} |"
-            )
-            if flops and avg.get("mean") is not None and math.isfinite(avg["mean"]):
-                points.append((name, label, float(flops), float(avg["mean"])))
+        lines += _arm_rows(name, strategies, paired, plan, points)
         lines.append("")
         calibration = (plan or {}).get("calibration") or {}
         if calibration:
@@ -396,22 +390,7 @@ def study_report(dest: Path) -> str:
             ]
             if cells:
                 lines += ["Against random_stratified (random within the same capacities), average: " + "; ".join(cells) + ".", ""]
-        domains = sorted({d for v in paired.get("strategies", {}).values() for d in v.get("domains", {})})
-        if domains:
-            lines += [
-                "Per domain, arm - random (mean [95% CI] over paired seeds):",
-                "",
-                "| arm | " + " | ".join(domains) + " |",
-                "|---|" + "---:|" * len(domains),
-            ]
-            for label, v in paired["strategies"].items():
-                cells = []
-                for d in domains:
-                    e = v.get("domains", {}).get(d, {})
-                    ok = e.get("ci_low") is not None and e.get("mean") is not None
-                    cells.append(f"{e['mean']:+.3f} [{e['ci_low']:+.3f}, {e['ci_high']:+.3f}]" if ok else "-")
-                lines.append(f"| {label} | " + " | ".join(cells) + " |")
-            lines.append("")
+        lines += _per_domain_table(paired)
     frontier = _plot_study_frontier(points, dest / "frontier.png")
     if frontier is not None:
         lines += [f"![cost against loss]({frontier.name})", ""]
@@ -419,6 +398,60 @@ def study_report(dest: Path) -> str:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "study.md").write_text(text + "\n")
     return text
+
+
+def _arm_rows(
+    name: str, strategies: dict[str, Any], paired: dict[str, Any], plan: dict[str, Any] | None, points: list
+) -> list[str]:
+    """One experiment's table rows, an arm a row; adds each arm with FLOPs and a finite loss to `points`."""
+    import math
+
+    lines = []
+    for label, entry in strategies.items():
+        avg = entry.get("average", {})
+        diff = paired.get("strategies", {}).get(label, {}).get("average", {}) if label != "random" else {}
+        steps = plan["steps"].get(label) if plan else entry.get("steps", {}).get("mean")
+        if isinstance(steps, float) and steps.is_integer():
+            steps = int(steps)  # a mean over seeds of equal step counts
+        cost = plan["step_costs_s"].get(label) if plan else None
+        spread = (plan or {}).get("spread", {}).get(label)
+        flops = (entry.get("flops") or {}).get("mean")
+        d = (
+            f"{diff['mean']:+.4f} [{diff['ci_low']:+.4f}, {diff['ci_high']:+.4f}], {diff['n']}"
+            if diff.get("mean") is not None and diff.get("ci_low") is not None
+            else "-"
+        )
+        lines.append(
+            f"| {label} | {steps if steps is not None else '-'} | "
+            f"{f'{cost:.3f}' if cost else '-'}{f' +- {100 * spread:.2f}%' if spread else ''} | "
+            f"{avg.get('mean', float('nan')):.4f} +- {avg.get('std', float('nan')):.4f} | "
+            f"{f'{flops:.3g}' if flops else '-'} | {d} |"
+        )
+        if flops and avg.get("mean") is not None and math.isfinite(avg["mean"]):
+            points.append((name, label, float(flops), float(avg["mean"])))
+    return lines
+
+
+def _per_domain_table(paired: dict[str, Any]) -> list[str]:
+    """Each arm's paired difference from random per domain (empty without per-domain results)."""
+    lines: list[str] = []
+    domains = sorted({d for v in paired.get("strategies", {}).values() for d in v.get("domains", {})})
+    if domains:
+        lines += [
+            "Per domain, arm - random (mean [95% CI] over paired seeds):",
+            "",
+            "| arm | " + " | ".join(domains) + " |",
+            "|---|" + "---:|" * len(domains),
+        ]
+        for label, v in paired["strategies"].items():
+            cells = []
+            for d in domains:
+                e = v.get("domains", {}).get(d, {})
+                ok = e.get("ci_low") is not None and e.get("mean") is not None
+                cells.append(f"{e['mean']:+.3f} [{e['ci_low']:+.3f}, {e['ci_high']:+.3f}]" if ok else "-")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def _plot_study_frontier(points: list[tuple[str, str, float, float]], path: Path) -> Path | None:

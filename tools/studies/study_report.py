@@ -112,74 +112,16 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
     """Assemble the study's tables and figures into `doc` (PNG files beside it)."""
     doc.parent.mkdir(parents=True, exist_ok=True)
     stem = doc.stem
-    lines = [
-        "# Selection study on dm_math",
-        "",
-        "Written by `python tools/studies/study_dm_math.py --out OUT` (which calls `tools/studies/study_report.py`); every",
-        "number below comes from that command's output directory. Corpus: `../shared/data/dm_math` (8",
-        "domains, unequal sizes), a small Llama (`yamls/study/dm_math.yaml`), pools of 32, 16 trained a",
-        f"step, {steps} steps. Evaluation reads the held-out half of each domain's val split; selection is",
-        "guided by the other half.",
-        "",
-        "## One step ahead (tools/studies/lookahead.py)",
-        "",
-        "Drop of the mean per-example loss after one step on each arm's subset, minus the mean drop of",
-        "random subsets with the same per-domain capacities (positive = better than random), on held-out",
-        "examples (`eval`) and on the guiding set (`guide`), for one SGD step and one step of the run's",
-        "optimizer (`opt`, its state from the checkpoint). Arms: `before` = the settings before the",
-        "signal-chain fixes (preconditioner on both sides, 128-wide features, 4 guiding examples,",
-        "unweighted); `default` = the study yaml's settings (both sides, 1024-wide, 4 guiding examples);",
-        "`pool` = preconditioner on the pool side only; `_1024` = 1024-wide features; `_w` = trained on",
-        "the refit weights; `_g64` = guided by 64 examples (a stand-in for averaging validation",
-        "features over steps); `id` = per-domain GREATS; `oracle_*` select by exact full-model",
-        "scores (`oracle_eval` by the evaluation set's own gradient: an upper bound).",
-        "",
-    ]
+    lines = _report_intro(steps)
     for step in (early, steps):
         path = out / "lookahead" / f"ba{step}" / "summary.md"
         if path.exists():
             lines += [f"### Checkpoint at step {step}", "", path.read_text().strip(), ""]
     conclusions: list[str] = []
     for name, title in SECTIONS:
-        exp = out / name
-        if not (exp / "comparison.md").exists():
+        if not (out / name / "comparison.md").exists():
             continue
-        lines += [f"## {title}", "", (exp / "comparison.md").read_text().strip(), ""]
-        if (exp / "paired.md").exists():
-            lines += [(exp / "paired.md").read_text().strip(), ""]
-            paired = json.loads((exp / "paired.json").read_text())
-            for strat, entry in paired["strategies"].items():
-                conclusions.append(f"- {title}: " + verdict(strat, paired["baseline"], entry["average"]))
-        if (exp / "comparison.json").exists():
-            per_seed = json.loads((exp / "comparison.json").read_text()).get("per_seed", {})
-            table, verdicts = partitionsel_against_others(per_seed)
-            if table:
-                lines += [table, ""]
-                conclusions += [f"- {title}: {v}" for v in verdicts]
-            stacked = [(v, per_seed[v], b, per_seed[b]) for v, b in VARIANT_BASES.items() if v in per_seed and b in per_seed]
-            table, verdicts = paired_table(
-                stacked,
-                title="Settings changed on top of another variant, against that variant (paired by seed, average "
-                "validation loss; mean [95% t interval]; negative = the added setting is better)",
-            )
-            if table:
-                lines += [table, ""]
-                conclusions += [f"- {title}: {v}" for v in verdicts]
-            default = out / ABLATION_DEFAULTS.get(name, "") / "comparison.json"
-            if name in ABLATION_DEFAULTS and default.exists():
-                main_runs = json.loads(default.read_text()).get("per_seed", {}).get("partitionsel", {})
-                # A variant built on another differs from the default in two settings: paired with its base above.
-                alone = {k: v for k, v in per_seed.items() if k not in VARIANT_BASES}
-                table, verdicts = variants_against_default(alone, main_runs)
-                if table:
-                    lines += [table, ""]
-                    conclusions += [f"- {title}: {v}" for v in verdicts]
-        if (exp / "selection.md").exists():
-            lines += [(exp / "selection.md").read_text().strip(), ""]
-        if (exp / "curves.png").exists():
-            png = doc.parent / f"{stem}_{name}_curves.png"
-            shutil.copyfile(exp / "curves.png", png)
-            lines += [f"![validation curves]({png.name})", ""]
+        lines += _experiment_section(out, doc, name, title, conclusions)
     points = frontier_points(out)  # the knobs' plot is a subset: read the tables once
     frontier = _plot_frontier(points, doc.parent / f"{stem}_frontier.png")
     if frontier is not None:
@@ -214,6 +156,79 @@ def write_report(out: Path, doc: Path, *, steps: int, early: int) -> None:
     if reading.exists():
         lines += [reading.read_text().strip(), ""]
     doc.write_text("\n".join(lines))
+
+
+def _report_intro(steps: int) -> list[str]:
+    """The document's title, the study's setting and the introduction of the one-step-ahead section."""
+    return [
+        "# Selection study on dm_math",
+        "",
+        "Written by `python tools/studies/study_dm_math.py --out OUT` (which calls `tools/studies/study_report.py`); every",
+        "number below comes from that command's output directory. Corpus: `../shared/data/dm_math` (8",
+        "domains, unequal sizes), a small Llama (`yamls/study/dm_math.yaml`), pools of 32, 16 trained a",
+        f"step, {steps} steps. Evaluation reads the held-out half of each domain's val split; selection is",
+        "guided by the other half.",
+        "",
+        "## One step ahead (tools/studies/lookahead.py)",
+        "",
+        "Drop of the mean per-example loss after one step on each arm's subset, minus the mean drop of",
+        "random subsets with the same per-domain capacities (positive = better than random), on held-out",
+        "examples (`eval`) and on the guiding set (`guide`), for one SGD step and one step of the run's",
+        "optimizer (`opt`, its state from the checkpoint). Arms: `before` = the settings before the",
+        "signal-chain fixes (preconditioner on both sides, 128-wide features, 4 guiding examples,",
+        "unweighted); `default` = the study yaml's settings (both sides, 1024-wide, 4 guiding examples);",
+        "`pool` = preconditioner on the pool side only; `_1024` = 1024-wide features; `_w` = trained on",
+        "the refit weights; `_g64` = guided by 64 examples (a stand-in for averaging validation",
+        "features over steps); `id` = per-domain GREATS; `oracle_*` select by exact full-model",
+        "scores (`oracle_eval` by the evaluation set's own gradient: an upper bound).",
+        "",
+    ]
+
+
+def _experiment_section(out: Path, doc: Path, name: str, title: str, conclusions: list[str]) -> list[str]:
+    """One experiment's tables (comparison, paired, against other arms and variants, selection) and curves.
+
+    Its verdicts are added to `conclusions`; the curves are copied beside `doc`.
+    """
+    exp = out / name
+    stem = doc.stem
+    lines = [f"## {title}", "", (exp / "comparison.md").read_text().strip(), ""]
+    if (exp / "paired.md").exists():
+        lines += [(exp / "paired.md").read_text().strip(), ""]
+        paired = json.loads((exp / "paired.json").read_text())
+        for strat, entry in paired["strategies"].items():
+            conclusions.append(f"- {title}: " + verdict(strat, paired["baseline"], entry["average"]))
+    if (exp / "comparison.json").exists():
+        per_seed = json.loads((exp / "comparison.json").read_text()).get("per_seed", {})
+        table, verdicts = partitionsel_against_others(per_seed)
+        if table:
+            lines += [table, ""]
+            conclusions += [f"- {title}: {v}" for v in verdicts]
+        stacked = [(v, per_seed[v], b, per_seed[b]) for v, b in VARIANT_BASES.items() if v in per_seed and b in per_seed]
+        table, verdicts = paired_table(
+            stacked,
+            title="Settings changed on top of another variant, against that variant (paired by seed, average "
+            "validation loss; mean [95% t interval]; negative = the added setting is better)",
+        )
+        if table:
+            lines += [table, ""]
+            conclusions += [f"- {title}: {v}" for v in verdicts]
+        default = out / ABLATION_DEFAULTS.get(name, "") / "comparison.json"
+        if name in ABLATION_DEFAULTS and default.exists():
+            main_runs = json.loads(default.read_text()).get("per_seed", {}).get("partitionsel", {})
+            # A variant built on another differs from the default in two settings: paired with its base above.
+            alone = {k: v for k, v in per_seed.items() if k not in VARIANT_BASES}
+            table, verdicts = variants_against_default(alone, main_runs)
+            if table:
+                lines += [table, ""]
+                conclusions += [f"- {title}: {v}" for v in verdicts]
+    if (exp / "selection.md").exists():
+        lines += [(exp / "selection.md").read_text().strip(), ""]
+    if (exp / "curves.png").exists():
+        png = doc.parent / f"{stem}_{name}_curves.png"
+        shutil.copyfile(exp / "curves.png", png)
+        lines += [f"![validation curves]({png.name})", ""]
+    return lines
 
 
 # Issue 15's cost knobs among the ablations, plotted on their own frontier beside the default.
