@@ -337,3 +337,39 @@ def test_no_import_cycle_between_tools():
     for m in graph:
         graph[m].discard(m)
     assert not _cycles(graph), "tools import each other in a cycle"
+
+
+# Issue 33: a function a newcomer reads in one screen. Over MAX_FUNCTION_LINES (the `def` line to the
+# last, docstring included) only with a comment in it starting `# Long:` that says why the length is the
+# clearest form.
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(files: list[Path], root: Path = REPO_ROOT) -> list[str]:
+    out = []
+    for path in files:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                body = lines[node.lineno - 1 : node.end_lineno]
+                if length > MAX_FUNCTION_LINES and not any(line.strip().startswith("# Long:") for line in body):
+                    out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({length} lines)")
+    return sorted(out)
+
+
+def test_no_function_over_80_lines_without_its_reason():
+    files = _library_files() + [REPO_ROOT / "train.py"]
+    files += sorted(p for folder in TOOL_FOLDERS for p in (REPO_ROOT / folder).glob("*.py"))
+    files += sorted((REPO_ROOT / "examples").glob("*.py"))
+    long = _long_functions(files)
+    assert not long, "functions over 80 lines without a `# Long:` reason:\n" + "\n".join(long)
+
+
+def test_the_length_check_can_fail(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def long():\n{body}\n")
+    (tmp_path / "reasoned.py").write_text(f"def reasoned():\n    # Long: one table, read top to bottom.\n{body}\n")
+    (tmp_path / "short.py").write_text("def short():\n    return 1\n")
+    files = [tmp_path / name for name in ("long.py", "reasoned.py", "short.py")]
+    assert _long_functions(files, root=tmp_path) == ["long.py:1 long (81 lines)"]
