@@ -1223,7 +1223,7 @@ def format_markdown(
         "",
         "Per run: steps planned and trained; training time (evaluation excluded) on the wall clock and in "
         "the process's CPU time; s / step, the wall clock's mean after the first step; wall time with "
-        "evaluation; estimated FLOPs (training: 3 forwards of the trained rows; selection: the feature "
+        "evaluation; estimated FLOPs (training: 3 forwards of the trained rows, fewer with LoRA; selection: the feature "
         "pass's floor on the scored rows; composer_algos/analysis/compute_plan.py)",
         "",
         "| run | seed | planned steps | steps | train s | train CPU s | s / step | wall s | FLOPs train "

@@ -14,8 +14,9 @@ Llama-style model at sequence width S are
     2 (L (P_attn + P_mlp) + h V) + 4 L S h_attn
 
 (matmul weights twice, the attention scores and their product with V over the full S x S square;
-embeddings, norms and softmax not counted); a training step is 3 forwards (forward + backward) of
-its trained rows at their padded width; a scoring step of a feature strategy costs, per scored
+embeddings, norms and softmax not counted); a training step is `training_forwards` forwards of its
+trained rows at their padded width (3 for full training: the forward, the input and the weight
+gradients; fewer with LoRA, whose frozen weights get no gradient); a scoring step of a feature strategy costs, per scored
 row at the scored width, the feature pass's floor (`scoring_forwards`: the whole forward, the
 lm_head's input gradient, and for each target block its input gradient and the per-example
 products), over the pool and, for validation-guided strategies, the validation batch (at the
@@ -48,6 +49,7 @@ __all__ = [
     "parse_step_costs",
     "plan_steps",
     "scoring_forwards",
+    "training_forwards",
 ]
 
 # DataSelection's validation batch size when `validation.batch_size` is not given.
@@ -195,7 +197,7 @@ class StepWork:
     measurement (`CostModel`).
 
     Attributes:
-        train_flops: the training step, 3 forwards of the trained rows at the trained width.
+        train_flops: the training step, `training_forwards` forwards of the trained rows at the trained width.
         score_flops: the selection's model pass (the feature pass on the pool and, when the strategy
             is validation-guided, the validation batch, at the scored width); 0 without one.
         solver: the strategy whose solve follows the model pass (None: no model pass); the solve's
@@ -217,12 +219,19 @@ def step_work(
     val_rows: int = 0,
     scored_width: int = 0,
     last_n_blocks: int = 1,
+    lora: bool = False,
+    lora_top_blocks: int | None = None,
+    reuse_prefix: bool = False,
 ) -> StepWork:
     """The `StepWork` of a step that trains `train_rows` rows and, with a `solver`, scores `pool_rows + val_rows`.
 
-    The conventions are the module docstring's (`forward_flops_per_token`, `scoring_forwards`).
+    The conventions are the module docstring's (`forward_flops_per_token`, `training_forwards`,
+    `scoring_forwards`); `lora`, `lora_top_blocks` and `reuse_prefix` are the model's LoRA adapters
+    (`model.lora`, its `top_blocks`) and `model.reuse_scoring_prefix`.
     """
-    train = 3.0 * train_rows * train_width * forward_flops_per_token(shape, train_width)
+    adapted = (lora_top_blocks or int(shape["num_hidden_layers"])) if lora else None
+    forwards = training_forwards(shape, train_width, adapted_blocks=adapted, reuse_prefix=reuse_prefix)
+    train = forwards * train_rows * train_width * forward_flops_per_token(shape, train_width)
     if solver is None:
         return StepWork(train_flops=train)
     per_row = scored_width * forward_flops_per_token(shape, scored_width)
@@ -416,6 +425,8 @@ _WORK_NEUTRAL = (
     "load_path", "load_weights_only", "autoresume", "max_duration", "eval_interval", "eval_loader",
     "console_log_interval", "progress_bar", "python_log_level", "loggers", "dist_timeout",
 )
+# `WorkShape` fields read from the model section (which `work_key` hashes whole).
+_MODEL_KIND_FIELDS = ("lora", "lora_top_blocks", "reuse_prefix")
 # Settings inside a section that only evaluation reads (the evaluation forwards' frozen-block cache).
 _WORK_NEUTRAL_NESTED = (("model", "eval_prefix_cache"),)
 
@@ -431,6 +442,11 @@ class WorkShape:
     val_rows: int
     scored_width: int
     last_n_blocks: int
+    # The model's LoRA adapters (`model.lora`, its `top_blocks`) and `model.reuse_scoring_prefix`:
+    # what a training step computes (`training_forwards`).
+    lora: bool = False
+    lora_top_blocks: int | None = None
+    reuse_prefix: bool = False
 
     def work(self, shape: Mapping[str, Any]) -> StepWork:
         return step_work(shape, **dataclasses.asdict(self))
@@ -449,16 +465,22 @@ def config_work(cfg: Any, world_size: int = 1) -> WorkShape:
     from composer_algos.features import GradFeatureExtractor
     from composer_algos.selection import get_strategy
     batch, width = int(cfg.global_train_batch_size), int(cfg.max_seq_len)
+    lora = getattr(cfg.model, "lora", None)
+    kind = {
+        "lora": lora is not None,
+        "lora_top_blocks": getattr(lora, "top_blocks", None),
+        "reuse_prefix": bool(getattr(cfg.model, "reuse_scoring_prefix", False)),
+    }
     sel = cfg.algorithms.get("data_selection")
     if sel is None:
-        return WorkShape(batch, width, None, 0, 0, 0, 1)
+        return WorkShape(batch, width, None, 0, 0, 0, 1, **kind)
     pool = int(round(batch * float(sel.oversampling)))
     strategy = str(sel.strategy)
     if strategy == "none":
-        return WorkShape(pool, width, None, pool, 0, 0, 1)
+        return WorkShape(pool, width, None, pool, 0, 0, 1, **kind)
     spec = get_strategy(strategy)
     if not (spec.needs_features or sel.log_conflicts or sel.between == "stale_topk"):
-        return WorkShape(batch, width, None, pool, 0, 0, 1)  # the pool is loaded all the same
+        return WorkShape(batch, width, None, pool, 0, 0, 1, **kind)  # the pool is loaded all the same
     defaults = {k: v.default for k, v in inspect.signature(GradFeatureExtractor).parameters.items()}
     features = {**defaults, **dict(sel.features or {})}
     window = features.get("score_window") or features.get("score_tokens")
@@ -472,6 +494,7 @@ def config_work(cfg: Any, world_size: int = 1) -> WorkShape:
         val_rows=val_rows,
         scored_width=min(int(window), width) if window else width,
         last_n_blocks=int(features["last_n_blocks"]),
+        **kind,
     )
 
 
@@ -501,7 +524,8 @@ def work_key(cfg: Any, work: WorkShape) -> str:
     callbacks = dict(data.get("callbacks") or {})
     callbacks.pop("train_budget", None)
     data["callbacks"] = callbacks
-    data["work"] = dataclasses.asdict(work)
+    # The model's training kind is in its section above already: saved calibrations keep their keys.
+    data["work"] = {k: v for k, v in dataclasses.asdict(work).items() if k not in _MODEL_KIND_FIELDS}
     if work.solver is not None:
         data["data_selection"] = {k: v for k, v in dict(selection or {}).items() if k != "seed"}
     text = json.dumps(data, sort_keys=True, default=str)
@@ -587,6 +611,28 @@ def forward_flops_per_token(shape: Mapping[str, Any], seq_len: float) -> float:
     return flops_per_token_parts(shape, seq_len)["total"]
 
 
+def training_forwards(
+    shape: Mapping[str, Any], seq_len: float, *, adapted_blocks: int | None = None, reuse_prefix: bool = False
+) -> float:
+    """A training step on one row in forwards of that row.
+
+    Full training (`adapted_blocks` None): 3, the forward and the input and weight gradients. LoRA
+    adapters in the top `t = adapted_blocks` of `L` blocks (`L` when every block has them): the
+    forward, then the lm_head's input gradient (`share`, its share of the forward) and about one
+    forward of each adapted block (its input gradient); the frozen weights get no gradient and the
+    adapters' rank-r products are not counted: `1 + share + t (1 - share) / L`. With `reuse_prefix`
+    (`model.reuse_scoring_prefix`) the forward skips the frozen blocks below the adapters, whose
+    output the scoring pass handed on: `2 (share + t (1 - share) / L)`.
+    """
+    if adapted_blocks is None:
+        return 3.0
+    total = forward_flops_per_token(shape, seq_len)
+    share = 2 * int(shape["hidden_size"]) * int(shape["vocab_size"]) / total
+    layers = int(shape["num_hidden_layers"])
+    top = share + min(adapted_blocks, layers) * (1 - share) / layers
+    return 2 * top if reuse_prefix else 1 + top
+
+
 def scoring_forwards(shape: Mapping[str, Any], seq_len: float, last_n_blocks: int) -> float:
     """The feature pass on one row in forwards of that row: `1 + share + 2 n (1 - share) / L`.
 
@@ -618,9 +664,12 @@ def estimate_run_flops(run_dir: Path) -> dict[str, Any] | None:
         return None
     trained_tokens = float(budget["trained_tokens"])
     trained_width = trained_tokens / budget["trained_samples"] if budget.get("trained_samples") else 0.0
-    train = 3.0 * trained_tokens * forward_flops_per_token(shape, trained_width)
+    config = _saved_config(run_dir / "config.yaml")
+    train = trained_tokens * forward_flops_per_token(shape, trained_width) * training_forwards(
+        shape, trained_width, **_training_kind(config.get("model") or {}, shape)
+    )
 
-    selection_cfg = _selection_config(run_dir / "config.yaml")
+    selection_cfg = dict((config.get("algorithms") or {}).get("data_selection") or {})
     pool_rows, val_rows = scored_rows(run_dir / "selection_log.csv", selection_cfg, budget)
     pool_width = budget["pool_tokens"] / budget["pool_samples"] if budget["pool_samples"] else 0.0
     features = selection_cfg.get("features") or {}
@@ -670,12 +719,22 @@ def scored_rows(log_path: Path, selection_cfg: Mapping[str, Any], budget: Mappin
     return pool_steps * pool_per_step, val_steps * val_batch * int(budget.get("world_size", 1))
 
 
-def _selection_config(path: Path) -> dict[str, Any]:
-    """`algorithms.data_selection` of a run's saved `config.yaml` ({} when absent)."""
+def _saved_config(path: Path) -> dict[str, Any]:
+    """A run's saved `config.yaml` as a mapping ({} when absent)."""
     if not path.exists():
         return {}
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     assert isinstance(cfg, dict)
-    return dict((cfg.get("algorithms") or {}).get("data_selection") or {})
+    return cfg
+
+
+def _training_kind(model: Mapping[str, Any], shape: Mapping[str, Any]) -> dict[str, Any]:
+    """`training_forwards`' keywords from a run's `model` section: its LoRA adapters and the prefix reuse."""
+    lora = model.get("lora")
+    if not lora:
+        return {}
+    top = lora.get("top_blocks") if isinstance(lora, Mapping) else None
+    adapted = int(top) if top is not None else int(shape["num_hidden_layers"])
+    return {"adapted_blocks": adapted, "reuse_prefix": bool(model.get("reuse_scoring_prefix"))}

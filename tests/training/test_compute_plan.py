@@ -12,12 +12,14 @@ import pytest
 
 from composer_algos.analysis.compute_plan import (
     ComputeBudget,
+    config_work,
     estimate_run_flops,
     forward_flops_per_token,
     parse_compute_budget,
     parse_step_costs,
     plan_steps,
     scoring_forwards,
+    training_forwards,
 )
 from tests.common.paths import REPO_ROOT
 
@@ -276,6 +278,62 @@ def test_run_flops_from_the_recorded_counts(tmp_path):
     assert flops["selection"] == pytest.approx(30 * 8 * 912 * 2.0)
     assert estimate_run_flops(tmp_path / "nothing") is None
 
+
+
+_SHAPE = {
+    "hidden_size": 4,
+    "num_hidden_layers": 2,
+    "intermediate_size": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 10,
+}
+
+
+def test_training_forwards_hand_computed():
+    s = 80 / 912  # the lm_head's share of the forward at width 8 (test_forward_flops_and_scoring_forwards_hand_computed)
+    assert training_forwards(_SHAPE, 8) == 3.0
+    # LoRA in the top 1 of 2 blocks: the forward, the lm_head's input gradient, one block's input gradient.
+    assert training_forwards(_SHAPE, 8, adapted_blocks=1) == pytest.approx(1 + s + (1 - s) / 2)
+    # On every block: the backward is one forward's worth (no weight gradient).
+    assert training_forwards(_SHAPE, 8, adapted_blocks=2) == pytest.approx(2.0)
+    # The frozen block's output handed on from the scoring pass: the forward skips it too.
+    assert training_forwards(_SHAPE, 8, adapted_blocks=1, reuse_prefix=True) == pytest.approx(2 * (s + (1 - s) / 2))
+
+
+def test_run_flops_of_a_lora_run_count_no_weight_gradients_of_the_frozen_blocks(tmp_path):
+    """A LoRA run in the top block of 2: its training is not 3 forwards (it was counted so before)."""
+    (tmp_path / "train_budget.json").write_text(
+        json.dumps(
+            {"steps": 10, "trained_samples": 40, "trained_tokens": 320, "pool_samples": 40, "pool_tokens": 320,
+             "world_size": 1, "model": _SHAPE}
+        )
+    )
+    (tmp_path / "config.yaml").write_text(
+        "model:\n  lora: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj], top_blocks: 1}\n"
+        "algorithms:\n  data_selection:\n    strategy: random\n"
+    )
+    (tmp_path / "selection_log.csv").write_text("step,strategy,fallback\n" + "".join(f"{i},random,0\n" for i in range(10)))
+    flops = estimate_run_flops(tmp_path)
+    assert flops is not None
+    assert flops["train"] == pytest.approx(320 * 912 * (1 + 80 / 912 + (1 - 80 / 912) / 2))
+    assert flops["selection"] == 0.0
+    # Every block adapted (no top_blocks): one forward and one backward's worth of input gradients.
+    (tmp_path / "config.yaml").write_text("model:\n  lora: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj]}\n")
+    assert estimate_run_flops(tmp_path)["train"] == pytest.approx(2 * 320 * 912)
+
+
+def test_the_fine_tuning_recipe_plans_lora_training_work():
+    from composer_algos.registry import load_run_config
+
+    cfg = load_run_config(REPO_ROOT / "yamls" / "smollm2-135m_dm_math.yaml", [])
+    work = config_work(cfg)
+    assert (work.lora, work.lora_top_blocks, work.reuse_prefix) == (True, 4, True)
+    shape = dict(_SHAPE, num_hidden_layers=30)
+    expected = training_forwards(shape, work.train_width, adapted_blocks=4, reuse_prefix=True)
+    assert expected < 1.0  # the top 4 of 30 blocks, forward and backward: well under one full forward
+    per_row = work.train_width * forward_flops_per_token(shape, work.train_width)
+    assert work.work(shape).train_flops == pytest.approx(work.train_rows * per_row * expected)
 
 # ---------------------------------------------------------------------------------------------- cost model (issue 34)
 def _samples(step, features=None, selection=None):
