@@ -24,6 +24,15 @@ from composer_algos.analysis.compute_plan import (
 from tests.common.paths import REPO_ROOT
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+# A Llama-style shape small enough to count its FLOPs by hand (d_head 2, lm_head share 80 / 912 at width 8).
+_SHAPE = {
+    "hidden_size": 4,
+    "num_hidden_layers": 2,
+    "intermediate_size": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 10,
+}
 TOOL = REPO_ROOT / "tools" / "run_experiment.py"
 
 
@@ -221,14 +230,7 @@ def test_a_planned_run_trains_its_own_steps_with_its_window_and_schedule(dolma_s
 
 
 def test_forward_flops_and_scoring_forwards_hand_computed():
-    shape = {
-        "hidden_size": 4,
-        "num_hidden_layers": 2,
-        "intermediate_size": 8,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "vocab_size": 10,
-    }
+    shape = _SHAPE
     # d_head 2; attention weights 4 * (2 + 2) * 2 + 2 * 2 * 4 = 48, MLP 3 * 4 * 8 = 96, lm_head 40:
     # 2 * (2 * 144 + 40) = 656, attention scores 4 * 2 blocks * 8 * 2 heads * 2 = 256.
     assert forward_flops_per_token(shape, 8) == 656 + 256
@@ -239,14 +241,7 @@ def test_forward_flops_and_scoring_forwards_hand_computed():
 
 def test_run_flops_from_the_recorded_counts(tmp_path):
     """A run of 10 steps: 4 rows of width 8 trained a step, pools of 8 rows, 3 steps scored pool and validation."""
-    shape = {
-        "hidden_size": 4,
-        "num_hidden_layers": 2,
-        "intermediate_size": 8,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "vocab_size": 10,
-    }
+    shape = _SHAPE
     (tmp_path / "train_budget.json").write_text(
         json.dumps(
             {
@@ -277,17 +272,6 @@ def test_run_flops_from_the_recorded_counts(tmp_path):
     assert (flops["scored_pool_rows"], flops["scored_validation_rows"]) == (24, 6)
     assert flops["selection"] == pytest.approx(30 * 8 * 912 * 2.0)
     assert estimate_run_flops(tmp_path / "nothing") is None
-
-
-
-_SHAPE = {
-    "hidden_size": 4,
-    "num_hidden_layers": 2,
-    "intermediate_size": 8,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "vocab_size": 10,
-}
 
 
 def test_training_forwards_hand_computed():
@@ -334,6 +318,7 @@ def test_the_fine_tuning_recipe_plans_lora_training_work():
     assert expected < 1.0  # the top 4 of 30 blocks, forward and backward: well under one full forward
     per_row = work.train_width * forward_flops_per_token(shape, work.train_width)
     assert work.work(shape).train_flops == pytest.approx(work.train_rows * per_row * expected)
+
 
 # ---------------------------------------------------------------------------------------------- cost model (issue 34)
 def _samples(step, features=None, selection=None):
