@@ -307,17 +307,21 @@ def test_run_flops_of_a_lora_run_count_no_weight_gradients_of_the_frozen_blocks(
     assert estimate_run_flops(tmp_path)["train"] == pytest.approx(2 * 320 * 912)
 
 
-def test_the_fine_tuning_recipe_plans_lora_training_work():
+def test_a_lora_config_plans_lora_training_work():
+    # The fine-tuning recipe's settings (LoRA in the top blocks, the frozen prefix handed on) on the tiny LoRA config.
     from composer_algos.registry import load_run_config
 
-    cfg = load_run_config(REPO_ROOT / "yamls" / "smollm2-135m_dm_math.yaml", [])
+    overrides = ["model.lora.top_blocks=1", "model.reuse_scoring_prefix=true"]
+    cfg = load_run_config(REPO_ROOT / "yamls" / "testing" / "tiny_finetune.yaml", overrides)
     work = config_work(cfg)
-    assert (work.lora, work.lora_top_blocks, work.reuse_prefix) == (True, 4, True)
-    shape = dict(_SHAPE, num_hidden_layers=30)
-    expected = training_forwards(shape, work.train_width, adapted_blocks=4, reuse_prefix=True)
-    assert expected < 1.0  # the top 4 of 30 blocks, forward and backward: well under one full forward
-    per_row = work.train_width * forward_flops_per_token(shape, work.train_width)
-    assert work.work(shape).train_flops == pytest.approx(work.train_rows * per_row * expected)
+    assert (work.lora, work.lora_top_blocks, work.reuse_prefix) == (True, 1, True)
+    expected = training_forwards(_SHAPE, work.train_width, adapted_blocks=1, reuse_prefix=True)
+    assert expected < 3.0
+    per_row = work.train_width * forward_flops_per_token(_SHAPE, work.train_width)
+    assert work.work(_SHAPE).train_flops == pytest.approx(work.train_rows * per_row * expected)
+    plain = config_work(load_run_config(REPO_ROOT / "yamls" / "testing" / "tiny_finetune.yaml", []))
+    assert (plain.lora, plain.lora_top_blocks, plain.reuse_prefix) == (True, None, False)
+    assert plain.work(_SHAPE).train_flops == pytest.approx(plain.train_rows * per_row * 2.0)  # every block adapted
 
 
 # ---------------------------------------------------------------------------------------------- cost model (issue 34)
