@@ -110,12 +110,23 @@ class DataSelectionOptions:
 
     def capacity_policy(self):
         """The capacity policy the options give (`capacity_policy.parse_capacity_policy`); valid options only."""
-        from composer_algos.data_selection.capacity_policy import FractionsPolicy, parse_capacity_policy
+        from composer_algos.data_selection.capacity_policy import FractionsPolicy
 
         if self.capacity_fractions:
             weights = self.capacity_fractions if isinstance(self.capacity_fractions, str) else dict(self.capacity_fractions)
             return FractionsPolicy(weights=weights, source="algorithms.data_selection.capacity_fractions")
-        return parse_capacity_policy(self.capacities, where="capacities")
+        policy, _ = self._parsed_capacities
+        return policy
+
+    @functools.cached_property
+    def _parsed_capacities(self) -> tuple[Any, str | None]:
+        """`capacities` parsed once (a `file:` policy reads its file here): (policy, None) or (None, why not)."""
+        from composer_algos.data_selection.capacity_policy import parse_capacity_policy
+
+        try:
+            return parse_capacity_policy(self.capacities, where="capacities"), None
+        except (ValueError, FileNotFoundError) as e:
+            return None, str(e)
 
     def _run_problems(self) -> list[str]:
         """The strategy, the ratio, the scope and when selection runs."""
@@ -190,12 +201,9 @@ class DataSelectionOptions:
                 "capacities: {policy: fractions, weights: ...} (or capacities: uniform): keep one"
             )
         else:
-            try:
-                from composer_algos.data_selection.capacity_policy import parse_capacity_policy
-
-                policy = parse_capacity_policy(capacities, where="capacities")
-            except (ValueError, FileNotFoundError) as e:
-                problems.append(str(e))
+            policy, why_not = self._parsed_capacities
+            if why_not is not None:
+                problems.append(why_not)
         if policy is not None and capacities is not None and policy.name != "proportional" and known:
             ignored = _ignored_capacities(strategy, f"capacities {policy.describe()!r}", "them", "capacities")
             if ignored:

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-import pytest
-
-from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
 import lookahead as lookahead_tool  # noqa: E402  (tools/studies/lookahead.py)
+import pytest
 import shard as shard_tool  # noqa: E402
 import split_documents  # noqa: E402
 from sample_corpus import write_sample_corpus  # noqa: E402
+
+from tests.common.paths import REPO_ROOT
 
 YAML = REPO_ROOT / "yamls" / "study" / "ghpile.yaml"
 SEQ = 32

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
 
-from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
 import study_report  # noqa: E402
 
 

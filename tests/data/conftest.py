@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from sample_corpus import write_sample_corpus  # tools/sample_corpus.py
 
 from pipeline.tokenizer import DEMO_TOKENIZER, load_tokenizer
-from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-from sample_corpus import write_sample_corpus  # noqa: E402  (tools/sample_corpus.py)
 
 SCALE = 0.06
 

@@ -6,22 +6,18 @@ import collections
 import gzip
 import json
 import re
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
-
-from tests.common.paths import REPO_ROOT
-from tests.data.conftest import SCALE
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
 from sample_corpus import (  # noqa: E402  (tools/sample_corpus.py)
     generate_dolma_documents,
     generate_metamathqa,
     generate_mol_instructions,
     write_sample_corpus,
 )
+
+from tests.data.conftest import SCALE
 
 PAPER_SHARES = {  # MetaMathQA type shares in the paper's figure (percent)
     "GSM_AnsAug": 20.3, "GSM_Rephrased": 20.3, "MATH_AnsAug": 18.9, "MATH_Rephrased": 12.7,

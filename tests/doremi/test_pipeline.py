@@ -6,13 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from sample_corpus import write_sample_corpus  # tools/sample_corpus.py
 
 from composer_algos.doremi.compare import total_variation
 from composer_algos.mixture_io import read_mixture_csv, read_mixture_json
 from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-from sample_corpus import write_sample_corpus  # noqa: E402  (tools/sample_corpus.py)
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +20,6 @@ YAMLS = REPO_ROOT / "yamls" / "doremi"
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
     import shard as shard_tool  # tools/shard.py, the CLI users run
 
     root = tmp_path_factory.mktemp("doremi_corpus")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
+from comparison_plots import plot_conflicts  # tools/comparison_plots.py
 
 from pipeline.evaluation.conflicts import (
     aggregate_by_strategy,
@@ -18,9 +18,6 @@ from pipeline.evaluation.conflicts import (
     summarize_conflicts,
 )
 from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-from comparison_plots import plot_conflicts  # noqa: E402  (tools/comparison_plots.py)
 
 # The layout the selection callback writes (composer_algos.data_selection.mixture_monitor.SELECTION_LOG_COLUMNS,
 # then mixture/<domain> and pool/<domain>); spelled out so this test does not import Composer.

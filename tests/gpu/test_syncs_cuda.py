@@ -7,19 +7,14 @@ project's call sites. The budget is tests/training/test_step_syncs.py's.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+from step_audit import StepAuditor, format_counts
+from stepping import prepare_for_stepping
 
 import train
 from pipeline.config import load_config
-from tests.common.paths import REPO_ROOT
 from tests.training.conftest import tiny_overrides
 from tests.training.test_step_syncs import STRATEGIES, TINY, allowed_syncs
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-from step_audit import StepAuditor, format_counts  # noqa: E402
-from stepping import prepare_for_stepping  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
+from step_audit import SyncAudit  # tools/bench/step_audit.py
 
 from composer_algos.selection import select_partitionsel
 from composer_algos.selection.active_set_device import omp_exact_on_device
 from composer_algos.selection.objective import build_objective
 from composer_algos.selection.partitionsel import PartitionSelOptions, omp_select
 from composer_algos.selection.refit import default_grad_tol
-from tests.common.paths import REPO_ROOT
 from tests.selection.reference import make_instance
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-from step_audit import SyncAudit  # noqa: E402  (tools/bench/step_audit.py)
 
 ETA = 0.5
 

@@ -6,12 +6,10 @@ import re
 import subprocess
 import sys
 
+import bench_step  # tools/bench/bench_step.py; heavy imports happen in its functions
 import pytest
 
 from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import bench_step  # noqa: E402  (tools/bench/bench_step.py; heavy imports happen in its functions)
 
 
 def _row(r, *, none, random, ps, greats, fwd, feat, solve):

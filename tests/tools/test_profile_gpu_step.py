@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-
-import pytest
-
-from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
 import profile_gpu_step  # noqa: E402
+import pytest
 
 
 @pytest.mark.slow

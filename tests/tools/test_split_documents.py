@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
 import split_documents  # noqa: E402  (tools/split_documents.py)
 
 

@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-
-from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
 import run_experiment  # noqa: E402
 import study_dm_math  # noqa: E402
 

@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-
-from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
 import run_experiment  # noqa: E402
 import study_ghpile  # noqa: E402
 

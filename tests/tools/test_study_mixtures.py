@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
-
-from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
 import run_experiment  # noqa: E402
 import study_mixtures  # noqa: E402
+
+from tests.common.paths import REPO_ROOT
 
 SEL = "algorithms.data_selection"
 CORPORA = study_mixtures.corpora(REPO_ROOT / "runs" / "study", REPO_ROOT / "runs" / "ghpile")

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+import window_cost as wc
 
 from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import window_cost as wc  # noqa: E402
 
 # h 2, one block, one head of 2, MLP 1, vocabulary 3: attention weights h (1 + 2) 2 + 1 x 2 x h = 16,
 # MLP 3 x 2 x 1 = 6, so a block is 2 x 22 + 4 S 2 = 44 + 8 S FLOPs a token, the lm_head 2 x 2 x 3 = 12.

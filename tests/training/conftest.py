@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
 import shard as shard_tool  # noqa: E402  (tools/shard.py, the CLI users run)
 from sample_corpus import write_sample_corpus  # noqa: E402  (tools/sample_corpus.py)
 

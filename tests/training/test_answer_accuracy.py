@@ -67,9 +67,7 @@ def test_answer_accuracy_on_pretraining_shards_is_refused_before_anything_is_bui
 
 def test_calibration_runs_drop_the_evaluation_callbacks_with_the_eval_loader(math_shards, tmp_path):
     """run_experiment's calibration runs drop the eval_loader; a yaml with answer_accuracy must still be valid there."""
-    import sys
 
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
     import run_experiment
 
     yaml = tmp_path / "ft.yaml"

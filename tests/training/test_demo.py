@@ -65,7 +65,6 @@ def test_demo_runs_offline_end_to_end(tmp_path):
     ],
 )
 def test_mixture_note_says_whether_the_shares_were_chosen(strategy, capacities, says):
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
     from demo import mixture_note
 
     assert says in mixture_note(strategy, capacities)

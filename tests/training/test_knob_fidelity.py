@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 
+import knob_fidelity  # tools/studies/knob_fidelity.py
 import pytest
 
 from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import knob_fidelity  # noqa: E402  (tools/studies/knob_fidelity.py)
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
+import loader_mixture as lm
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
@@ -11,9 +10,6 @@ from omegaconf import OmegaConf
 from pipeline.config import DatasetConfig
 from pipeline.dataset import DomainStreamingDataset
 from tests.common.paths import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import loader_mixture as lm  # noqa: E402
 
 # A corpus shaped like dm_math's training split: one shard per domain, shares from 2.4% to 24%.
 DM_MATH_LIKE = np.array([2400, 3000, 600, 1500, 900, 2400, 1200, 300])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -110,7 +108,6 @@ def test_a_fine_tuning_run_trains_and_selects_as_with_the_full_projection(math_s
 
 
 def test_bench_logits_at_runs_and_finds_the_same_losses(math_shards, capsys):
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
     import bench_logits_at
 
     rc = bench_logits_at.main([
@@ -218,7 +215,6 @@ def test_reuse_scoring_prefix_needs_frozen_blocks_below_the_adapters():
 
 @pytest.mark.timeout(900)
 def test_bench_prefix_runs_both_and_hands_every_step_on(math_shards, capsys):
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
     import bench_prefix
 
     rc = bench_prefix.main([

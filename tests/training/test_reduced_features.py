@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 from composer_algos.data_selection.algorithm import DataSelection
 from composer_algos.selection import STRATEGIES
 from tests.common.models import tiny_llama
-from tests.common.paths import REPO_ROOT
 from tests.features.helpers import make_batch, tiny_lora
 from tests.training.fake_ranks import FakeState, ListLogger
 
@@ -56,10 +53,9 @@ def test_reduced_features_select_in_data_selection(features, lora, expected):
 
 
 def test_the_study_knob_ablations_parse_on_the_study_yaml():
-    from composer_algos.registry import load_run_config
-
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
     from study_dm_math import ABLATIONS, YAML
+
+    from composer_algos.registry import load_run_config
 
     sel = {name: load_run_config(YAML, ABLATIONS[name]).algorithms["data_selection"] for name in
            ("score_tokens32", "mlp_only", "interval2_stale", "interval2_random")}

@@ -12,19 +12,15 @@ for the exact OMP refit (partitionsel, iwd), the solver's host-driven active set
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
+from step_audit import StepAuditor, SyncAudit, format_counts  # tools/bench/step_audit.py
+from stepping import prepare_for_stepping  # tools/bench/stepping.py
 
 import train
 from pipeline.config import load_config
 from tests.common.paths import REPO_ROOT
 from tests.training.conftest import tiny_overrides
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-from step_audit import StepAuditor, SyncAudit, format_counts  # noqa: E402  (tools/bench/step_audit.py)
-from stepping import prepare_for_stepping  # noqa: E402  (tools/bench/stepping.py)
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 STRATEGIES = ["partitionsel", "greats", "id", "iwd", "gradnorm", "colm", "facloc", "uniprot", "random", "random_stratified"]

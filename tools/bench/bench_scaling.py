@@ -57,19 +57,10 @@ RECIPES = {
 }
 
 
-def make_instance(n: int, dim: int, num_domains: int, seed: int = 0):
-    """G ~ N(0, 1/D), gbar = 0.3 mean(G) + N(0, 1/D), uniform domains (as tools/bench/bench_selection.py)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    features = torch.randn(n, dim, generator=gen) / dim**0.5
-    val_feature = 0.3 * features.mean(0) + torch.randn(dim, generator=gen) / dim**0.5
-    domain_ids = torch.randint(0, num_domains, (n,), generator=gen)
-    return features, val_feature, domain_ids
-
-
 def time_solve(n: int, kappa: int, repeats: int, slow_s: float) -> tuple[float, float, int]:
     """Median (wall s, cpu s) of the exact PartitionSel solve, and how many runs were timed."""
+    from bench_selection import make_instance  # the quality-test instance family
+
     from composer_algos.selection import select_partitionsel
 
     features, val_feature, domain_ids = make_instance(n, DIM, NUM_DOMAINS)
