@@ -225,7 +225,7 @@ def test_strategies_share_one_prologue(fn):
 # below it, never one above: the cores never see the Composer shell, the shell never sees the analysis
 # or the wiring. docs/architecture.md draws the same table.
 LAYERS = (
-    ("composer_algos.losses", "composer_algos.seeding", "composer_algos.mixture_io"),  # shared vocabulary
+    ("composer_algos.losses", "composer_algos.seeding", "composer_algos.mixture_io", "composer_algos.causal_masks"),  # shared vocabulary
     ("composer_algos.selection", "composer_algos.features", "composer_algos.doremi"),  # pure cores
     ("composer_algos.models",),  # the causal LM and its frozen-block caches
     ("composer_algos.data_selection",),  # the Composer shell: DataSelection and its step

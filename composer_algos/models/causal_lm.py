@@ -14,6 +14,7 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from composer_algos.causal_masks import unpacked_rows_for
 from composer_algos.losses import (
     IGNORE_INDEX,
     per_example_losses,
@@ -65,6 +66,11 @@ class DomainCausalLM(HuggingFaceModel):
         return self._forward(batch)
 
     def _forward(self, batch: Any) -> Any:
+        # Rows without position ids are not packed: keep SDPA's causal path (composer_algos.causal_masks).
+        with unpacked_rows_for(batch):
+            return self._forward_unpacked(batch)
+
+    def _forward_unpacked(self, batch: Any) -> Any:
         if self.logits_at == "targets" and isinstance(batch, Mapping) and batch.get("labels") is not None:
             return self._target_forward(batch)
         if isinstance(batch, Mapping) and "use_cache" in self.model_forward_args and "use_cache" not in batch:
