@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from composer_algos.causal_masks import unpacked_rows
 from composer_algos.features.sketch import exact_layer_grads, sketch_layer_grads, sketch_matrices
 from composer_algos.features.targets import (
     TargetLayer,
@@ -223,8 +224,12 @@ def _forward_losses(
     precision_context: Callable[[], AbstractContextManager] | None,
     logits_at: str,
 ) -> torch.Tensor:
-    """The forward and the loss of `capture_layer_signals` in the precision context: (n,) per-example losses."""
-    with (precision_context or nullcontext)():
+    """The forward and the loss of `capture_layer_signals` in the precision context: (n,) per-example losses.
+
+    The rows carry no position ids, so they are not packed: the forward keeps SDPA's causal path
+    (`causal_masks.unpacked_rows`).
+    """
+    with (precision_context or nullcontext)(), unpacked_rows():
         if logits_at == "targets":
             with record_function("features/forward"):
                 logits_NV, targets_N, rows_N = target_position_logits(model, input_ids, attention_mask, labels)
