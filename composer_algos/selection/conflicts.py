@@ -46,4 +46,8 @@ def conflict_fraction(
         block_SS = rows_SD @ rows_SD.T
     # The pairs i < j: the block's strict upper triangle (the rest zeroed, and 0 is no conflict).
     conflicts = (torch.triu(block_SS, diagonal=1) < 0).sum()
-    return (conflicts.to(dtype) / (s * (s - 1) // 2)).to(dtype)
+    pairs = s * (s - 1) // 2
+    if dtype == torch.get_default_dtype():
+        # An integer tensor divides in the default dtype, casting both sides as `.to(dtype)` would: one op fewer.
+        return conflicts / pairs
+    return conflicts.to(dtype) / pairs
