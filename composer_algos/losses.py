@@ -16,16 +16,44 @@ __all__ = ["IGNORE_INDEX", "mask_and_labels", "per_token_losses", "per_example_l
 def mask_and_labels(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's `attention_mask` and `labels`, with the defaults every scoring path uses.
 
-    Missing mask: all ones. Missing labels: the inputs, with padding ignored (IGNORE_INDEX).
+    Missing mask: all ones, as a cached read-only view of one 1 (no op for a shape seen before;
+    writing into it raises). Missing labels: the inputs, with padding ignored (IGNORE_INDEX).
     """
     input_ids = batch["input_ids"]
     mask = batch.get("attention_mask")
     if mask is None:
-        mask = torch.ones_like(input_ids)
+        mask = _ones_view(input_ids)
     labels = batch.get("labels")
     if labels is None:
         labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
     return mask, labels
+
+
+_ONES: dict[tuple[torch.device, torch.dtype, tuple[int, ...] | None], torch.Tensor] = {}  # None: the 0-dim one
+
+
+def _ones_view(like: torch.Tensor) -> torch.Tensor:
+    """Ones of `like`'s shape, dtype and device: a cached `expand` of one 0-dim tensor (per device and dtype).
+
+    Read-only (writing into it raises, as into any expanded tensor); no op at all for a shape seen
+    before. A shape of at most one element (whose view could be written) gets a fresh tensor.
+    """
+    device, dtype, shape = like.device, like.dtype, tuple(like.shape)
+    if like.numel() <= 1:
+        return torch.ones_like(like)
+    view = _ONES.get((device, dtype, shape))
+    if view is None:
+        one = _ONES.get((device, dtype, None))
+        if one is None:
+            with torch.inference_mode(False), torch.no_grad():
+                # A host one is made as the project makes host tensors: without `device=`.
+                one = torch.ones((), dtype=dtype) if device.type == "cpu" else torch.ones((), dtype=dtype, device=device)
+            _ONES[(device, dtype, None)] = one
+        if len(_ONES) > 64:  # a few shapes recur (the pool's, the validation batch's): keep the cache small
+            _ONES.clear()
+            _ONES[(device, dtype, None)] = one
+        view = _ONES[(device, dtype, shape)] = one.expand(shape)
+    return view
 
 
 def per_token_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,13 +72,16 @@ def per_token_losses(logits_nTV: torch.Tensor, labels_nT: torch.Tensor) -> tuple
         ``(loss_nT, mask_nT)``: the per-token loss (0 where no target) and the bool target mask.
     """
     n, t, v = logits_nTV.shape
-    targets_nT = torch.cat([labels_nT[:, 1:], labels_nT.new_full((n, 1), IGNORE_INDEX)], dim=1)
+    targets_nT = torch.cat([labels_nT.narrow(1, 1, t - 1), labels_nT.new_full((n, 1), IGNORE_INDEX)], dim=1)
+    is_target_nT = targets_nT != IGNORE_INDEX
     logits_MV = logits_nTV.reshape(n * t, v).float()
+    targets_M = targets_nT.view(-1)
     if logits_MV.requires_grad and torch.is_grad_enabled():
-        loss_M, _ = _TokenCrossEntropy.apply(logits_MV, targets_nT.reshape(-1))
+        # The target masks and safe indices once here, for the forward and the backward.
+        loss_M, _ = _TokenCrossEntropy.apply(logits_MV, targets_M.clamp_min(0).unsqueeze(1), ~is_target_nT.view(-1))
     else:
-        loss_M = F.cross_entropy(logits_MV, targets_nT.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
-    return loss_M.view(n, t), targets_nT != IGNORE_INDEX
+        loss_M = F.cross_entropy(logits_MV, targets_M, ignore_index=IGNORE_INDEX, reduction="none")
+    return loss_M.view(n, t), is_target_nT
 
 
 def target_token_losses(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
@@ -115,6 +146,10 @@ def row_means(values_N: torch.Tensor, rows_N: torch.Tensor, n_rows: int) -> torc
 class _TokenCrossEntropy(torch.autograd.Function):
     """`F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")` with a lighter backward.
 
+    Called as `apply(logits_MV, safe_M1, ignored_M)`: the targets clamped to >= 0 as an (M, 1)
+    index (`targets.clamp_min(0).unsqueeze(1)`) and the bool mask of positions without a target
+    (`targets == -100`), which the caller computes once for the forward and the backward.
+
     The same values bit for bit, and the same gradient formula as the composed `log_softmax` +
     `nll_loss` (whose backward is `go - exp(logp) * sum(go)` with `go` zero but `-g` at the
     target, so `exp(logp) * g` off the target and `exp(logp) * g - g` on it); the gradient differs
@@ -137,28 +172,28 @@ class _TokenCrossEntropy(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(logits_MV: torch.Tensor, targets_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        logits_MV: torch.Tensor, safe_M1: torch.Tensor, ignored_M: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         logp_MV = torch.log_softmax(logits_MV, dim=-1)
-        valid_M = targets_M != IGNORE_INDEX
-        safe_M1 = targets_M.clamp_min(0).unsqueeze(1)
         loss_M = -logp_MV.gather(1, safe_M1).squeeze(1)
-        loss_M = loss_M.masked_fill(~valid_M, 0.0)
+        loss_M = loss_M.masked_fill(ignored_M, 0.0)
         # The log-probabilities are an output only so that setup_context can save them (a forward
         # without ctx cannot save intermediates); they are not differentiable and callers drop them.
         return loss_M, logp_MV
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        _logits_MV, targets_M = inputs
+        _logits_MV, safe_M1, ignored_M = inputs
         _loss_M, logp_MV = output
         ctx.mark_non_differentiable(logp_MV)
         ctx.set_materialize_grads(False)  # no zero (M, V) gradient for the log-probabilities output
-        ctx.save_for_backward(logp_MV, targets_M.clamp_min(0).unsqueeze(1), targets_M != IGNORE_INDEX)
+        ctx.save_for_backward(logp_MV, safe_M1, ignored_M)
         ctx.consumed = False
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_M: torch.Tensor | None, _g_logp: None) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx, g_M: torch.Tensor | None, _g_logp: None) -> tuple[torch.Tensor | None, None, None]:
         if ctx.consumed:
             raise RuntimeError(
                 "per_token_losses: a second backward through the same graph (retain_graph=True) is not "
@@ -166,19 +201,19 @@ class _TokenCrossEntropy(torch.autograd.Function):
             )
         ctx.consumed = True
         if g_M is None:
-            return None, None
-        logp_MV, safe_M1, valid_M = ctx.saved_tensors
-        g_M1 = g_M.masked_fill(~valid_M, 0.0).unsqueeze(1)
+            return None, None, None
+        logp_MV, safe_M1, ignored_M = ctx.saved_tensors
+        g_M1 = g_M.masked_fill(ignored_M, 0.0).unsqueeze(1)
         if _functorch_wrapped(logp_MV, g_M):
             # Under a torch.func transform (vmap over this backward, as jacrev does, batches `g`
             # but not the saved buffer, and in-place ops cannot write a batched value into an
             # unbatched tensor): the same formula out of place, with the in-place scatter that
             # has a vmap batching rule (scatter_add_ has none and falls back to a per-example loop).
             grad_MV = logp_MV.exp() * g_M1
-            return grad_MV.scatter_reduce_(1, safe_M1, -g_M1, "sum"), None
+            return grad_MV.scatter_reduce_(1, safe_M1, -g_M1, "sum"), None, None
         grad_MV = logp_MV.exp_().mul_(g_M1)  # the saved buffer becomes the gradient
         grad_MV.scatter_add_(1, safe_M1, -g_M1)
-        return grad_MV, None
+        return grad_MV, None, None
 
 
 def _functorch_wrapped(*tensors: torch.Tensor) -> bool:

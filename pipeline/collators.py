@@ -33,17 +33,18 @@ class PretrainCollator:
         self.max_seq_len = max_seq_len
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        # Built in NumPy, then wrapped (no copy): one torch op per field, none per row.
         ids = [np.asarray(s["input_ids"], dtype=np.int64)[: self.max_seq_len] for s in samples]
-        input_ids_BT = torch.full((len(ids), self.max_seq_len), self.pad_token_id, dtype=torch.long)
-        attention_mask_BT = torch.zeros((len(ids), self.max_seq_len), dtype=torch.long)
+        input_ids_BT = np.full((len(ids), self.max_seq_len), self.pad_token_id, dtype=np.int64)
+        attention_mask_BT = np.zeros((len(ids), self.max_seq_len), dtype=np.int64)
         for b, seq in enumerate(ids):
-            input_ids_BT[b, : len(seq)] = torch.from_numpy(seq)
+            input_ids_BT[b, : len(seq)] = seq
             attention_mask_BT[b, : len(seq)] = 1
-        labels_BT = input_ids_BT.masked_fill(attention_mask_BT == 0, IGNORE_INDEX)
+        labels_BT = np.where(attention_mask_BT == 0, IGNORE_INDEX, input_ids_BT)
         return {
-            "input_ids": input_ids_BT,
-            "attention_mask": attention_mask_BT,
-            "labels": labels_BT,
+            "input_ids": torch.from_numpy(input_ids_BT),
+            "attention_mask": torch.from_numpy(attention_mask_BT),
+            "labels": torch.from_numpy(labels_BT),
             "domain_id": _domain_ids(samples),
             **_sample_ids(samples),
         }
@@ -74,18 +75,18 @@ class FinetuneCollator:
             seqs.append((np.concatenate([prompt, response]), len(prompt)))
         longest = max(len(s) for s, _ in seqs)
         T = min(self.max_seq_len, -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of)
-        input_ids_BT = torch.full((len(seqs), T), self.pad_token_id, dtype=torch.long)
-        labels_BT = torch.full((len(seqs), T), IGNORE_INDEX, dtype=torch.long)
-        attention_mask_BT = torch.zeros((len(seqs), T), dtype=torch.long)
+        # Built in NumPy, then wrapped (no copy): one torch op per field, none per row.
+        input_ids_BT = np.full((len(seqs), T), self.pad_token_id, dtype=np.int64)
+        labels_BT = np.full((len(seqs), T), IGNORE_INDEX, dtype=np.int64)
+        attention_mask_BT = np.zeros((len(seqs), T), dtype=np.int64)
         for b, (seq, n_prompt) in enumerate(seqs):
-            t = torch.from_numpy(seq)
-            input_ids_BT[b, : len(seq)] = t
+            input_ids_BT[b, : len(seq)] = seq
             attention_mask_BT[b, : len(seq)] = 1
-            labels_BT[b, n_prompt : len(seq)] = t[n_prompt:]
+            labels_BT[b, n_prompt : len(seq)] = seq[n_prompt:]
         return {
-            "input_ids": input_ids_BT,
-            "attention_mask": attention_mask_BT,
-            "labels": labels_BT,
+            "input_ids": torch.from_numpy(input_ids_BT),
+            "attention_mask": torch.from_numpy(attention_mask_BT),
+            "labels": torch.from_numpy(labels_BT),
             "domain_id": _domain_ids(samples),
             **_sample_ids(samples),
         }

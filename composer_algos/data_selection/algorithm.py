@@ -358,8 +358,8 @@ class DataSelection(Algorithm):
         same = os.path.realpath(os.fspath(train_dir)) == os.path.realpath(os.fspath(shard_dir))
         return trained if same else None
 
-    def _prepare(self, state: State, n: int, domain_N: torch.Tensor) -> None:
-        """Settle what the first batch tells: kappa, the validation source, the domain names."""
+    def _prepare(self, state: State, n: int, domain_N: torch.Tensor) -> torch.Tensor:
+        """Settle what the first batch tells: kappa, the validation source, the domain names; returns the pool's (C,) counts."""
         if self.kappa is None:
             dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
             self._trained_domains = _trained_domain_names(dataset)
@@ -369,10 +369,10 @@ class DataSelection(Algorithm):
             dataset = getattr(getattr(state, "train_dataloader", None), "dataset", None)
             names = getattr(dataset, "domain_names", None)
             self.domain_names = list(names) if names is not None else []
-        if domain_N.numel():
-            self._grow_domains(int(domain_N.max()) + 1)
-        else:
-            self._resolve_fractions()
+        # One count on the host sizes C too: its length is max(C, largest id + 1).
+        pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
+        self._grow_domains(int(pool_C.shape[0]))
+        return pool_C
 
     def _grow_domains(self, top: int) -> None:
         """Name the ids below `top` beyond the known names (no manifest) `domain_<i>`; C only grows.
@@ -444,8 +444,7 @@ class DataSelection(Algorithm):
                 f"{self.domain_key!r}; got {keys} (set domain_key, or use pipeline's collators)"
             )
         domain_N = batch[self.domain_key]
-        self._prepare(state, int(domain_N.shape[0]), domain_N)
-        pool_C = torch.bincount(domain_N.cpu(), minlength=self.num_domains)
+        pool_C = self._prepare(state, int(domain_N.shape[0]), domain_N)
         pool_ids = batch.get("sample_id")  # the pool's dataset indices, for MixtureMonitor(log_selected_ids=True)
         if self.strategy == "none":
             record_step(logger, method="none", strategy="none", pool_counts_C=pool_C, pool_sample_ids_N=pool_ids)

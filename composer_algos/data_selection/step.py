@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from composer.utils import dist
 
@@ -333,7 +334,8 @@ def settle_on_host(
 
     Everything the host needs from the device after a local solve (the selected indices, weights,
     objective and counters, the deferred checks of the features and of the strategy, and the
-    `extras` the step logs) is concatenated as float64 and copied once. The checks are then judged
+    `extras` the step logs) is concatenated as float64 and copied once (`selection.types.host_values`:
+    a few ops for all of it, none per field). The checks are then judged
     in the order of `checks`; the first that fails makes the step fall back to `random_stratified`
     within the capacities, computed on the host from the step's seed (as `solve_problem` would), so
     the fallback costs no further sync. Values already on the host are read where they are.
@@ -348,10 +350,12 @@ def settle_on_host(
         extras: name -> 0-dim tensor to read with the rest (e.g. the conflict fraction).
 
     Returns:
-        `(outcome with a host result, extras as floats, failed checks: name -> message)`; `extras`
-        is empty after a fallback, and so is the failed-checks mapping when every check passed.
+        `(outcome with a host result, extras as floats, failed checks: name -> message)`; the host
+        result's tensor `info` entries are Python numbers there. `extras` is empty after a fallback,
+        and so is the failed-checks mapping when every check passed.
     """
     from composer_algos.selection import get_strategy
+    from composer_algos.selection.types import host_values
 
     result = outcome.result
     host_domains = problem.domain_P if problem.domain_P.device.type == "cpu" else None
@@ -366,10 +370,9 @@ def settle_on_host(
     fields += [(f"extra:{k}", v) for k, v in (extras or {}).items()]
     for name, c in checks.items():
         fields += [(f"check:{name}:{i}", part) for i, part in enumerate(c.packed())]
-    host = _fetch([t for _, t in fields])
-    values = dict(zip((name for name, _ in fields), host))
+    values = dict(zip((name for name, _ in fields), host_values([t for _, t in fields])))
     failed = _judge(checks, values)
-    extra_values = {k[len("extra:"):]: float(v) for k, v in values.items() if k.startswith("extra:")}
+    extra_values = {k[len("extra:"):]: v[0] for k, v in values.items() if k.startswith("extra:")}
     if failed:
         name, message = next(iter(failed.items()))
         fallback = outcome.fallback or f"{name} ({message})"
@@ -382,69 +385,58 @@ def settle_on_host(
     return SolveOutcome(host_result, outcome.strategy, outcome.fallback, caps), extra_values, {}
 
 
-def _judge(checks: Mapping[str, Any], values: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def _judge(checks: Mapping[str, Any], values: Mapping[str, list[float]]) -> dict[str, str]:
     """The deferred checks judged in order from the fetched values: the first failure's name -> message."""
     from composer_algos.features import FeatureError
     from composer_algos.selection import SelectionNumericsError
 
     for name, c in checks.items():
-        parts = [values[f"check:{name}:{i}"].reshape(-1) for i in range(len(c.packed()))]
         try:
-            c.judge(torch.cat(parts).tolist() if parts else [])
+            c.judge([v for i in range(len(c.packed())) for v in values[f"check:{name}:{i}"]])
         except (FeatureError, SelectionNumericsError) as e:
             return {name: str(e)}
     return {}
 
 
 def _host_result(
-    result: Any, values: Mapping[str, torch.Tensor], host_domains: torch.Tensor | None, num_domains: int
+    result: Any, values: Mapping[str, list[float]], host_domains: torch.Tensor | None, num_domains: int
 ) -> Any:
-    """The selection rebuilt from the fetched values, in the device result's dtypes; counts from host ids."""
+    """The selection rebuilt on the host from the fetched values, in the device result's dtypes; counts from host ids.
+
+    The tensor-valued `info` entries (0-dim) become Python numbers (int, bool or float after their
+    dtype): read on the host once, they cost nothing to log.
+    """
     from composer_algos.selection import SelectionResult
 
-    indices = values["indices"].long()
+    indices = torch.tensor(values["indices"], dtype=torch.long)
     counts_C = (
-        torch.bincount(host_domains.index_select(0, indices), minlength=num_domains)
+        torch.bincount(host_domains[indices], minlength=num_domains)
         if host_domains is not None
-        else values["domain_counts"].long()
+        else torch.tensor(values["domain_counts"], dtype=torch.long)
     )
+    info = {k: v for k, v in result.info.items() if not isinstance(v, torch.Tensor)}  # host numbers as they are
+    for key, value in result.info.items():
+        if isinstance(value, torch.Tensor):
+            info[key] = _host_number(values[f"info:{key}"], value)
+    weights, objective = result.weights, result.objective
     return SelectionResult(
         indices=indices,
         domain_counts=counts_C,
-        weights=values["weights"].to(result.weights.dtype) if result.weights is not None else None,
-        objective=values["objective"].to(result.objective.dtype) if result.objective is not None else None,
-        info={
-            **{k: v for k, v in result.info.items() if not isinstance(v, torch.Tensor)},  # host numbers as they are
-            **{k[len("info:"):]: v.to(result.info[k[len("info:"):]].dtype) for k, v in values.items() if k.startswith("info:")},
-        },
+        weights=torch.tensor(values["weights"], dtype=weights.dtype) if weights is not None else None,
+        objective=torch.tensor(values["objective"][0], dtype=objective.dtype) if objective is not None else None,
+        info=info,
     )
 
 
-def _fetch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor on the host, in one copy per device they live on (float64: exact for indices and float32).
-
-    The tensors of the accelerator make ONE transfer; those already on the host are concatenated
-    there (the same code path on every device, so a CPU run exercises what a GPU run does).
-    """
-    groups: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.device, []).append(i)
-    out = list(tensors)
-    for members in groups.values():
-        # One concatenation and one conversion per dtype, then one copy (few kernels for many fields).
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in members:
-            by_dtype.setdefault(tensors[i].dtype, []).append(i)
-        order = [i for idx in by_dtype.values() for i in idx]
-        flat = torch.cat(
-            [torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(torch.float64) for idx in by_dtype.values()]
-        ).cpu()
-        offset = 0
-        for i in order:
-            n = tensors[i].numel()
-            out[i] = flat[offset : offset + n].reshape(tensors[i].shape)
-            offset += n
-    return out
+def _host_number(read: list[float], like: torch.Tensor) -> Any:
+    """A fetched `info` value: a Python number of `like`'s kind when 0-dim, else a host tensor of its dtype and shape."""
+    if like.dim() > 0:
+        return torch.tensor(read, dtype=like.dtype).reshape(like.shape)
+    if like.dtype == torch.bool:
+        return bool(read[0])
+    if like.is_floating_point():
+        return read[0]
+    return int(read[0])
 
 
 def redistribute(
@@ -592,8 +584,12 @@ def selection_metrics(
 
 
 def selection_hash(indices_K: torch.Tensor) -> int:
-    """A 24-bit digest of the selected pool positions (exact in float32 loggers), to compare runs and ranks."""
-    digest = hashlib.sha1(torch.sort(indices_K.cpu()).values.numpy().tobytes()).digest()
+    """A 24-bit digest of the selected pool positions (exact in float32 loggers), to compare runs and ranks.
+
+    The bytes hashed are the sorted positions in the indices' own integer dtype (sorted on the host, in NumPy).
+    """
+    positions = np.sort(np.asarray(indices_K.cpu().tolist(), dtype=str(indices_K.dtype).removeprefix("torch.")))
+    digest = hashlib.sha1(positions.tobytes()).digest()
     return int.from_bytes(digest[:3], "little")
 
 
@@ -626,14 +622,19 @@ def record_step(
     traces: dict[str, Any] = {
         "selection/method": method,
         "selection/strategy": strategy,
-        "selection/pool_counts": pool_counts_C.detach().cpu(),
+        "selection/pool_counts": _on_host(pool_counts_C),
     }
     if pool_sample_ids_N is not None:
-        traces["selection/pool_sample_ids"] = pool_sample_ids_N.detach().cpu()
+        traces["selection/pool_sample_ids"] = _on_host(pool_sample_ids_N)
     if capacities_C is not None:
-        traces["selection/capacities"] = capacities_C.detach().cpu()
+        traces["selection/capacities"] = _on_host(capacities_C)
         traces["selection/capacities_shared"] = bool(capacities_shared)
     logger.log_traces(traces)
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host, detached (a host tensor outside autograd as it is: no op)."""
+    return (t.detach() if t.requires_grad else t).cpu()
 
 
 def subset_batch(batch: Mapping[str, Any], idx: torch.Tensor, n: int) -> dict[str, Any]:
@@ -674,7 +675,11 @@ def _step_generator(spec, problem, num_domains, seed, fractions, capacity_fn):
         return gen, None
     # On the host (free there; the capacities are host arithmetic): a gathered pool's ids live on
     # the device, and moving their counts is that case's one extra sync.
-    counts_C = count_domains(problem.domain_P, num_domains).cpu()
+    ids_P = problem.domain_P
+    on_host = ids_P.device.type == "cpu" and not problem.gathered
+    counts_C = torch.bincount(ids_P, minlength=num_domains) if on_host else count_domains(ids_P, num_domains).cpu()
+    if counts_C.shape[0] != num_domains:
+        raise ValueError(f"the pool holds domain ids >= num_domains={num_domains} (counts {counts_C.tolist()})")
     if capacity_fn is not None:
         return gen, capacity_fn(counts_C, min(problem.kappa, int(problem.domain_P.shape[0])), gen)
     return gen, compute_capacities(counts_C, problem.kappa, fractions, generator=gen)
@@ -707,7 +712,8 @@ def _run_strategy(spec, strategy, problem, features, gbar, num_domains, eta, gen
         if result.objective is not None:
             check_or_defer(result.objective, partial(_judge_objective, strategy))
         if result.weights is not None:
-            check_or_defer(torch.isfinite(result.weights).all(), partial(_judge_weights, strategy))
+            # One reduction: the largest |weight| is finite exactly when every weight is (a NaN propagates).
+            check_or_defer(torch.linalg.vector_norm(result.weights, float("inf")), partial(_judge_weights, strategy))
     except (SelectionNumericsError, torch.linalg.LinAlgError) as e:
         return None, f"{strategy} failed numerically ({e})"
     return result, None
@@ -723,5 +729,5 @@ def _judge_objective(strategy: str, values: list[float]) -> None:
 def _judge_weights(strategy: str, values: list[float]) -> None:
     from composer_algos.selection import SelectionNumericsError
 
-    if not all(values):
+    if not all(math.isfinite(v) for v in values):
         raise SelectionNumericsError(f"{strategy} returned non-finite weights")

@@ -44,6 +44,10 @@ def conflict_fraction(
     else:
         rows_SD = features_or_gram[idx_S]
         block_SS = rows_SD @ rows_SD.T
-    upper_SS = torch.triu(torch.ones(s, s, dtype=torch.bool, device=block_SS.device), diagonal=1)
-    conflicts = ((block_SS < 0) & upper_SS).sum()
-    return (conflicts.to(dtype) / (s * (s - 1) // 2)).to(dtype)
+    # The pairs i < j: the block's strict upper triangle (the rest zeroed, and 0 is no conflict).
+    conflicts = (torch.triu(block_SS, diagonal=1) < 0).sum()
+    pairs = s * (s - 1) // 2
+    if dtype == torch.get_default_dtype():
+        # An integer tensor divides in the default dtype, casting both sides as `.to(dtype)` would: one op fewer.
+        return conflicts / pairs
+    return conflicts.to(dtype) / pairs

@@ -32,6 +32,7 @@ __all__ = [
     "DeferredChecks",
     "deferring_checks",
     "check_or_defer",
+    "host_values",
     "SelectionNumericsError",
 ]
 
@@ -50,7 +51,7 @@ class DeferredChecks:
 
     A check that reads a device value on the host (are the features finite? is the objective?)
     makes the host wait for the accelerator. Inside a `deferring_checks` block, `check_or_defer`
-    records the values instead (as float64 on their device) with a judge; the caller later moves
+    records the values instead (as they are, on their device) with a judge; the caller later moves
     `packed()` to the host with everything else the step reads there, and `judge` runs the judges
     in order on those host values: the first failing one raises its error.
     """
@@ -59,11 +60,14 @@ class DeferredChecks:
         self._parts: list[torch.Tensor] = []
         self._judges: list[tuple[int, Callable[[list[float]], None]]] = []
 
-    def add(self, values: torch.Tensor, judge: Callable[[list[float]], None]) -> None:
-        """Record `values` (any shape, numbers) and the function that raises when they are bad."""
-        flat = values.detach().reshape(-1)  # converted to float64 by whoever transfers them (one op for all)
-        self._parts.append(flat)
-        self._judges.append((int(flat.numel()), judge))
+    def add(self, values: torch.Tensor | Sequence[torch.Tensor], judge: Callable[[list[float]], None]) -> None:
+        """Record `values` (a tensor of any shape, or several judged together in order) and the function that raises when they are bad."""
+        # Kept as they are (detached only when in a graph, not to keep it alive): whoever transfers them
+        # flattens and converts them, a few ops for all (`host_values`).
+        parts = [values] if isinstance(values, torch.Tensor) else list(values)
+        parts = [p.detach() if p.requires_grad else p for p in parts]
+        self._parts += parts
+        self._judges.append((sum(int(p.numel()) for p in parts), judge))
 
     @property
     def width(self) -> int:
@@ -71,7 +75,7 @@ class DeferredChecks:
         return sum(n for n, _ in self._judges)
 
     def packed(self) -> list[torch.Tensor]:
-        """The recorded values (flat, in their dtypes), in order (for the caller's one transfer)."""
+        """The recorded tensors (any shape, in their dtypes), in order (for the caller's one transfer)."""
         return list(self._parts)
 
     def judge(self, host_values: Sequence[float]) -> None:
@@ -95,13 +99,47 @@ def deferring_checks(checks: DeferredChecks) -> Iterator[DeferredChecks]:
         _DEFERRED.reset(token)
 
 
-def check_or_defer(values: torch.Tensor, judge: Callable[[list[float]], None]) -> None:
-    """Judge `values` now (one host sync), or record them when a `deferring_checks` block is open."""
+def check_or_defer(values: torch.Tensor | Sequence[torch.Tensor], judge: Callable[[list[float]], None]) -> None:
+    """Judge `values` (a tensor, or several in order) now (one host sync), or record them when a `deferring_checks` block is open."""
     checks = _DEFERRED.get()
     if checks is not None:
         checks.add(values, judge)
     else:
-        judge(values.detach().reshape(-1).to(torch.float64).tolist())
+        parts = [values] if isinstance(values, torch.Tensor) else list(values)
+        judge([v for part in host_values(parts) for v in part])
+
+
+def host_values(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Each tensor's numbers (flattened, in order) as Python floats, read in one transfer per device.
+
+    Float64 on the way: exact for integers below 2**53 and for float32/float64 values. A tensor
+    given twice (the same object) travels once. Per device the tensors are grouped by dtype: a
+    group's 0-dim tensors are stacked, the group concatenated and converted to float64 once, the
+    groups concatenated and the result read with one `tolist` (a few kernels for any number of
+    tensors, none per tensor; nothing to detach under `no_grad`).
+    """
+    by_device: dict[torch.device, dict[torch.dtype, dict[int, torch.Tensor]]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, {}).setdefault(t.dtype, {})[id(t)] = t
+    read: dict[int, list[float]] = {}
+    with torch.no_grad():
+        for groups in by_device.values():
+            order: list[torch.Tensor] = []
+            pieces = []
+            for members in groups.values():
+                rows = [t for t in members.values() if t.dim() > 0]
+                scalars = [t for t in members.values() if t.dim() == 0]
+                parts = [t if t.dim() == 1 else t.reshape(-1) for t in rows]
+                if scalars:
+                    parts.append(torch.stack(scalars) if len(scalars) > 1 else scalars[0].reshape(1))
+                order += rows + scalars
+                pieces.append((torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.float64))
+            flat = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).tolist()
+            offset = 0
+            for t in order:
+                read[id(t)] = flat[offset : offset + t.numel()]
+                offset += t.numel()
+    return [read[id(t)] for t in tensors]
 
 
 @dataclass
@@ -451,15 +489,20 @@ def _placed_inputs(
     src_dtype = anchor.dtype if anchor is not None else torch.float32
     dtype = src_dtype if src_dtype in (torch.float32, torch.float64) else torch.float32
 
-    ids_host = counts_host = capacities_host = None
+    ids_host = counts_host = capacities_host = cap_min = None
+    if capacities is not None:
+        _check_capacities_type(strategy, capacities, num_domains)
+    # The capacities' minimum is read with the ids' range when they live together (the step's: on the host).
+    with_caps = capacities is not None and capacities.device == domain_ids.device
     if n > 0:
         # One sync when the ids live on an accelerator; none for host ids (the training loop's).
-        lo_hi = torch.stack([domain_ids.min(), domain_ids.max()]).tolist()
-        if lo_hi[0] < 0 or lo_hi[1] >= num_domains:
+        bounds = torch.stack([*torch.aminmax(domain_ids), *([capacities.min()] if with_caps else [])]).tolist()
+        if bounds[0] < 0 or bounds[1] >= num_domains:
             raise ValueError(
                 f"{strategy}: `domain_ids` must lie in [0, num_domains={num_domains}), "
-                f"got values in [{lo_hi[0]}, {lo_hi[1]}]"
+                f"got values in [{bounds[0]}, {bounds[1]}]"
             )
+        cap_min = bounds[2] if with_caps else None
     if domain_ids.device.type == "cpu":
         ids_host = domain_ids.long()
         counts_host = torch.bincount(ids_host, minlength=num_domains)
@@ -478,7 +521,7 @@ def _placed_inputs(
         # strategies' cheap check of diag(K).
         check_finite(strategy, gram=gram)
     if capacities is not None:
-        capacities, capacities_host = _checked_capacities(strategy, capacities, num_domains, device)
+        capacities, capacities_host = _checked_capacities(strategy, capacities, device, cap_min)
     return SelectionInputs(
         n=n,
         k=min(kappa, n),
@@ -578,13 +621,8 @@ def _check_validation_shapes(
         raise ValueError(f"{strategy}: needs `val_rows` (the validation examples' features, (V, D)), got None")
 
 
-def _checked_capacities(
-    strategy: str, capacities: Any, num_domains: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``capacities`` checked where they are (host capacities, the step's, cost no sync), then on ``device``.
-
-    Returns the capacities on the device and the host copy (None when they came from a device).
-    """
+def _check_capacities_type(strategy: str, capacities: Any, num_domains: int) -> None:
+    """``capacities`` is an integer tensor of shape ``(C,)``."""
     if (
         not isinstance(capacities, torch.Tensor)
         or capacities.shape != (num_domains,)
@@ -595,7 +633,19 @@ def _checked_capacities(
             f"{strategy}: `capacities` must be an integer tensor of shape ({num_domains},), "
             f"got {_describe(capacities)}"
         )
-    if num_domains > 0 and bool((capacities < 0).any()):
+
+
+def _checked_capacities(
+    strategy: str, capacities: torch.Tensor, device: torch.device, minimum: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``capacities`` (type already checked) checked >= 0 where they are (host capacities, the step's, cost no sync), then on ``device``.
+
+    ``minimum``: their smallest value when the caller read it already (with the ids' range).
+    Returns the capacities on the device and the host copy (None when they came from a device).
+    """
+    if minimum is None:
+        minimum = int(capacities.min())  # C >= 1 (checked before)
+    if minimum < 0:
         raise ValueError(f"{strategy}: `capacities` must be >= 0, got {capacities.tolist()}")
     capacities_host = capacities.long() if capacities.device.type == "cpu" else None
     return capacities.to(device=device, dtype=torch.long, non_blocking=True), capacities_host
@@ -648,8 +698,7 @@ def finish_result(
     info: dict[str, torch.Tensor | int | float] | None = None,
 ) -> SelectionResult:
     """Sort the selection ascending (weights follow) and count it per domain."""
-    order_S = torch.argsort(indices_S)
-    indices_S = indices_S[order_S]
+    indices_S, order_S = torch.sort(indices_S)  # the sorted values and their order in one op
     if weights_S is not None:
         weights_S = weights_S[order_S]
     counts_C = count_domains(domain_ids_N.index_select(0, indices_S), num_domains)
@@ -683,19 +732,24 @@ def check_finite(strategy: str, **tensors: torch.Tensor) -> None:
     Raises:
         SelectionNumericsError: naming the non-finite tensors.
     """
-    names = [name for name, t in tensors.items() if t is not None and t.numel() > 0]
+    # Integer and bool tensors are finite by construction.
+    names = [
+        name for name, t in tensors.items()
+        if t is not None and t.numel() > 0 and (t.is_floating_point() or t.is_complex())
+    ]
     if not names:
         return
 
-    def judge(finite: list[float]) -> None:
-        bad = [name for name, ok in zip(names, finite) if not ok]
+    def judge(largest: list[float]) -> None:
+        bad = [name for name, m in zip(names, largest) if not math.isfinite(m)]
         if bad:
             raise SelectionNumericsError(
                 f"{strategy}: non-finite values (NaN/inf) in {bad}; the gradient features or the validation "
                 "feature are broken (fall back to `random` for this step)"
             )
 
-    check_or_defer(torch.stack([torch.isfinite(tensors[name]).all() for name in names]), judge)
+    # One reduction per tensor: its largest |value| is finite exactly when all its values are (a NaN propagates).
+    check_or_defer([torch.linalg.vector_norm(tensors[name], float("inf")) for name in names], judge)
 
 
 def _describe(x: object) -> str:
