@@ -103,6 +103,40 @@ def test_windows_of_the_pool_and_the_validation_batch_share_a_forward(sketched):
     torch.testing.assert_close(g_j, g_a, rtol=1e-9, atol=1e-12 * float(g_a.abs().max()))
 
 
+@pytest.mark.parametrize(
+    "normalization, precondition",
+    [("adam_optimizer", "pool"), ("adam_optimizer", "split"), ("adam_optimizer", "both"), ("adam_simulated", "pool")],
+)
+def test_pool_and_validation_windows_with_their_own_preconditioners_share_one_pass(normalization, precondition):
+    # Sketched targets: the pool's and the validation batch's rows of a forward go through one pass
+    # of products, filter and FJLT, each row with its side's Adam scales (under `pool` the validation
+    # side is raw): each row's features are the batch-by-batch ones.
+    model = tiny_llama(seed=5, dtype=torch.float64)
+    pool, val = _batch(6, 32, seed=3), _batch(2, 32, seed=4)
+    opt = _adam_state(model, pool)
+    kw = dict(
+        score_window=8, score_window_position="random", normalization=normalization, precondition=precondition,
+        proj_dim=40, last_n_blocks=1, exact_max_numel=0, sketch_dim=(4, 5), seed=2,
+    )
+    joint, apart = GradFeatureExtractor(model, **kw), GradFeatureExtractor(model, **kw)
+    apart._joint_windows = lambda *_: False  # the batch-by-batch scoring
+    # Microbatches of 2 rows: one forward of all 8 windows; of 1 row: forwards of 4 windows, the
+    # second holding the last 2 pool windows and the 2 validation windows.
+    for step, auto_chunk_size in ((7, 2), (8, 1), (9, 2)):
+        G_j, g_j = joint.compute(pool, val, step=step, optimizer=opt, auto_chunk_size=auto_chunk_size)
+        G_a, g_a = apart.compute(pool, val, step=step, optimizer=opt, auto_chunk_size=auto_chunk_size)
+        torch.testing.assert_close(G_j, G_a, rtol=1e-9, atol=1e-12 * float(G_a.abs().max()))
+        torch.testing.assert_close(g_j, g_a, rtol=1e-9, atol=1e-12 * float(g_a.abs().max()))
+    assert joint.normalization_in_use == apart.normalization_in_use
+    if normalization == "adam_optimizer":
+        assert joint.normalization_in_use == f"adam_optimizer/{precondition}"
+        raw = GradFeatureExtractor(model, **{**kw, "normalization": "none"})
+        G_r, g_r = raw.compute(pool, val, step=9, auto_chunk_size=2)
+        assert not torch.allclose(G_r, G_j)  # the pool side is preconditioned
+        # ... and the validation side only where the side's power of P is not 0
+        assert torch.allclose(g_r, g_j, rtol=1e-9, atol=0) == (precondition == "pool")
+
+
 def test_windows_in_forwards_of_a_microbatch_of_tokens_each():
     model = tiny_llama(seed=5, dtype=torch.float64)
     forwards = _count_forwards(model)
