@@ -25,6 +25,7 @@ from composer_algos.features.capture import (
 from composer_algos.features.compiled_forward import CompiledBlocksBelowCut
 from composer_algos.features.normalize import (
     NORMALIZATIONS,
+    FactoredScales,
     SimulatedAdam,
     batched_factored_scales,
     exact_adam_scale,
@@ -1124,6 +1125,8 @@ def _split_preconditioners(
             out.append(None)
         elif power == 1:
             out.append(pre)
+        elif isinstance(pre, FactoredScales):  # every target's scales in two vectors: two kernels
+            out.append(pre.powered(power))
         else:
             out.append([None if scales is None else tuple(s.pow(power) for s in scales) for scales in pre])
     return out[0], out[1]

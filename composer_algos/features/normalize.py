@@ -111,6 +111,18 @@ class FactoredScales(list):
 
     flat: tuple[torch.Tensor, torch.Tensor]
 
+    @classmethod
+    def of(cls, s_out: torch.Tensor, s_in: torch.Tensor, rows_O: Sequence[int], cols_I: Sequence[int]) -> FactoredScales:
+        """The per-layer scales of the concatenated `s_out` and `s_in` (layer l: `rows_O[l]`, `cols_I[l]` of them)."""
+        out = cls(zip(s_out.split(list(rows_O)), s_in.split(list(cols_I))))
+        out.flat = (s_out, s_in)
+        return out
+
+    def powered(self, power: float) -> FactoredScales:
+        """Every scale raised to `power` (two kernels: the concatenated vectors')."""
+        s_out, s_in = (s.pow(power) for s in self.flat)
+        return FactoredScales.of(s_out, s_in, [o.shape[0] for o, _ in self], [i.shape[0] for _, i in self])
+
 
 def batched_factored_scales(
     optimizer: torch.optim.Optimizer | None, weights: Sequence[torch.nn.Parameter], eps: float
@@ -136,7 +148,7 @@ def batched_factored_scales(
     """
     if optimizer is None or not weights:
         return None
-    if all(p.dim() == 2 for p in weights):  # the shapes' constants, made on the first call (state or not)
+    if all(isinstance(p, torch.Tensor) and p.dim() == 2 for p in weights):  # the shapes' constants, made once (state or not)
         _segments(*_shapes(weights), weights[0].device, _state_dtype(weights[0].dtype))
     beta2_of = {id(p): g.get("betas", (0.9, 0.999))[1] for g in optimizer.param_groups for p in g["params"]}
     states = [optimizer.state.get(p) for p in weights]
@@ -171,9 +183,7 @@ def batched_factored_scales(
     # Each row's s_out takes eps / (2 mean B) of its layer, each column's s_in eps / (2 mean A).
     scales = (AB + (eps / (2 * mean_AB_2L.clamp_min(floor))).index_select(0, seg_other)).reciprocal()
     s_out, s_in = scales.split([sum(rows_O), sum(cols_I)])
-    out = FactoredScales(zip(s_out.split(rows_O), s_in.split(cols_I)))
-    out.flat = (s_out, s_in)
-    return out
+    return FactoredScales.of(s_out, s_in, rows_O, cols_I)
 
 
 def _shapes(matrices: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:

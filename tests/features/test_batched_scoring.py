@@ -185,5 +185,12 @@ def test_batched_factored_scales_are_the_layer_by_layer_ones():
         ref_out, ref_in = factored_adam_scales(optimizer_second_moments(opt, [p]), 1e-8)
         torch.testing.assert_close(s_out, ref_out, rtol=1e-12, atol=0)
         torch.testing.assert_close(s_in, ref_in, rtol=1e-12, atol=0)
+    # The same values concatenated (what the extractor scales its projections with), and raised to a
+    # power (the `split` side) in two kernels: each layer's scales raised to it.
+    torch.testing.assert_close(batched.flat[0], torch.cat([s_out for s_out, _ in batched]), rtol=0, atol=0)
+    torch.testing.assert_close(batched.flat[1], torch.cat([s_in for _, s_in in batched]), rtol=0, atol=0)
+    for (s_out, s_in), (p_out, p_in) in zip(batched, batched.powered(0.5)):
+        torch.testing.assert_close(p_out, s_out.pow(0.5), rtol=0, atol=0)
+        torch.testing.assert_close(p_in, s_in.pow(0.5), rtol=0, atol=0)
     fresh = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))
     assert batched_factored_scales(opt, [*layers, fresh], 1e-8) is None  # no state: layer by layer
