@@ -613,8 +613,9 @@ class GradFeatureExtractor:
 
         `parts` are `(batch, preconditioners, accumulate, score_tokens)`; their rows are stacked
         (the batches must have the same length; `score_tokens` is for a lone batch) and cut into
-        forwards of `chunk` rows, and each forward's signals are turned into features batch by
-        batch, with that batch's preconditioners. Returns one `(rows, d)` tensor per part.
+        forwards of `chunk` rows, and each forward's signals are turned into features, each row
+        with its batch's preconditioners (`_forward_features`: with every target sketched, all the
+        forward's rows in one pass). Returns one `(rows, d)` tensor per part.
         """
         batches = [p[0] for p in parts]
         sizes = [int(b["input_ids"].shape[0]) for b in batches]

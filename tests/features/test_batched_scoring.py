@@ -103,15 +103,33 @@ def test_windows_of_the_pool_and_the_validation_batch_share_a_forward(sketched):
     torch.testing.assert_close(g_j, g_a, rtol=1e-9, atol=1e-12 * float(g_a.abs().max()))
 
 
+def _biased_llama(seed: int) -> torch.nn.Module:
+    """A tiny float64 Llama whose linear layers have biases (sketched with a bias column)."""
+    from transformers import LlamaForCausalLM
+
+    from tests.common.models import tiny_llama_config
+
+    cfg = tiny_llama_config()
+    cfg.attention_bias, cfg.mlp_bias = True, True
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(torch.float64)
+
+
 @pytest.mark.parametrize(
-    "normalization, precondition",
-    [("adam_optimizer", "pool"), ("adam_optimizer", "split"), ("adam_optimizer", "both"), ("adam_simulated", "pool")],
+    "normalization, precondition, biased",
+    [
+        ("adam_optimizer", "pool", False),
+        ("adam_optimizer", "pool", True),  # per-layer scales (weight and bias): no batched `.flat`
+        ("adam_optimizer", "split", False),
+        ("adam_optimizer", "both", False),
+        ("adam_simulated", "pool", False),
+    ],
 )
-def test_pool_and_validation_windows_with_their_own_preconditioners_share_one_pass(normalization, precondition):
+def test_pool_and_validation_windows_with_their_own_preconditioners_share_one_pass(normalization, precondition, biased):
     # Sketched targets: the pool's and the validation batch's rows of a forward go through one pass
     # of products, filter and FJLT, each row with its side's Adam scales (under `pool` the validation
     # side is raw): each row's features are the batch-by-batch ones.
-    model = tiny_llama(seed=5, dtype=torch.float64)
+    model = _biased_llama(seed=5) if biased else tiny_llama(seed=5, dtype=torch.float64)
     pool, val = _batch(6, 32, seed=3), _batch(2, 32, seed=4)
     opt = _adam_state(model, pool)
     kw = dict(
@@ -119,7 +137,8 @@ def test_pool_and_validation_windows_with_their_own_preconditioners_share_one_pa
         proj_dim=40, last_n_blocks=1, exact_max_numel=0, sketch_dim=(4, 5), seed=2,
     )
     joint, apart = GradFeatureExtractor(model, **kw), GradFeatureExtractor(model, **kw)
-    apart._joint_windows = lambda *_: False  # the batch-by-batch scoring
+    apart._joint_windows = lambda *_: False  # the batch-by-batch scoring ...
+    apart._all_sketched = False  # ... layer by layer
     # Microbatches of 2 rows: one forward of all 8 windows; of 1 row: forwards of 4 windows, the
     # second holding the last 2 pool windows and the 2 validation windows.
     for step, auto_chunk_size in ((7, 2), (8, 1), (9, 2)):
