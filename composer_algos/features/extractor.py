@@ -673,8 +673,8 @@ class GradFeatureExtractor:
         """
         if self._all_sketched:
             x_nd = self._sketched_rows_features(signals, segments, step, bad_rows)
-            whole = len(segments) == 1
-            return [x_nd if whole else x_nd.narrow(0, lo, hi - lo) for _, _, lo, hi in segments]
+            # The segments tile the forward's rows in order: one split.
+            return [x_nd] if len(segments) == 1 else list(x_nd.split([hi - lo for _, _, lo, hi in segments]))
         n = int(signals[0][0].shape[0])
         out = []
         for pre, accumulate, lo, hi in segments:
