@@ -189,7 +189,8 @@ def capture_layer_signals(
 
     def make_hook(index: int):
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            records[index].append((args[0].detach(), output))
+            # `.data`: the input detached in one aten op (`.detach()` dispatches two); only read after.
+            records[index].append((args[0].data, output))
 
         return hook
 
@@ -269,13 +270,19 @@ def _signals_by_target(
                     f"target module {t.name!r} sees inputs of shape {tuple(a.shape)}, not batch-major with "
                     f"n={n} rows; per-example gradients need (n, ..., d_in) activations"
                 )
-            a_parts.append(a.reshape(n, -1, t.d_in))
-            d_parts.append(deltas[pos].detach().reshape(n, -1, t.d_out))
+            # `autograd.grad` (no `create_graph`) returns tensors outside the graph: nothing to detach.
+            a_parts.append(_as_rows(a, n, t.d_in))
+            d_parts.append(_as_rows(deltas[pos], n, t.d_out))
             pos += 1
         a_nTI = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
         delta_nTO = d_parts[0] if len(d_parts) == 1 else torch.cat(d_parts, dim=1)
         signals.append((a_nTI, delta_nTO))
     return signals
+
+
+def _as_rows(x: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """`x` as (n, tokens, width): itself when it has that shape already (a reshape is an aten op)."""
+    return x if x.dim() == 3 and x.shape[0] == n and x.shape[2] == width else x.reshape(n, -1, width)
 
 
 def per_example_grads(

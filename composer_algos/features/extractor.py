@@ -25,6 +25,7 @@ from composer_algos.features.capture import (
 from composer_algos.features.compiled_forward import CompiledBlocksBelowCut
 from composer_algos.features.normalize import (
     NORMALIZATIONS,
+    FactoredScales,
     SimulatedAdam,
     batched_factored_scales,
     exact_adam_scale,
@@ -43,6 +44,7 @@ from composer_algos.features.projection import (
 )
 from composer_algos.features.score_tokens import first_target_tokens, score_tokens_problem
 from composer_algos.features.sketch import (
+    compute_dtype,
     exact_layer_grads,
     sketch_layer_grads,
     sketch_matrices,
@@ -611,8 +613,9 @@ class GradFeatureExtractor:
 
         `parts` are `(batch, preconditioners, accumulate, score_tokens)`; their rows are stacked
         (the batches must have the same length; `score_tokens` is for a lone batch) and cut into
-        forwards of `chunk` rows, and each forward's signals are turned into features batch by
-        batch, with that batch's preconditioners. Returns one `(rows, d)` tensor per part.
+        forwards of `chunk` rows, and each forward's signals are turned into features, each row
+        with its batch's preconditioners (`_forward_features`: with every target sketched, all the
+        forward's rows in one pass). Returns one `(rows, d)` tensor per part.
         """
         batches = [p[0] for p in parts]
         sizes = [int(b["input_ids"].shape[0]) for b in batches]
@@ -627,7 +630,9 @@ class GradFeatureExtractor:
             stop = min(start + chunk, bounds[-1][1])
             # Cut where the batch is (the loader's: the host, so the cut's length costs no sync),
             # then moved without making the host wait.
-            part = first_target_tokens({k: v[start:stop] for k, v in batch.items() if torch.is_tensor(v)}, score_tokens)
+            whole = (start, stop) == (0, bounds[-1][1])
+            part = {k: v if whole else v[start:stop] for k, v in batch.items() if torch.is_tensor(v)}
+            part = first_target_tokens(part, score_tokens)
             part = {k: v.to(device, non_blocking=True) for k, v in part.items()}
             longest = max(longest, int(part["input_ids"].shape[1]))
             self._attempt_rows = stop - start
@@ -640,17 +645,42 @@ class GradFeatureExtractor:
                 )
             if self._whole_units:
                 settle_fsdp_units(self._whole_units)
-            for i, (lo, hi) in enumerate(bounds):
-                a, b = max(lo, start), min(hi, stop)
-                if a >= b:
-                    continue
-                rows = signals if (a, b) == (start, stop) else [(x[a - start : b - start], d[a - start : b - start]) for x, d in signals]
-                _, pre, accumulate, _ = parts[i]
-                outs[i].append(self._rows_features(rows, pre, step, accumulate, bad_rows))
+            # This forward's rows of each part: (part, first row, end row), rows counted in the forward.
+            segments = [
+                (i, max(lo, start) - start, min(hi, stop) - start)
+                for i, (lo, hi) in enumerate(bounds)
+                if max(lo, start) < min(hi, stop)
+            ]
+            pieces = self._forward_features(signals, [(*parts[i][1:3], a, b) for i, a, b in segments], step, bad_rows)
+            for (i, _, _), x in zip(segments, pieces):
+                outs[i].append(x)
         if score_tokens is not None:
             self.score_length_in_use = longest
         out = [torch.cat(o, dim=0) if len(o) > 1 else o[0] for o in outs]
         return [unit_rows(X) for X in out] if self.normalization == "unit" else out
+
+    def _forward_features(
+        self,
+        signals: list[tuple[torch.Tensor, torch.Tensor]],
+        segments: list[tuple[Any, bool, int, int]],
+        step: int,
+        bad_rows: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """The features of one forward's rows, one `(rows, d)` tensor per segment `(preconditioners, accumulate, lo, hi)`.
+
+        With every target sketched, all the rows go through one pass (`_sketched_rows_features`),
+        each segment's rows with its own preconditioners; else segment by segment.
+        """
+        if self._all_sketched:
+            x_nd = self._sketched_rows_features(signals, segments, step, bad_rows)
+            # The segments tile the forward's rows in order: one split.
+            return [x_nd] if len(segments) == 1 else list(x_nd.split([hi - lo for _, _, lo, hi in segments]))
+        n = int(signals[0][0].shape[0])
+        out = []
+        for pre, accumulate, lo, hi in segments:
+            rows = signals if (lo, hi) == (0, n) else [(x[lo:hi], d[lo:hi]) for x, d in signals]
+            out.append(self._rows_features(rows, pre, step, accumulate, bad_rows))
+        return out
 
     def _rows_features(
         self,
@@ -660,9 +690,7 @@ class GradFeatureExtractor:
         accumulate: bool,
         bad_rows: list[torch.Tensor],
     ) -> torch.Tensor:
-        """Normalised, compressed features (m, d) of the rows whose layer signals are given."""
-        if self._all_sketched:
-            return self._sketched_rows_features(signals, preconditioners, step, accumulate, bad_rows)
+        """Normalised, compressed features (m, d) of the rows whose layer signals are given, layer by layer."""
         out_nd = None
         raw_parts = []
         for t, (a_nTI, delta_nTO) in zip(self.targets, signals):
@@ -692,21 +720,28 @@ class GradFeatureExtractor:
     def _sketched_rows_features(
         self,
         signals: list[tuple[torch.Tensor, torch.Tensor]],
-        preconditioners: Any,
+        segments: list[tuple[Any, bool, int, int]],
         step: int,
-        accumulate: bool,
         bad_rows: list[torch.Tensor],
     ) -> torch.Tensor:
-        """`_rows_features` when every target is sketched: the layers' products and FJLT batched across layers.
+        """The features (n, d) of every row of a forward when every target is sketched: layers and rows batched.
 
-        Every sketch is K x J, so the L layers' features stack into one (L, m, K J) tensor: the
+        Every sketch is K x J, so the L layers' features stack into one (L, n, K J) tensor: the
         input-side projections take one matmul per distinct input (q, k and v read the same
-        tensor; so do gate and up), the products one batched einsum, the non-finite check one
-        reduction and the FJLT one batched FFT (`fjlt_stack`). The same arithmetic as the
-        layer-by-layer path, grouped (each output row of a matmul or FFT depends only on its own
-        inputs, up to the floating-point order of the grouped kernels).
+        tensor; so do gate and up), the products one batched matmul, the non-finite check one
+        reduction and the FJLT one batched FFT (`fjlt_stack`). Rows with different
+        preconditioners (the pool's and the validation batch's windows, `segments` of
+        `(preconditioners, accumulate, lo, hi)`) share the pass: each side's projections stand
+        side by side (S sides: S K x S J sketches of every row), and each row keeps the block of
+        its own side, i.e. its products with its own side's projections. The same arithmetic as
+        the layer-by-layer path, grouped (each output row of a matmul or FFT depends only on its
+        own inputs, up to the floating-point order of the grouped kernels).
         """
-        projections = self._scaled_sketches(preconditioners, signals[0][0], step)
+        sides: list[Any] = []  # distinct preconditioners (by identity), in order of first use
+        for pre, _, _, _ in segments:
+            if not any(pre is side for side in sides):
+                sides.append(pre)
+        out_projections, in_projections = self._side_projections(sides, signals[0][0], step)
         # The hooks detach each call's input, so layers reading one tensor hold distinct views of
         # the same memory: grouped by where their data lives.
         groups: dict[tuple, list[int]] = {}
@@ -714,29 +749,44 @@ class GradFeatureExtractor:
             key = (a_nTI.data_ptr(), tuple(a_nTI.shape), a_nTI.stride(), a_nTI.dtype)
             groups.setdefault(key, []).append(pos)
         inputs = [signals[positions[0]][0] for positions in groups.values()]
-        in_projections = [
-            self._stacked_inputs(projections, positions, a.shape[-1], preconditioners)
-            for a, positions in zip(inputs, groups.values())
+        grouped = [
+            self._stacked_inputs(in_projections, positions, a.shape[-1], sides) for a, positions in zip(inputs, groups.values())
         ]
-        biases = [projections[pos][1][:, a.shape[-1]] if t.has_bias else None for pos, (t, (a, _)) in enumerate(zip(self.targets, signals))]
+        biases = [in_projections[pos][a.shape[-1]] if t.has_bias else None for pos, (t, (a, _)) in enumerate(zip(self.targets, signals))]
         with record_function("features/products"):
             x_LnD = self._products(
-                inputs, in_projections, tuple(tuple(p) for p in groups.values()),
-                [d for _, d in signals], [P_out for P_out, _ in projections], biases, self.k_in,
+                inputs, grouped, tuple(tuple(p) for p in groups.values()),
+                [d for _, d in signals], list(out_projections), biases, len(sides) * self.k_in,
             )
+        if len(sides) > 1:
+            x_LnD = self._own_side_blocks(x_LnD, sides, segments)
         if self.normalization == "adam_simulated":
             filtered = []
             for t, x_nD in zip(self.targets, x_LnD):
-                if accumulate:
-                    self.simulated.accumulate(t.name, x_nD)
+                for _, accumulate, lo, hi in segments:
+                    if accumulate:
+                        self.simulated.accumulate(t.name, x_nD[lo:hi])
                 filtered.append(self.simulated.filter(t.name, x_nD))
             x_LnD = torch.stack(filtered)
-        # A row holding NaN/inf has a non-finite sum: one reduction, one count per layer.
-        bad_rows.append((~torch.isfinite(x_LnD.sum(dim=2))).sum(dim=1))
+        # A row holding NaN/inf has a non-finite sum (x * 0 is NaN exactly then): one count per layer.
+        bad_rows.append(torch.isnan(x_LnD.sum(dim=2) * 0).sum(dim=1))
         if not self.proj_dim:
             return x_LnD.transpose(0, 1).flatten(1)
         with record_function("features/fjlt"):
             return fjlt_stack(x_LnD, self._fjlt_stack_plan(x_LnD, step))
+
+    def _own_side_blocks(self, x_LnD: torch.Tensor, sides: list[Any], segments: list[tuple[Any, bool, int, int]]) -> torch.Tensor:
+        """From the (L, n, S K S J) products with every side's projections, each row's own side's (L, n, K J).
+
+        Side s's sketch of a row is the (s, s) block: its output-side and input-side projections.
+        """
+        L, n, S = x_LnD.shape[0], x_LnD.shape[1], len(sides)
+        x_LnKJS = x_LnD.view(L, n, S, self.k_out, S, self.k_in).diagonal(dim1=2, dim2=4)
+        pieces = []
+        for pre, _, lo, hi in segments:
+            side = next(s for s, p in enumerate(sides) if p is pre)
+            pieces.append(x_LnKJS.narrow(1, lo, hi - lo).select(4, side))
+        return torch.cat(pieces, dim=1).flatten(2)
 
     def _layer_features(
         self,
@@ -787,33 +837,64 @@ class GradFeatureExtractor:
         t = self.score_window
         return int(pool_batch["input_ids"].shape[1]) == int(val_batch["input_ids"].shape[1]) == t
 
-    def _scaled_sketches(self, preconditioners: Any, like: torch.Tensor, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per target, its sketch projections with this side's Adam scales folded in (once per call and side)."""
-        dtype = torch.promote_types(like.dtype, torch.float32)
-        key = ("sketches", id(preconditioners), like.device, dtype)
+    def _side_projections(self, sides: list[Any], like: torch.Tensor, step: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Per target, its sketch projections transposed, each side's Adam scales folded in, the sides side by side.
+
+        Target l gets (O_l, S K) and (I_l, S J) (I_l + 1 rows with a bias), side s in columns s K ..
+        (s + 1) K: `P_out diag(s_out)` and `P_in diag(s_in)` of that side's scales, transposed. All
+        targets' columns are scaled at once (one product a side and matrix), once per call.
+        """
+        dtype = compute_dtype(like.dtype)
+        key = ("sides", tuple(id(pre) for pre in sides), like.device, dtype)
         cached = self._call_cache.get(key)
         if cached is None:
-            cached = []
-            for t in self.targets:
-                P_out_KO, P_in_JI = self._sketch(t, like.device, dtype, step)
-                pre = preconditioners[t.index] if preconditioners is not None else None
-                if pre is not None:
-                    s_out_O, s_in_I = pre
-                    P_out_KO = P_out_KO * s_out_O.to(P_out_KO.dtype)
-                    P_in_JI = P_in_JI * s_in_I.to(P_in_JI.dtype)
-                cached.append((P_out_KO, P_in_JI))
+            raw_out_OK, raw_in_IJ = self._flat_sketches(like.device, dtype, step)
+            outs, ins = [], []
+            for pre in sides:
+                if pre is None:
+                    outs.append(raw_out_OK)
+                    ins.append(raw_in_IJ)
+                else:
+                    s_out, s_in = self._flat_scales(pre, like, dtype)
+                    outs.append(raw_out_OK * s_out.unsqueeze(1))
+                    ins.append(raw_in_IJ * s_in.unsqueeze(1))
+            out_OK = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            in_IJ = ins[0] if len(ins) == 1 else torch.cat(ins, dim=1)
+            cached = (
+                out_OK.split([t.d_out for t in self.targets]),
+                in_IJ.split([t.d_in + t.has_bias for t in self.targets]),
+            )
             self._call_cache[key] = cached
         return cached
 
-    def _stacked_inputs(
-        self, projections: list[tuple[torch.Tensor, torch.Tensor]], positions: list[int], d_in: int, preconditioners: Any
-    ) -> torch.Tensor:
-        """The input-side projections of the targets at `positions` (one input tensor), stacked (len x J, I)."""
-        key = ("inputs", id(preconditioners), tuple(positions), projections[positions[0]][1].dtype)
+    def _flat_sketches(self, device: torch.device, dtype: torch.dtype, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every target's sketch projections, transposed and stacked: (sum O, K) and (sum I, J) (cached)."""
+        key = ("flat", device, dtype, step if self.resample_projections else None)
+        cached = self._sketch_cache.get(key)
+        if cached is None:
+            pairs = [self._sketch(t, device, dtype, step) for t in self.targets]
+            cached = (torch.cat([P_out.T for P_out, _ in pairs]), torch.cat([P_in.T for _, P_in in pairs]))
+            self._sketch_cache[key] = cached
+        return cached
+
+    def _flat_scales(self, pre: list[tuple[torch.Tensor, ...] | None], like: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One side's factored Adam scales of every target, concatenated: (sum O,) and (sum I,); ones for a target without."""
+        flat = getattr(pre, "flat", None)  # `batched_factored_scales` keeps them concatenated
+        if flat is None:
+            outs, ins = [], []
+            for t, scales in zip(self.targets, pre):
+                outs.append(scales[0] if scales is not None else like.new_ones(t.d_out, dtype=dtype))
+                ins.append(scales[1] if scales is not None else like.new_ones(t.d_in + t.has_bias, dtype=dtype))
+            flat = (torch.cat(outs), torch.cat(ins))
+        return flat[0].to(dtype), flat[1].to(dtype)
+
+    def _stacked_inputs(self, in_projections: tuple[torch.Tensor, ...], positions: list[int], d_in: int, sides: list[Any]) -> torch.Tensor:
+        """The input-side projections of the targets at `positions` (one input tensor), side by side (I, len S J)."""
+        key = ("inputs", tuple(id(pre) for pre in sides), tuple(positions), in_projections[positions[0]].dtype)
         cached = self._call_cache.get(key)
         if cached is None:
-            parts = [projections[pos][1][:, :d_in] for pos in positions]
-            cached = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            parts = [in_projections[pos] if in_projections[pos].shape[0] == d_in else in_projections[pos][:d_in] for pos in positions]
+            cached = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             self._call_cache[key] = cached
         return cached
 
@@ -869,7 +950,7 @@ class GradFeatureExtractor:
             batched = None
             if self._all_sketched and all(len(params) == 1 for params in params_of):
                 batched = batched_factored_scales(optimizer, [params[0] for params in params_of], self.adam_eps)
-            pre = list(batched) if batched is not None else []
+            pre = batched if batched is not None else []  # keeps `batched.flat` for `_flat_scales`
             for t in self.targets if batched is None else ():
                 params = self._state_params[t.index] if self._state_params else t.params
                 v = optimizer_second_moments(optimizer, params)
@@ -942,16 +1023,18 @@ class GradFeatureExtractor:
         Inside a `selection.deferring_checks` block (the selection step) the flags are recorded
         instead and the error is raised when the step judges them, from its one transfer.
         """
-        # bad_rows: per forward and batch, the non-finite rows of each target (one 0-dim count per
-        # layer, or one count per layer stacked), in target order.
-        counts = [r.to(G_nd.device).reshape(-1) for r in bad_rows]
-        flags = torch.cat(
-            counts
-            + [torch.stack([(~torch.isfinite(G_nd)).any(dim=1).sum(), (G_nd != 0).any().long()])]
-            + ([torch.stack([torch.isfinite(gbar_d).all().long(), (gbar_d != 0).any().long()])] if gbar_d is not None else [])
-        )
+        # bad_rows: per forward (and batch, layer by layer), the non-finite rows of each target (one
+        # 0-dim count per layer, or one count per layer stacked), in target order.
+        counts = [r if r.dim() == 1 else r.reshape(-1) for r in bad_rows]
+        # A row (or gbar) holding NaN/inf has a non-finite sum (times 0: NaN exactly then); a sum
+        # that overflows float counts as non-finite too, its Gram entries would.
+        flags = [torch.isnan(G_nd.sum(dim=1) * 0).sum(), G_nd.ne(0).any()]
+        if gbar_d is not None:
+            flags += [torch.isnan(gbar_d.sum() * 0), gbar_d.ne(0).any()]
+        flags_t = torch.stack(flags)
+        flags_t = torch.cat([*counts, flags_t]) if counts else flags_t
         n_counts = sum(int(c.numel()) for c in counts)
-        check_or_defer(flags, partial(self._judge, n_counts, int(G_nd.shape[0]), gbar_d is not None))
+        check_or_defer(flags_t, partial(self._judge, n_counts, int(G_nd.shape[0]), gbar_d is not None))
 
     def _judge(self, n_bad: int, n_rows: int, with_gbar: bool, flags: list[float]) -> None:
         """`_check`'s verdict on the host values of its flags."""
@@ -974,8 +1057,8 @@ class GradFeatureExtractor:
                 f"do the examples have target tokens (labels != -100)?"
             )
         if with_gbar:
-            gbar_finite, gbar_nonzero = flags[n_bad + 2], flags[n_bad + 3]
-            if not gbar_finite:
+            gbar_non_finite, gbar_nonzero = flags[n_bad + 2], flags[n_bad + 3]
+            if gbar_non_finite:
                 raise FeatureError("the validation mean feature gbar is non-finite")
             if not gbar_nonzero:
                 raise FeatureError("the validation mean feature gbar is all zero (no validation target tokens?)")
@@ -1043,6 +1126,8 @@ def _split_preconditioners(
             out.append(None)
         elif power == 1:
             out.append(pre)
+        elif isinstance(pre, FactoredScales):  # every target's scales in two vectors: two kernels
+            out.append(pre.powered(power))
         else:
             out.append([None if scales is None else tuple(s.pow(power) for s in scales) for scales in pre])
     return out[0], out[1]
@@ -1050,11 +1135,15 @@ def _split_preconditioners(
 
 def _stack_rows(batches: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The rows of several batches of one length, stacked (labels defaulted; a mask when any batch has one)."""
-    filled = [mask_and_labels(b) for b in batches]
+    with_mask = any(b.get("attention_mask") is not None for b in batches)
+    # The defaults only where some batch lacks its field (a default mask is made for nothing else).
+    filled = [
+        mask_and_labels(b) if with_mask or b.get("labels") is None else (None, b["labels"]) for b in batches
+    ]
     out = {
         "input_ids": torch.cat([b["input_ids"] for b in batches]),
         "labels": torch.cat([labels for _, labels in filled]),
     }
-    if any(b.get("attention_mask") is not None for b in batches):
+    if with_mask:
         out["attention_mask"] = torch.cat([mask for mask, _ in filled])
     return out

@@ -5,6 +5,7 @@ Shapes: n rows, D features of one layer, O = d_out, I = d_in (I+1 with a bias co
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
@@ -20,6 +21,7 @@ __all__ = [
     "exact_adam_scale",
     "factored_adam_scales",
     "batched_factored_scales",
+    "FactoredScales",
     "sharded_adam_scales",
     "SimulatedAdam",
     "unit_rows",
@@ -104,15 +106,34 @@ def factored_adam_scales(v_hats: Sequence[torch.Tensor], eps: float) -> tuple[to
     return _factored_scales(v_OI.mean(dim=1), v_OI.mean(dim=0), v_OI.mean(), eps)
 
 
+class FactoredScales(list):
+    """`[(s_out_O, s_in_I)]` per layer, views of `flat`: every layer's `s_out` concatenated, then every `s_in`."""
+
+    flat: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, s_out: torch.Tensor, s_in: torch.Tensor, rows_O: Sequence[int], cols_I: Sequence[int]) -> FactoredScales:
+        """The per-layer scales of the concatenated `s_out` and `s_in` (layer l: `rows_O[l]`, `cols_I[l]` of them)."""
+        out = cls(zip(s_out.split(list(rows_O)), s_in.split(list(cols_I))))
+        out.flat = (s_out, s_in)
+        return out
+
+    def powered(self, power: float) -> FactoredScales:
+        """Every scale raised to `power` (two kernels: the concatenated vectors')."""
+        s_out, s_in = (s.pow(power) for s in self.flat)
+        return FactoredScales.of(s_out, s_in, [o.shape[0] for o, _ in self], [i.shape[0] for _, i in self])
+
+
 def batched_factored_scales(
     optimizer: torch.optim.Optimizer | None, weights: Sequence[torch.nn.Parameter], eps: float
-) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+) -> FactoredScales | None:
     """`factored_adam_scales` of several bias-free layers at once, in a few kernels instead of ~20 a layer.
 
     The rank-one fit needs only the row means, column means and overall mean of each layer's
     `v_hat = exp_avg_sq / (1 - beta2**step)`: they are taken of `exp_avg_sq` (no full-size
     division), divided by each layer's correction, and the arithmetic of `_factored_scales` runs on
-    the layers' concatenated rows and columns, each with its layer's scalars (a segment index).
+    every layer's rows and columns at once, concatenated (2 L segments: the rows of each layer,
+    then the columns of each layer), each element with its layer's scalars (a segment index).
     The same values as layer by layer, to the rounding of the reordered operations.
 
     Args:
@@ -121,11 +142,14 @@ def batched_factored_scales(
         eps: Adam's epsilon.
 
     Returns:
-        `[(s_out_O, s_in_I)]` per layer, or None when some weight has no Adam state (the caller then
-        goes layer by layer, which handles that) or is not a matrix.
+        `[(s_out_O, s_in_I)]` per layer (with `.flat`, the same values concatenated), or None when
+        some weight has no Adam state (the caller then goes layer by layer, which handles that) or
+        is not a matrix.
     """
     if optimizer is None or not weights:
         return None
+    if all(isinstance(p, torch.Tensor) and p.dim() == 2 for p in weights):  # the shapes' constants, made once (state or not)
+        _segments(*_shapes(weights), weights[0].device, _state_dtype(weights[0].dtype))
     beta2_of = {id(p): g.get("betas", (0.9, 0.999))[1] for g in optimizer.param_groups for p in g["params"]}
     states = [optimizer.state.get(p) for p in weights]
     if any(not st or "exp_avg_sq" not in st or id(p) not in beta2_of for p, st in zip(weights, states)):
@@ -134,33 +158,65 @@ def batched_factored_scales(
     if any(x.dim() != 2 for x in v):
         return None
     device = v[0].device
-    dtype = torch.float32 if v[0].dtype in (torch.float16, torch.bfloat16) else v[0].dtype
+    dtype = _state_dtype(v[0].dtype)
     steps = [st.get("step", 1) for st in states]  # type: ignore[union-attr]
     # The correction in the step's own dtype, as `optimizer_second_moments` computes it.
     if all(isinstance(t, torch.Tensor) for t in steps):
-        step_L = torch.stack([t.reshape(()).to(device, non_blocking=True) for t in steps])
+        # Stacked where they are (the host, for most optimizers), then moved at once.
+        step_L = torch.stack([(t if t.dim() == 0 else t.reshape(())).to(steps[0].device) for t in steps])
+        step_L = step_L.to(device, non_blocking=True)
     else:
         step_L = torch.tensor([float(t) for t in steps], dtype=torch.float64).to(device, non_blocking=True)
-    beta2_L = torch.tensor([beta2_of[id(p)] for p in weights], dtype=step_L.dtype).to(device, non_blocking=True)
+    rows_O, cols_I = _shapes(v)
+    seg, seg_layer, seg_other, n_2L = _segments(rows_O, cols_I, device, dtype)
+    beta2_L = _constant(tuple(beta2_of[id(p)] for p in weights), device, step_L.dtype)
+    L = len(v)
     correction_L = 1.0 - beta2_L**step_L
-    rows_O, cols_I = [x.shape[0] for x in v], [x.shape[1] for x in v]
-    layers = torch.arange(len(v))
-    seg_rows = layers.repeat_interleave(torch.tensor(rows_O)).to(device, non_blocking=True)
-    seg_cols = layers.repeat_interleave(torch.tensor(cols_I)).to(device, non_blocking=True)
-    n_rows_L = torch.tensor(rows_O, dtype=dtype).to(device, non_blocking=True)
-    n_cols_L = torch.tensor(cols_I, dtype=dtype).to(device, non_blocking=True)
-    row_mean = torch.cat([x.to(dtype).mean(dim=1) for x in v]) / correction_L.index_select(0, seg_rows)
-    col_mean = torch.cat([x.to(dtype).mean(dim=0) for x in v]) / correction_L.index_select(0, seg_cols)
-    mean_L = row_mean.new_zeros(len(v)).index_add_(0, seg_rows, row_mean) / n_rows_L
-    root_mean_L = mean_L.clamp_min(torch.finfo(dtype).tiny).sqrt()
-    A = (row_mean / root_mean_L.index_select(0, seg_rows)).sqrt()
-    B = (col_mean / root_mean_L.index_select(0, seg_cols)).sqrt()
+    means = torch.cat([x.to(dtype).mean(dim=1) for x in v] + [x.to(dtype).mean(dim=0) for x in v])
+    means = means / correction_L.index_select(0, seg_layer)
+    # Per segment: the mean of the layer's row means (its overall mean), of its column means.
+    mean_2L = means.new_zeros(2 * L).index_add_(0, seg, means) / n_2L
+    root_mean_L = mean_2L[:L].clamp_min(torch.finfo(dtype).tiny).sqrt()
+    AB = (means / root_mean_L.index_select(0, seg_layer)).sqrt()  # A of the rows, B of the columns
     floor = eps**0.5
-    mean_A_L = A.new_zeros(len(v)).index_add_(0, seg_rows, A) / n_rows_L
-    mean_B_L = B.new_zeros(len(v)).index_add_(0, seg_cols, B) / n_cols_L
-    s_out = (A + (eps / (2 * mean_B_L.clamp_min(floor))).index_select(0, seg_rows)).reciprocal()
-    s_in = (B + (eps / (2 * mean_A_L.clamp_min(floor))).index_select(0, seg_cols)).reciprocal()
-    return list(zip(s_out.split(rows_O), s_in.split(cols_I)))
+    mean_AB_2L = AB.new_zeros(2 * L).index_add_(0, seg, AB) / n_2L
+    # Each row's s_out takes eps / (2 mean B) of its layer, each column's s_in eps / (2 mean A).
+    scales = (AB + (eps / (2 * mean_AB_2L.clamp_min(floor))).index_select(0, seg_other)).reciprocal()
+    s_out, s_in = scales.split([sum(rows_O), sum(cols_I)])
+    return FactoredScales.of(s_out, s_in, rows_O, cols_I)
+
+
+def _shapes(matrices: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The rows and the columns of each matrix."""
+    return tuple(int(x.shape[0]) for x in matrices), tuple(int(x.shape[1]) for x in matrices)
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the scales are computed in: float32 for a half-precision state."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@functools.lru_cache(maxsize=8)
+def _segments(
+    rows_O: tuple[int, ...], cols_I: tuple[int, ...], device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """`batched_factored_scales`' constants of one set of layer shapes (made once, then reused).
+
+    Over the concatenated rows then columns of the L layers: each element's segment (layer l's rows
+    l, its columns L + l), its layer, the segment holding its other side (rows: their layer's
+    columns; columns: its rows); and each segment's size (2 L,) in `dtype`.
+    """
+    L = len(rows_O)
+    sizes = torch.tensor(rows_O + cols_I)
+    seg = torch.arange(2 * L).repeat_interleave(sizes)
+    other = torch.cat([torch.arange(L, 2 * L), torch.arange(L)]).repeat_interleave(sizes)
+    return tuple(x.to(device, non_blocking=True) for x in (seg, seg % L, other, sizes.to(dtype)))
+
+
+@functools.lru_cache(maxsize=8)
+def _constant(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`values` as a tensor on `device` (made once, then reused)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def sharded_adam_scales(

@@ -175,10 +175,13 @@ def fjlt_stack(x_LnD: torch.Tensor, plans: FJLTStack) -> torch.Tensor:
     L, n, dim_in = x_LnD.shape
     if plans.signs_LD.shape != (L, dim_in):
         raise ValueError(f"features have shape {tuple(x_LnD.shape)} but the stacked plans expect ({plans.signs_LD.shape[0]}, n, {plans.signs_LD.shape[1]})")
-    signed_LnD = x_LnD * plans.signs_LD.unsqueeze(1)
     if plans.scale_Ld is None:
+        # The signed inputs written row-major as (n, L D) by the product itself (no transposed copy).
+        signed_nLD = torch.empty(n, L, dim_in, dtype=x_LnD.dtype, device=x_LnD.device)
+        torch.mul(x_LnD.transpose(0, 1), plans.signs_LD, out=signed_nLD)
         out_nd = x_LnD.new_zeros(n, plans.dim_out)
-        return out_nd.index_add_(1, plans.index_Ld, signed_LnD.transpose(0, 1).reshape(n, L * dim_in))
+        return out_nd.index_add_(1, plans.index_Ld, signed_nLD.view(n, L * dim_in))
+    signed_LnD = x_LnD * plans.signs_LD.unsqueeze(1)
     coeffs_LnF = torch.fft.rfft(signed_LnD, n=plans.fft_len, dim=2, norm="ortho")
     flat_Ln2F = torch.view_as_real(coeffs_LnF).flatten(2)
     kept_Lnd = flat_Ln2F.gather(2, plans.index_Ld.unsqueeze(1).expand(L, n, -1))

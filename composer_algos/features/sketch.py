@@ -16,6 +16,7 @@ __all__ = [
     "exact_layer_grads",
     "sketch_layer_grads",
     "sketched_layer_products",
+    "compute_dtype",
 ]
 
 # Purposes folded into the seeds so that different random objects of one layer are independent.
@@ -136,6 +137,11 @@ def sketch_layer_grads(
     return torch.einsum("ntk,ntj->nkj", u_nTK, w_nTJ).reshape(n, -1)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the products run in: at least float32 (`torch.promote_types(dtype, float32)`, without an aten op)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.promote_types(dtype, torch.float32)
+
+
 def sketched_layer_products(
     inputs: list[torch.Tensor],
     in_projections: list[torch.Tensor],
@@ -147,23 +153,30 @@ def sketched_layer_products(
 ) -> torch.Tensor:
     """`sketch_layer_grads` of L layers in a few kernels: the (L, n, K J) sketches, stacked.
 
-    Layers that read one input share its projection (one matmul for q, k and v, one for gate and
-    up): `inputs[g]` (n, T, I_g) is read by the layers `layer_groups[g]`, whose input-side
-    projections are stacked in `in_projections[g]` (len_g J, I_g). Each layer's output side is
-    `deltas[l] @ out_projections[l].T`; `biases[l]` is its projection's bias column (or None). The
-    inputs and output gradients are upcast to at least float32 first. A pure function of its
-    tensors, so `torch.compile` can capture it (`GradFeatureExtractor(compile=True)`).
+    The projections come transposed, so each product is one matmul with no transpose. Layers that
+    read one input share its projection (one matmul for q, k and v, one for gate and up):
+    `inputs[g]` (n, T, I_g) is read by the layers `layer_groups[g]`, whose input-side projections
+    stand side by side in `in_projections[g]` (I_g, len_g J), layer by layer. Each layer's output
+    side is `deltas[l] @ out_projections[l]` (O_l, K); `biases[l]` is its projection's bias column
+    (or None). `k_in` is the width of one layer's block of `in_projections[g]` (and of its bias).
+    The inputs and output gradients are upcast to at least float32 first. A pure
+    function of its tensors, so `torch.compile` can capture it (`GradFeatureExtractor(compile=True)`).
 
     Returns:
         (L, n, K J), layer l's row i the flattened `P_out G_i P_in^T` of `sketch_layer_grads`.
     """
+    # The products on (n T, width) views: what a 3-D matmul does itself, without its final reshape.
+    n, T = int(deltas[0].shape[0]), int(deltas[0].shape[1])
     w_by_layer: list[torch.Tensor] = [deltas[0]] * len(deltas)  # placeholders, each replaced below
-    for a_nTI, P_in_GI, positions in zip(inputs, in_projections, layer_groups):
-        a_nTI = a_nTI.to(torch.promote_types(a_nTI.dtype, torch.float32))
-        w_nTG = a_nTI @ P_in_GI.T
+    for a_nTI, P_in_IG, positions in zip(inputs, in_projections, layer_groups):
+        w_NG = a_nTI.to(compute_dtype(a_nTI.dtype)).reshape(n * T, -1) @ P_in_IG
         for i, pos in enumerate(positions):
-            w = w_nTG[..., i * k_in : (i + 1) * k_in]
+            w = w_NG if len(positions) == 1 else w_NG.narrow(1, i * k_in, k_in)
             bias = biases[pos]
             w_by_layer[pos] = w if bias is None else w + bias
-    u = [d.to(torch.promote_types(d.dtype, torch.float32)) @ P_out.T for d, P_out in zip(deltas, out_projections)]
-    return torch.einsum("lntk,lntj->lnkj", torch.stack(u), torch.stack(w_by_layer)).flatten(2)
+    u = [d.to(compute_dtype(d.dtype)).reshape(n * T, -1) @ P_out_OK for d, P_out_OK in zip(deltas, out_projections)]
+    u_LNK, w_LNJ = torch.stack(u), torch.stack(w_by_layer)
+    L = u_LNK.shape[0]
+    # One batched product over (layer, row): sum over tokens of u_t (x) w_t.
+    x_BKJ = torch.bmm(u_LNK.view(L * n, T, -1).transpose(1, 2), w_LNJ.view(L * n, T, -1))
+    return x_BKJ.view(L, n, -1)

@@ -103,6 +103,59 @@ def test_windows_of_the_pool_and_the_validation_batch_share_a_forward(sketched):
     torch.testing.assert_close(g_j, g_a, rtol=1e-9, atol=1e-12 * float(g_a.abs().max()))
 
 
+def _biased_llama(seed: int) -> torch.nn.Module:
+    """A tiny float64 Llama whose linear layers have biases (sketched with a bias column)."""
+    from transformers import LlamaForCausalLM
+
+    from tests.common.models import tiny_llama_config
+
+    cfg = tiny_llama_config()
+    cfg.attention_bias, cfg.mlp_bias = True, True
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(torch.float64)
+
+
+@pytest.mark.parametrize(
+    "normalization, precondition, biased",
+    [
+        ("adam_optimizer", "pool", False),
+        ("adam_optimizer", "pool", True),  # per-layer scales (weight and bias): no batched `.flat`
+        ("adam_optimizer", "split", False),
+        ("adam_optimizer", "both", False),
+        ("adam_simulated", "pool", False),
+    ],
+)
+def test_pool_and_validation_windows_with_their_own_preconditioners_share_one_pass(normalization, precondition, biased):
+    # Sketched targets: the pool's and the validation batch's rows of a forward go through one pass
+    # of products, filter and FJLT, each row with its side's Adam scales (under `pool` the validation
+    # side is raw): each row's features are the batch-by-batch ones.
+    model = _biased_llama(seed=5) if biased else tiny_llama(seed=5, dtype=torch.float64)
+    pool, val = _batch(6, 32, seed=3), _batch(2, 32, seed=4)
+    opt = _adam_state(model, pool)
+    kw = dict(
+        score_window=8, score_window_position="random", normalization=normalization, precondition=precondition,
+        proj_dim=40, last_n_blocks=1, exact_max_numel=0, sketch_dim=(4, 5), seed=2,
+    )
+    joint, apart = GradFeatureExtractor(model, **kw), GradFeatureExtractor(model, **kw)
+    apart._joint_windows = lambda *_: False  # the batch-by-batch scoring ...
+    apart._all_sketched = False  # ... layer by layer
+    # Microbatches of 2 rows: one forward of all 8 windows; of 1 row: forwards of 4 windows, the
+    # second holding the last 2 pool windows and the 2 validation windows.
+    for step, auto_chunk_size in ((7, 2), (8, 1), (9, 2)):
+        G_j, g_j = joint.compute(pool, val, step=step, optimizer=opt, auto_chunk_size=auto_chunk_size)
+        G_a, g_a = apart.compute(pool, val, step=step, optimizer=opt, auto_chunk_size=auto_chunk_size)
+        torch.testing.assert_close(G_j, G_a, rtol=1e-9, atol=1e-12 * float(G_a.abs().max()))
+        torch.testing.assert_close(g_j, g_a, rtol=1e-9, atol=1e-12 * float(g_a.abs().max()))
+    assert joint.normalization_in_use == apart.normalization_in_use
+    if normalization == "adam_optimizer":
+        assert joint.normalization_in_use == f"adam_optimizer/{precondition}"
+        raw = GradFeatureExtractor(model, **{**kw, "normalization": "none"})
+        G_r, g_r = raw.compute(pool, val, step=9, auto_chunk_size=2)
+        assert not torch.allclose(G_r, G_j)  # the pool side is preconditioned
+        # ... and the validation side only where the side's power of P is not 0
+        assert torch.allclose(g_r, g_j, rtol=1e-9, atol=0) == (precondition == "pool")
+
+
 def test_windows_in_forwards_of_a_microbatch_of_tokens_each():
     model = tiny_llama(seed=5, dtype=torch.float64)
     forwards = _count_forwards(model)
@@ -151,5 +204,12 @@ def test_batched_factored_scales_are_the_layer_by_layer_ones():
         ref_out, ref_in = factored_adam_scales(optimizer_second_moments(opt, [p]), 1e-8)
         torch.testing.assert_close(s_out, ref_out, rtol=1e-12, atol=0)
         torch.testing.assert_close(s_in, ref_in, rtol=1e-12, atol=0)
+    # The same values concatenated (what the extractor scales its projections with), and raised to a
+    # power (the `split` side) in two kernels: each layer's scales raised to it.
+    torch.testing.assert_close(batched.flat[0], torch.cat([s_out for s_out, _ in batched]), rtol=0, atol=0)
+    torch.testing.assert_close(batched.flat[1], torch.cat([s_in for _, s_in in batched]), rtol=0, atol=0)
+    for (s_out, s_in), (p_out, p_in) in zip(batched, batched.powered(0.5)):
+        torch.testing.assert_close(p_out, s_out.pow(0.5), rtol=0, atol=0)
+        torch.testing.assert_close(p_in, s_in.pow(0.5), rtol=0, atol=0)
     fresh = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))
     assert batched_factored_scales(opt, [*layers, fresh], 1e-8) is None  # no state: layer by layer
