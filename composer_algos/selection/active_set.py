@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import struct
 
 import torch
 
@@ -89,23 +90,20 @@ class ActiveSetState:
         self.diag_host = host_values[1]  # for the pivot test after the round's sync
         cap1 = capacity + 1
         self.cap1 = cap1
-        self.rows_MN = torch.zeros(cap1, n, dtype=dt, device=dev)  # K rows by slot
-        self.rows_NM = self.rows_MN.T
-        self.p_MM = torch.zeros(cap1, cap1, dtype=dt, device=dev)  # (K_AA + ridge I)^{-1} by slot
-        # Weights by slot. z_M is the scratch that becomes v_M. Invariant: both are exactly 0 on
-        # free and unused slots, and so is q = P k there (zero P rows), so z = v - z_j qext is too.
-        self.v_M = torch.zeros(cap1, dtype=dt, device=dev)
-        self.z_M = torch.zeros(cap1, dtype=dt, device=dev)
-        self.qext_M = torch.zeros(cap1, dtype=dt, device=dev)
-        self.qext_1M = self.qext_M.view(1, cap1)
+        self._alloc_slots(n, dt, dev)
         # Small problems run every kernel over all slots: at M N <= 2^16 the extra multiply-adds
         # cost less than slicing the buffers anew each round (a few microseconds per view).
         self.full_width = cap1 * n <= 1 << 16
-        self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._slot_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.grad_N = mu_N.clone()
         self.grad_scratch_N = torch.empty_like(mu_N)
         self._flag_views(dt)
         self.inactive_N = torch.zeros(n, dtype=torch.bool, device=dev)  # selected at weight 0
+        self._neg_inf_N: torch.Tensor | None = None  # -inf over the pool, made when first needed
+        self._elem_cache: torch.Tensor | None = None  # _elem_tensor's copy of elem[:hi]
+        # Set by a pick whose gradient is not positive: the state then no longer changes, and every
+        # later pick (a max over fewer elements of the same gradient) is one too (see `add`).
+        self.settled = False
         self.sel: list[int] = []  # selection order (host)
         self.slot_of: dict[int, int] = {}  # active element -> slot (host)
         self.elem: list[int] = [0] * cap1  # element of each slot (stale on free slots; host)
@@ -120,10 +118,55 @@ class ActiveSetState:
         self.singular: set[int] = set()
         self._kkt_cap = 3 * cap1 + 10
 
+    def _alloc_slots(self, n: int, dt: torch.dtype, dev: torch.device) -> None:
+        """The slot buffers, zero, carved from one allocation.
+
+        ``rows_MN`` (K rows by slot), ``p_MM`` ((K_AA + ridge I)^{-1} by slot), the weights ``v_M``
+        and ``z_M`` (the scratch that becomes ``v_M``; invariant: both are exactly 0 on free and
+        unused slots, and so is ``q = P k`` there (zero P rows), so ``z = v - z_j qext`` is too),
+        ``qext_M`` and ``neg_eye_MM = -I`` (its row ``h`` adds the ``-1`` of ``qext`` at slot ``h``).
+        """
+        cap1 = self.cap1
+        # Each buffer starts 64-byte aligned, as its own allocation would: BLAS kernels may take
+        # another (differently rounded) path for a misaligned operand.
+        sizes = [cap1 * n, cap1 * cap1, cap1 * cap1, cap1, cap1, cap1]
+        pad = 64 // dt.itemsize
+        padded = [-(-size // pad) * pad for size in sizes]
+        chunks = torch.zeros(sum(padded), dtype=dt, device=dev).split_with_sizes(padded)
+        rows, p, neg_eye, v, z, qext = (chunk[:size] for chunk, size in zip(chunks, sizes))
+        self.v_M, self.z_M, self.qext_M = v, z, qext
+        self.rows_MN = rows.view(cap1, n)
+        self.rows_NM = self.rows_MN.T
+        self.p_MM = p.view(cap1, cap1)
+        self.neg_eye_MM = neg_eye.view(cap1, cap1)
+        self.neg_eye_MM.diagonal().fill_(-1.0)
+        self.qext_1M = self.qext_M.view(1, cap1)
+
     def _flag_views(self, dtype: torch.dtype) -> None:
-        """The round's host-read buffer ``[g_j, schur, min z, KKT violation, j]``, written in place (no cat)."""
-        self.flags_F = torch.zeros(5, dtype=dtype, device=self.mu_N.device)
-        self.g_1, self.schur_1, self.zmin_1, self.viol_1, self.j_1 = self.flags_F.split(1)
+        """The round's host-read buffer ``[j, g_j, schur, min z, KKT violation]``, written in place.
+
+        One int64 buffer read by one ``tolist`` (``_read_flags``): ``j_1`` is its first element
+        (``torch.max(..., out=(g_1, j_1))`` writes the pick there, no copy), the four values of
+        ``dtype`` fill the rest (viewed as ``dtype``).
+        """
+        width = 8 // dtype.itemsize  # elements of `dtype` that j's int64 takes
+        self._flag_fmt = {torch.float32: "=4f", torch.float64: "=4d"}.get(dtype)
+        self.flags_I = torch.zeros(1 + (4 * dtype.itemsize + 7) // 8, dtype=torch.long, device=self.mu_N.device)
+        rest = self.flags_I.numel() * width - width - 4
+        j_w, self.g_1, self.schur_1, self.zmin_1, self.viol_1, _ = self.flags_I.view(dtype).split_with_sizes(
+            [width, 1, 1, 1, 1, rest]
+        )
+        self.j_1 = j_w.view(torch.long)
+
+    def _read_flags(self) -> tuple[float, float, float, float, int]:
+        """The round's one host sync: ``(g_j, schur, min z, KKT violation, j)``."""
+        ints = self.flags_I.tolist()
+        raw = struct.pack(f"={len(ints)}q", *ints)
+        if self._flag_fmt is not None:
+            g, schur, zmin, viol = struct.unpack_from(self._flag_fmt, raw, 8)
+        else:  # another float dtype: decoded by torch on the host
+            g, schur, zmin, viol = torch.frombuffer(bytearray(raw[8:]), dtype=self.g_1.dtype)[:4].tolist()
+        return g, schur, zmin, viol, ints[0]
 
     @property
     def act(self) -> list[int]:
@@ -139,17 +182,30 @@ class ActiveSetState:
         """Select pool element ``j1`` (shape ``(1,)`` int64) and refit exactly on the new support.
 
         Args:
-            j1: the element to add.
+            j1: the element to add; pass ``j_1`` (e.g. written by ``torch.max(..., out=(state.g_1,
+                state.j_1))``) to save a copy: ``j_1`` holds ``j`` again when ``add`` returns.
             g_j: optional ``(1,)`` ``grad_N[j]`` (saves a gather when the caller has it; written
-                straight into ``g_1``, e.g. by ``torch.max(..., out=(state.g_1, j1))``, it saves a copy).
+                straight into ``g_1`` it saves a copy).
 
         Returns:
-            ``j`` as a Python int (it travels with the round's one host sync).
+            ``j`` as a Python int (it travels with the round's one host sync). When the pick's
+            gradient is not positive, ``settled`` becomes True: ``v`` stays optimal with ``w_j = 0``
+            and nothing but the selection changes, so every later pick (the largest gradient among
+            fewer elements) is such a pick as well and may go to ``add_settled`` instead.
         """
         j, needs_kkt = self._enter(j1, g_j, new=True)
         if needs_kkt:
             self._restore_kkt()
+            self.j_1.fill_(j)  # the re-entries (or a promotion) used j_1
         return j
+
+    def add_settled(self, picks: list[int]) -> None:
+        """Select ``picks`` (pool positions, host) at weight 0 once ``settled``: no refit can change."""
+        assert self.settled
+        self.sel.extend(picks)
+        self.m += len(picks)
+        self.inactive_N.index_fill_(0, _to_device(picks, self.mu_N.device), True)
+        self.num_inactive += len(picks)
 
     def _views(
         self, w: int
@@ -169,32 +225,39 @@ class ActiveSetState:
             self.z_M[:w],
         )
 
-    def _slot(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached one-slot views ``rows_MN[h:h+1]`` and ``qext_M[h:h+1]``."""
-        views = self._slot_views.get(h)
+    def _slot(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached one-slot views ``rows_MN[h:h+1]`` and ``neg_eye_MM[h:h+1, :w]`` (``-e_h`` over ``w`` slots)."""
+        views = self._slot_views.get((h, w))
         if views is None:
-            views = (self.rows_MN[h : h + 1], self.qext_M[h : h + 1])
-            self._slot_views[h] = views
+            neg_e = self.neg_eye_MM[h : h + 1]
+            views = (self.rows_MN[h : h + 1], neg_e if w == self.cap1 else neg_e[:, :w])
+            self._slot_views[(h, w)] = views
         return views
+
+    def _neg_inf(self) -> torch.Tensor:
+        """``-inf`` over the pool in the state's dtype (for maxima over the inactive elements)."""
+        if self._neg_inf_N is None or self._neg_inf_N.dtype != self.grad_N.dtype:
+            self._neg_inf_N = torch.full_like(self.grad_N, float("-inf"))
+        return self._neg_inf_N
 
     def _enter(self, j1: torch.Tensor, g_j: torch.Tensor | None, *, new: bool) -> tuple[int, bool]:
         """Try to make ``j1`` active; returns ``(j, whether inactive elements must be re-checked)``."""
         h = self.free[-1] if self.free else self.hi
         w = self.cap1 if self.full_width else max(self.hi, h + 1)
         rows_WN, rows_NW, p_WW, qext_1W, qext_W, v_W, z_W = self._views(w)
-        rows_h1, qext_h1 = self._slot(h)
+        rows_h1, neg_e_1W = self._slot(h, w)
         if self.promoted:
             rows_h1.copy_(self.gram_NN.index_select(0, j1))
         else:
             torch.index_select(self.gram_NN, 0, j1, out=rows_h1)
         # K_Aj is column j of the slot rows (K is symmetric); q^T = k^T P (P is symmetric). Free
-        # slots (h among them) have zero P rows, so q vanishes there whatever their rows hold.
-        torch.mm(rows_WN.index_select(1, j1).view(1, w), p_WW, out=qext_1W)
-        qext_h1.fill_(-1.0)
+        # slots (h among them) have zero P rows and columns, so q vanishes there whatever their rows
+        # hold, and adding -e_h makes qext = [q; -1] in the same kernel.
+        torch.addmm(neg_e_1W, rows_NW.index_select(0, j1), p_WW, out=qext_1W)
         # t = K_{:,W} qext = K_{:,A} q - K_{:,j}: t_j = k.q - K_jj gives the Schur complement, and
         # grad - z_j (K_{:,j} - K_{:,A} q) = grad + z_j t is the gradient at the new optimum.
         t_N = torch.mv(rows_NW, qext_W)
-        # The round's host-read values are written into one buffer (flags_F) as they are computed.
+        # The round's host-read values are written into one buffer (flags_I) as they are computed.
         schur = torch.sub(self.ridge_1, t_N.index_select(0, j1), out=self.schur_1)
         if g_j is None:
             g_j = torch.index_select(self.grad_N, 0, j1, out=self.g_1)
@@ -207,12 +270,13 @@ class ActiveSetState:
         # weight went negative.
         torch.amin(z_W, 0, keepdim=True, out=self.zmin_1)
         if self.num_inactive > 0:
-            # Selected elements at weight 0 must keep a non-positive gradient (KKT).
-            self.viol_1.copy_(((self.grad_scratch_N > self.grad_tol) & self.inactive_N).any().view(1))
-        self.j_1.copy_(j1)  # j travels with the round's one sync
-        g_f, schur_f, zmin_f, viol_f, j_f = self.flags_F.tolist()
-        j = int(j_f)
-        viol_f = viol_f if self.num_inactive > 0 else 0.0
+            # Selected elements at weight 0 must keep a non-positive gradient (KKT): their largest.
+            inactive_grad_N = torch.where(self.inactive_N, self.grad_scratch_N, self._neg_inf())
+            torch.amax(inactive_grad_N, 0, keepdim=True, out=self.viol_1)
+        if j1 is not self.j_1:
+            self.j_1.copy_(j1)  # j travels with the round's one sync
+        g_f, schur_f, zmin_f, viol_f, j = self._read_flags()
+        viol = self.num_inactive > 0 and viol_f > self.grad_tol_f
         if g_f > self.grad_tol_f and schur_f < self.promote_tol * self.diag_host[j] and not self.promoted:
             self._promote()
             if not new:
@@ -225,18 +289,30 @@ class ActiveSetState:
             self.m += 1
         if not g_f > self.grad_tol_f:
             # Non-positive gradient: the current v stays optimal on S + j with w_j = 0. Slot h
-            # stays free; its scratch weight must read 0 when a later round swaps z_M in.
-            self.z_M[h] = 0.0
+            # stays free; the scratch weights must read 0 there when a later round swaps z_M in.
+            self.z_M.copy_(self.v_M)
             self._mark_inactive(j1)
+            self.settled = new
             return j, False
+        return self._accept(j, h, w, p_WW, qext_W, (schur_f, zmin_f), viol)
+
+    def _accept(
+        self, j: int, h: int, w: int, p_WW: torch.Tensor, qext_W: torch.Tensor, flags: tuple[float, float], viol: bool
+    ) -> tuple[int, bool]:
+        """Enter ``j`` at slot ``h`` (its gradient is positive), or refit when its pivot is singular.
+
+        ``flags``: the round's Schur complement and smallest unconstrained weight ``min z``.
+        """
+        schur_f, zmin_f = flags
         if not schur_f > self.pivot_tol * self.diag_host[j]:
             self.singular.add(j)
-            self._mark_inactive(j1)
+            self._mark_inactive(self.j_1)
             self._slow_refit()
             return j, False
         # Enter j at slot h: P <- P + qext qext^T / s.
         p_WW.addr_(qext_W, qext_W, alpha=1.0 / schur_f)
         self.elem[h] = j
+        self._elem_cache = None
         self.slot_of[j] = h
         if self.free:
             self.free.pop()
@@ -244,7 +320,7 @@ class ActiveSetState:
         if not zmin_f < 0:
             self.v_M, self.z_M = self.z_M, self.v_M
             self.grad_N, self.grad_scratch_N = self.grad_scratch_N, self.grad_N
-            return j, viol_f != 0
+            return j, viol
         self._drop_until_positive(w)
         return j, True
 
@@ -283,18 +359,19 @@ class ActiveSetState:
 
     def _restore_kkt(self) -> None:
         """Re-enter selected zero-weight elements whose gradient is positive (Lawson–Hanson outer loop)."""
-        neg_inf = torch.full_like(self.grad_N, float("-inf"))
         for _ in range(self._kkt_cap):
             if self.num_inactive == 0:
                 return
-            g_i, i1 = torch.max(torch.where(self.inactive_N, self.grad_N, neg_inf), 0, keepdim=True)
-            g_f, i_f = torch.cat([g_i, i1.to(g_i.dtype)]).tolist()
+            # The largest inactive gradient and its element, into the round buffer (g_1, j_1).
+            inactive_grad_N = torch.where(self.inactive_N, self.grad_N, self._neg_inf())
+            torch.max(inactive_grad_N, 0, keepdim=True, out=(self.g_1, self.j_1))
+            g_f, _, _, _, _ = self._read_flags()
             if not g_f > self.grad_tol_f:
                 return
-            self.inactive_N.index_fill_(0, i1, False)
+            self.inactive_N.index_fill_(0, self.j_1, False)
             self.num_inactive -= 1
             self.reentries += 1
-            self._enter(i1, g_i, new=False)
+            self._enter(self.j_1, self.g_1, new=False)
         log.warning("ActiveSetState: KKT restoration hit its cap; refitting from scratch")
         self._slow_refit()
 
@@ -317,17 +394,33 @@ class ActiveSetState:
         if not self.slot_of:
             return
         act = self.act
-        slots_A = _to_device([self.slot_of[e] for e in act], self.mu_N.device)
-        act_A = _to_device(act, self.mu_N.device)
-        rows_AN = self.rows_MN.index_select(0, slots_A)
+        a = len(act)
+        slots = [self.slot_of[e] for e in act]
+        in_order = slots == list(range(a))  # no slot was freed: rows_MN[:a] are the active rows
+        if in_order:
+            act_A = _to_device(act, self.mu_N.device)
+            rows_AN = self.rows_MN[:a]
+        else:  # both index lists in one copy
+            slots_A, act_A = _to_device([slots, act], self.mu_N.device).unbind(0)
+            rows_AN = self.rows_MN.index_select(0, slots_A)
         kr_AA = rows_AN.index_select(1, act_A)
-        kr_AA = kr_AA + self.ridge_abs * torch.eye(len(act), dtype=kr_AA.dtype, device=kr_AA.device)
+        kr_AA.diagonal().add_(self.ridge_abs)
         chol_AA, info = torch.linalg.cholesky_ex(kr_AA)
-        v_A = torch.cholesky_solve(self.mu_N[act_A].unsqueeze(1), chol_AA).squeeze(1)
+        v_A = torch.cholesky_solve(self.mu_N.index_select(0, act_A).unsqueeze(1), chol_AA).squeeze(1)
         grad_N = torch.addmv(self.mu_N, rows_AN.T, v_A, alpha=-1.0)
-        ok = (info == 0) & (v_A > 0).all() & ~((grad_N > self.grad_tol) & self.inactive_N).any()
-        if bool(ok):
-            self.v_M.index_copy_(0, slots_A, v_A)
+        # The checks read back in the round buffer's one transfer: the factor's info, the smallest
+        # weight and the largest gradient of an inactive element.
+        self.g_1.copy_(info)
+        torch.amin(v_A, 0, keepdim=True, out=self.zmin_1)
+        if self.num_inactive > 0:
+            torch.amax(torch.where(self.inactive_N, grad_N, self._neg_inf()), 0, keepdim=True, out=self.viol_1)
+        info_f, _, vmin_f, viol_f, _ = self._read_flags()
+        viol = self.num_inactive > 0 and viol_f > self.grad_tol_f
+        if info_f == 0 and vmin_f > 0 and not viol:
+            if in_order:
+                self.v_M[:a].copy_(v_A)
+            else:
+                self.v_M.index_copy_(0, slots_A, v_A)
             self.grad_N = grad_N
         else:
             self._slow_refit()
@@ -353,6 +446,7 @@ class ActiveSetState:
         self.free = []
         self.hi = a
         self.elem = act + [0] * (self.cap1 - a)
+        self._elem_cache = None
         self.p_MM.zero_()
         self.v_M.zero_()
         self.z_M.zero_()
@@ -384,8 +478,10 @@ class ActiveSetState:
         return v_N[idx_S].to(self.out_dtype)
 
     def _elem_tensor(self) -> torch.Tensor:
-        """The element of each used slot as a device tensor."""
-        return _to_device(self.elem[: self.hi], self.mu_N.device)
+        """The element of each used slot as a device tensor (one copy while the slots do not change)."""
+        if self._elem_cache is None:
+            self._elem_cache = _to_device(self.elem[: self.hi], self.mu_N.device)
+        return self._elem_cache
 
     def scaled_objective(self) -> torch.Tensor:
         """``Phi(v)`` with the true ``K`` (no ridge), from ``K_AA v_A = mu_A - grad_A`` (ridge aside)."""
@@ -412,6 +508,7 @@ class ActiveSetState:
         self.z_M = self.z_M.to(dt)
         self.qext_M = self.qext_M.to(dt)
         self.qext_1M = self.qext_M.view(1, -1)
+        self.neg_eye_MM = self.neg_eye_MM.to(dt)
         self.grad_N = self.grad_N.to(dt)
         self.grad_scratch_N = self.grad_scratch_N.to(dt)
         self.ridge_1 = self.ridge_1.to(dt)

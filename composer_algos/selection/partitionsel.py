@@ -265,6 +265,7 @@ def _solve_from_host(
         cpu_single_thread=opts.cpu_single_thread,
         domain_ids_host=inputs.domain_ids_host,
         host_values=host_values,
+        grad_tol=grad_tol,
     )
     return sel_S, v_S, phi, info, ridge_abs
 
@@ -325,6 +326,7 @@ def omp_select(
     cpu_single_thread: bool = False,
     domain_ids_host: torch.Tensor | None = None,
     host_values: tuple[float, list[float]] | None = None,
+    grad_tol: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """OMP over the partition matroid in the scale-free variable ``v`` (paper Alg. 2).
 
@@ -354,6 +356,7 @@ def omp_select(
             are read there too.
         host_values: the exact refit's ``(float(grad_tol), diag(K).tolist())`` when the caller has
             read them already (with other values, in one transfer).
+        grad_tol: the KKT tolerance when the caller has it (default ``default_grad_tol(mu_N)``).
 
     Returns:
         ``(indices_S, v_S, phi, info)``: the selection in pick order, its weights ``v``, the
@@ -374,6 +377,7 @@ def omp_select(
             generator,
             domain_ids_host,
             host_values,
+            grad_tol,
         )
 
 
@@ -391,28 +395,31 @@ def _omp_rounds(
     generator: torch.Generator | None,
     domain_ids_host: torch.Tensor | None = None,
     host_values: tuple[float, list[float]] | None = None,
+    grad_tol: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The body of ``omp_select``."""
     device = mu_N.device
     n = gram.n
-    grad_tol = default_grad_tol(mu_N)
+    if grad_tol is None:
+        grad_tol = default_grad_tol(mu_N)
     caps_host = capacities_C if capacities_C.device.type == "cpu" else None
     capacities_C = capacities_C.to(device, non_blocking=True)
     state = _refit_state(refit, gram, mu_N, k, ridge_abs, grad_tol, apga_max_iters, apga_tol, host_values)
     lazy = gram.lazy
-    # Unavailable elements (selected, or in a full domain) carry -inf in the additive penalty.
     dom_N = domain_ids_N
-    penalty_N = torch.zeros(n, dtype=mu_N.dtype, device=device)
-    penalty_N.masked_fill_(capacities_C.index_select(0, dom_N) <= 0, float("-inf"))
     exact = isinstance(state, ActiveSetState)
     randomized = pick == "randomized"
-    rem_C = capacities_C.clone()
-    minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=device)
     if exact:
-        j_buf = torch.zeros(1, dtype=torch.long, device=device)
         # The exact state syncs once per round anyway and hands back j: track domains on the host.
         rem_host = (caps_host if caps_host is not None else capacities_C).tolist()
         dom_host = (domain_ids_host if domain_ids_host is not None else dom_N).tolist()
+    # Unavailable elements (selected, or in a full domain) carry -inf in the additive penalty.
+    penalty_N = torch.zeros(n, dtype=mu_N.dtype, device=device)
+    if not exact or min(rem_host, default=1) <= 0:
+        penalty_N.masked_fill_(capacities_C.index_select(0, dom_N) <= 0, float("-inf"))
+    if randomized or not exact:
+        rem_C = capacities_C.clone()
+        minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=device)
     if randomized or lazy:
         counts_C = torch.bincount(dom_N, minlength=capacities_C.shape[0])
         starts_C = torch.cumsum(counts_C, 0) - counts_C
@@ -430,8 +437,8 @@ def _omp_rounds(
             ).view(1)
             g_j = None
         elif exact:
-            # Straight into the state's round buffer (the value it reads back on the host).
-            g_j, j1 = torch.max(scores_N, 0, keepdim=True, out=(state.g_1, j_buf))
+            # Straight into the state's round buffer (the values it reads back on the host).
+            g_j, j1 = torch.max(scores_N, 0, keepdim=True, out=(state.g_1, state.j_1))
         else:
             g_j, j1 = torch.max(scores_N, 0, keepdim=True)
         if lazy:
@@ -440,23 +447,64 @@ def _omp_rounds(
             if not gram.has(j_host):
                 rem_now_C = torch.tensor(rem_host, device=device) if exact else rem_C
                 gram.ensure([j_host], _prefetch_priority(scores_N, dom_N, rem_now_C, starts_C, positions_N))
-        penalty_N.index_fill_(0, j1, float("-inf"))
-        if randomized or not exact:
+        if not exact:
+            penalty_N.index_fill_(0, j1, float("-inf"))
             rem_C.index_add_(0, dom_N.index_select(0, j1), minus_one)
-        if exact:
-            j_int = state.add(j1, g_j)
-            d = dom_host[j_int]
-            rem_host[d] -= 1
-            if rem_host[d] == 0:
-                penalty_N.masked_fill_(dom_N == d, float("-inf"))
-        else:
             state.add(j1, g_j)
             penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+            continue
+        if randomized:
+            rem_C.index_add_(0, dom_N.index_select(0, j1), minus_one)
+        j_int = state.add(j1, g_j)
+        if r == k - 1:
+            break  # no later pick reads the penalty
+        if state.settled and not (randomized or lazy):
+            # The gradient no longer changes: the rest are the largest scores in turn (see
+            # ActiveSetState.add), penalised in place.
+            _mark_taken(scores_N, j_int, state.j_1, dom_N, dom_host, rem_host)
+            state.add_settled(_settled_picks(state, scores_N, dom_N, dom_host, rem_host, k - r - 1))
+            break
+        # j_1 holds j again after `add` (re-entries and a promotion may have used the old one).
+        _mark_taken(penalty_N, j_int, j1 if randomized else state.j_1, dom_N, dom_host, rem_host)
     if isinstance(state, ActiveSetState):
         state.finalize()
     sel_S = state.sel_M if isinstance(state, ActiveSetState) else state.sel_M[:k].clone()
     v_S = state.weights_on(sel_S)
     return sel_S, v_S, state.scaled_objective(), _state_info(state)
+
+
+def _mark_taken(
+    penalty_N: torch.Tensor, j: int, j1: torch.Tensor, dom_N: torch.Tensor, dom_host: list[int], rem_host: list[int]
+) -> None:
+    """Make pick ``j`` (host; ``j1`` on the device) unavailable, with its domain when that is now full."""
+    d = dom_host[j]
+    rem_host[d] -= 1
+    if rem_host[d] == 0:
+        penalty_N.masked_fill_(dom_N == d, float("-inf"))  # j among them
+    else:
+        penalty_N.index_fill_(0, j1, float("-inf"))
+
+
+def _settled_picks(
+    state: ActiveSetState,
+    scores_N: torch.Tensor,
+    dom_N: torch.Tensor,
+    dom_host: list[int],
+    rem_host: list[int],
+    picks: int,
+) -> list[int]:
+    """The remaining greedy picks of a settled exact state: the largest of the fixed ``scores_N`` in turn.
+
+    The same maxima as full rounds (``scores_N`` is the gradient plus the penalty, penalised in
+    place), one host read each, without the refit's kernels (no refit can change the state).
+    """
+    out = []
+    for _ in range(picks):
+        torch.max(scores_N, 0, keepdim=True, out=(state.g_1, state.j_1))
+        (j,) = state.j_1.tolist()  # the pick's one sync, as in a full round
+        out.append(j)
+        _mark_taken(scores_N, j, state.j_1, dom_N, dom_host, rem_host)
+    return out
 
 
 def _randomized_draws(
