@@ -73,7 +73,8 @@ class ActiveSetState:
         self.gram_NN = gram.gram_NN
         self.mu_N = mu_N
         self.ridge_abs = float(ridge_abs)
-        self.ridge_1 = torch.full((1,), self.ridge_abs, dtype=dt, device=dev)
+        # The ridge as the state's dtype rounds it (kept through a promotion to float64).
+        self.ridge_dt = _rounded(self.ridge_abs, dt)
         self.out_dtype = dt
         # float32 inverse updates lose about eps * cond(K_AA) digits. A Schur complement below
         # 1e4 eps K_jj (cond above ~1e3, as with more picks than feature dimensions, or near
@@ -91,12 +92,11 @@ class ActiveSetState:
         cap1 = capacity + 1
         self.cap1 = cap1
         self._alloc_slots(n, dt, dev)
+        self._pairs()[0].copy_(mu_N)  # grad = mu at v = 0, and the scores (no element unavailable yet)
         # Small problems run every kernel over all slots: at M N <= 2^16 the extra multiply-adds
         # cost less than slicing the buffers anew each round (a few microseconds per view).
         self.full_width = cap1 * n <= 1 << 16
-        self._slot_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.grad_N = mu_N.clone()
-        self.grad_scratch_N = torch.empty_like(mu_N)
+        self._slot_views: dict[tuple[int, int], torch.Tensor] = {}
         self._flag_views(dt)
         self.inactive_N = torch.zeros(n, dtype=torch.bool, device=dev)  # selected at weight 0
         self._neg_inf_N: torch.Tensor | None = None  # -inf over the pool, made when first needed
@@ -121,26 +121,62 @@ class ActiveSetState:
     def _alloc_slots(self, n: int, dt: torch.dtype, dev: torch.device) -> None:
         """The slot buffers, zero, carved from one allocation.
 
-        ``rows_MN`` (K rows by slot), ``p_MM`` ((K_AA + ridge I)^{-1} by slot), the weights ``v_M``
-        and ``z_M`` (the scratch that becomes ``v_M``; invariant: both are exactly 0 on free and
-        unused slots, and so is ``q = P k`` there (zero P rows), so ``z = v - z_j qext`` is too),
-        ``qext_M`` and ``neg_eye_MM = -I`` (its row ``h`` adds the ``-1`` of ``qext`` at slot ``h``).
+        ``rows_MN`` (K rows by slot), ``p_MM`` ((K_AA + ridge I)^{-1} by slot), ``neg_eye_MM = -I``
+        (its row ``h`` adds the ``-1`` of ``qext`` at slot ``h``), ``y_L = [qext_M | u_N]`` with
+        ``u = -K_{:,W} qext``, and two ``(2, L)`` sets ``[[v_M | grad_N], [- | scores_N]]`` (the
+        state's) and ``[[z_M | grad_scratch_N], [- | scores_scratch_N]]`` (the round's scratch,
+        swapped in when the round's refit is kept): one ``addcmul`` of ``y_L`` updates the weights,
+        the gradient and the caller's scores ``grad + penalty`` (-inf where unavailable) at once.
+        Invariant: ``v_M`` and ``z_M`` are exactly 0 on free and unused slots, and so is ``q = P k``
+        there (zero P rows), so ``z = v - z_j qext`` is too.
         """
         cap1 = self.cap1
         # Each buffer starts 64-byte aligned, as its own allocation would: BLAS kernels may take
         # another (differently rounded) path for a misaligned operand.
-        sizes = [cap1 * n, cap1 * cap1, cap1 * cap1, cap1, cap1, cap1]
         pad = 64 // dt.itemsize
-        padded = [-(-size // pad) * pad for size in sizes]
-        chunks = torch.zeros(sum(padded), dtype=dt, device=dev).split_with_sizes(padded)
-        rows, p, neg_eye, v, z, qext = (chunk[:size] for chunk, size in zip(chunks, sizes))
-        self.v_M, self.z_M, self.qext_M = v, z, qext
+        c, m = -(-cap1 // pad) * pad, -(-n // pad) * pad
+        sizes = [cap1 * n, cap1 * cap1, cap1 * cap1] + [cap1, n] * 5
+        split = [x for size in sizes for x in (size, -(-size // pad) * pad - size)]  # each, and its gap
+        flat = torch.zeros(sum(split), dtype=dt, device=dev)
+        rows, _, p, _, neg_eye, _, self.qext_M, _, self.u_N, _, *sets = flat.split_with_sizes(split)
+        start = sum(split[:6])
+        self.y_L = flat[start : start + c + m]
+        self._sets = []
+        for i in range(2):  # set i: [v, gap, grad, gap] then [-, gap, scores, gap]
+            set_2L = flat[start + (1 + 2 * i) * (c + m) : start + (3 + 2 * i) * (c + m)].view(2, c + m)
+            v, _, grad, _, _, _, scores, _ = sets[8 * i : 8 * i + 8]
+            self._sets.append((set_2L, v, grad, scores))
+        self._pair_views: list[torch.Tensor | None] = [None, None]
+        self._pool_cols = (c, n)
+        self._swap_sets(0)
         self.rows_MN = rows.view(cap1, n)
         self.rows_NM = self.rows_MN.T
         self.p_MM = p.view(cap1, cap1)
         self.neg_eye_MM = neg_eye.view(cap1, cap1)
         self.neg_eye_MM.diagonal().fill_(-1.0)
         self.qext_1M = self.qext_M.view(1, cap1)
+        # One-slot views (rows_MN[h:h+1], neg_eye_MM[h:h+1]) of every slot, two ops in all.
+        self._rows_1N = self.rows_MN.split(1)
+        self._neg_e_1M = self.neg_eye_MM.split(1)
+
+    def _swap_sets(self, cur: int | None = None) -> None:
+        """Make set ``cur`` the state's (default: the other one: keep the round's refit, whose weights,
+        gradient and scores become the state's)."""
+        self._cur = 1 - self._cur if cur is None else cur
+        self.set_2L, self.v_M, self.grad_N, self.scores_N = self._sets[self._cur]
+        self.scratch_2L, self.z_M, self.grad_scratch_N, self.scores_scratch_N = self._sets[1 - self._cur]
+
+    def _pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(2, N)`` views ``[grad_N; scores_N]`` of the state's set and of the scratch (made when first used)."""
+        c, n = self._pool_cols
+        for i in (self._cur, 1 - self._cur):
+            if self._pair_views[i] is None:
+                self._pair_views[i] = self._sets[i][0].narrow(1, c, n)
+        return self._pair_views[self._cur], self._pair_views[1 - self._cur]
+
+    def _refresh_scores(self, old_scores_N: torch.Tensor) -> None:
+        """``scores_N = grad_N`` (a new gradient) with ``-inf`` kept where ``old_scores_N`` has it."""
+        torch.where(torch.isneginf(old_scores_N), old_scores_N, self.grad_N, out=self.scores_N)
 
     def _flag_views(self, dtype: torch.dtype) -> None:
         """The round's host-read buffer ``[j, g_j, schur, min z, KKT violation]``, written in place.
@@ -153,10 +189,10 @@ class ActiveSetState:
         self._flag_fmt = {torch.float32: "=4f", torch.float64: "=4d"}.get(dtype)
         self.flags_I = torch.zeros(1 + (4 * dtype.itemsize + 7) // 8, dtype=torch.long, device=self.mu_N.device)
         rest = self.flags_I.numel() * width - width - 4
-        j_w, self.g_1, self.schur_1, self.zmin_1, self.viol_1, _ = self.flags_I.view(dtype).split_with_sizes(
+        _, self.g_1, self.schur_1, self.zmin_1, self.viol_1, _ = self.flags_I.view(dtype).split_with_sizes(
             [width, 1, 1, 1, 1, rest]
         )
-        self.j_1 = j_w.view(torch.long)
+        self.j_1 = self.flags_I[:1]
 
     def _read_flags(self) -> tuple[float, float, float, float, int]:
         """The round's one host sync: ``(g_j, schur, min z, KKT violation, j)``."""
@@ -226,13 +262,13 @@ class ActiveSetState:
         )
 
     def _slot(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached one-slot views ``rows_MN[h:h+1]`` and ``neg_eye_MM[h:h+1, :w]`` (``-e_h`` over ``w`` slots)."""
-        views = self._slot_views.get((h, w))
-        if views is None:
-            neg_e = self.neg_eye_MM[h : h + 1]
-            views = (self.rows_MN[h : h + 1], neg_e if w == self.cap1 else neg_e[:, :w])
-            self._slot_views[(h, w)] = views
-        return views
+        """The one-slot views ``rows_MN[h:h+1]`` and ``neg_eye_MM[h:h+1, :w]`` (``-e_h`` over ``w`` slots)."""
+        if w == self.cap1:
+            return self._rows_1N[h], self._neg_e_1M[h]
+        neg_e = self._slot_views.get((h, w))
+        if neg_e is None:
+            neg_e = self._slot_views[(h, w)] = self._neg_e_1M[h].narrow(1, 0, w)
+        return self._rows_1N[h], neg_e
 
     def _neg_inf(self) -> torch.Tensor:
         """``-inf`` over the pool in the state's dtype (for maxima over the inactive elements)."""
@@ -255,17 +291,23 @@ class ActiveSetState:
         # hold, and adding -e_h makes qext = [q; -1] in the same kernel.
         torch.addmm(neg_e_1W, rows_NW.index_select(0, j1), p_WW, out=qext_1W)
         # t = K_{:,W} qext = K_{:,A} q - K_{:,j}: t_j = k.q - K_jj gives the Schur complement, and
-        # grad - z_j (K_{:,j} - K_{:,A} q) = grad + z_j t is the gradient at the new optimum.
-        t_N = torch.mv(rows_NW, qext_W)
+        # grad - z_j (K_{:,j} - K_{:,A} q) = grad + z_j t is the gradient at the new optimum. Kept
+        # negated, u = -t (exactly), so that z and the gradient take the same update below.
+        u_N = torch.addmv(self.u_N, rows_NW, qext_W, beta=0.0, alpha=-1.0, out=self.u_N)
         # The round's host-read values are written into one buffer (flags_I) as they are computed.
-        schur = torch.sub(self.ridge_1, t_N.index_select(0, j1), out=self.schur_1)
+        schur = torch.add(u_N.index_select(0, j1), self.ridge_dt, out=self.schur_1)
         if g_j is None:
             g_j = torch.index_select(self.grad_N, 0, j1, out=self.g_1)
         elif g_j is not self.g_1:
             g_j = self.g_1.copy_(g_j)
         z_j = g_j / schur
-        torch.addcmul(v_W, qext_W, z_j, value=-1.0, out=z_W)
-        torch.addcmul(self.grad_N, t_N, z_j, out=self.grad_scratch_N)
+        # z = v - z_j qext, grad + z_j t and scores + z_j t (the caller's penalties stay -inf).
+        if w == self.cap1:
+            torch.addcmul(self.set_2L, self.y_L, z_j, value=-1.0, out=self.scratch_2L)
+        else:
+            torch.addcmul(v_W, qext_W, z_j, value=-1.0, out=z_W)
+            pair_GN, pair_scratch_GN = self._pairs()
+            torch.addcmul(pair_GN, u_N, z_j, value=-1.0, out=pair_scratch_GN)
         # Free slots hold z = 0 exactly and z_j > 0 whenever j enters, so min z < 0 means an active
         # weight went negative.
         torch.amin(z_W, 0, keepdim=True, out=self.zmin_1)
@@ -318,8 +360,7 @@ class ActiveSetState:
             self.free.pop()
         self.hi = max(self.hi, h + 1)
         if not zmin_f < 0:
-            self.v_M, self.z_M = self.z_M, self.v_M
-            self.grad_N, self.grad_scratch_N = self.grad_scratch_N, self.grad_N
+            self._swap_sets()
             return j, viol
         self._drop_until_positive(w)
         return j, True
@@ -353,9 +394,10 @@ class ActiveSetState:
             log.warning("ActiveSetState: Lawson–Hanson inner loop did not settle; refitting from scratch")
             self._slow_refit()
             return
-        self.v_M, self.z_M = self.z_M, self.v_M
+        self._swap_sets()  # the settled z becomes v; the scores before the round are the scratch's
         self.z_M.zero_()
-        self.grad_N = torch.addmv(self.mu_N, rows_NW, self.v_M[:w], alpha=-1.0)
+        torch.addmv(self.mu_N, rows_NW, self.v_M[:w], alpha=-1.0, out=self.grad_N)
+        self._refresh_scores(self.scores_scratch_N)
 
     def _restore_kkt(self) -> None:
         """Re-enter selected zero-weight elements whose gradient is positive (Lawson–Hanson outer loop)."""
@@ -456,7 +498,8 @@ class ActiveSetState:
         self.num_inactive = self.m - a
         self.rows_MN[:a] = self.gram_NN.index_select(0, act_A)
         if a == 0:
-            self.grad_N = self.mu_N.clone()
+            self.grad_N.copy_(self.mu_N)
+            self._refresh_scores(self.scores_N)
             return
         kr_AA = self.rows_MN[:a].index_select(1, act_A)
         kr_AA = kr_AA + self.ridge_abs * torch.eye(a, dtype=kr_AA.dtype, device=kr_AA.device)
@@ -468,7 +511,8 @@ class ActiveSetState:
             )
         self.p_MM[:a, :a] = torch.cholesky_inverse(chol_AA)
         self.v_M[:a] = torch.cholesky_solve(self.mu_N[act_A].unsqueeze(1), chol_AA).squeeze(1)
-        self.grad_N = torch.addmv(self.mu_N, self.rows_MN[:a].T, self.v_M[:a], alpha=-1.0)
+        torch.addmv(self.mu_N, self.rows_MN[:a].T, self.v_M[:a], alpha=-1.0, out=self.grad_N)
+        self._refresh_scores(self.scores_N)
 
     def weights_on(self, idx_S: torch.Tensor) -> torch.Tensor:
         """The current ``v`` at pool positions ``idx_S`` (zero for inactive ones)."""
@@ -500,22 +544,25 @@ class ActiveSetState:
         dt = torch.float64
         self.promoted = True
         self.pivot_tol = 64.0 * torch.finfo(dt).eps
+        old = (self.rows_MN, self.p_MM, self.qext_M, *self._pairs(), self.v_M, self.z_M)
         self.mu_N = self.mu_N.to(dt)
-        self.rows_MN = self.rows_MN.to(dt)
-        self.rows_NM = self.rows_MN.T
-        self.p_MM = self.p_MM.to(dt)
-        self.v_M = self.v_M.to(dt)
-        self.z_M = self.z_M.to(dt)
-        self.qext_M = self.qext_M.to(dt)
-        self.qext_1M = self.qext_M.view(1, -1)
-        self.neg_eye_MM = self.neg_eye_MM.to(dt)
-        self.grad_N = self.grad_N.to(dt)
-        self.grad_scratch_N = self.grad_scratch_N.to(dt)
-        self.ridge_1 = self.ridge_1.to(dt)
+        self._alloc_slots(self.mu_N.shape[0], dt, self.mu_N.device)
+        new = (self.rows_MN, self.p_MM, self.qext_M, *self._pairs(), self.v_M, self.z_M)
+        for dst, src in zip(new, old):
+            dst.copy_(src)
         self._flag_views(dt)
         self._slot_views = {}
         log.debug("ActiveSetState: ill-conditioned active set; continuing in float64")
         self._slow_refit()
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (as a host float, computed on the host)."""
+    if dtype == torch.float64:
+        return float(value)
+    if dtype == torch.float32:
+        return struct.unpack("=f", struct.pack("=f", value))[0]
+    return torch.tensor(value, dtype=dtype).item()  # a host tensor: no device sync
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

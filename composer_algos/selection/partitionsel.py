@@ -413,8 +413,10 @@ def _omp_rounds(
         # The exact state syncs once per round anyway and hands back j: track domains on the host.
         rem_host = (caps_host if caps_host is not None else capacities_C).tolist()
         dom_host = (domain_ids_host if domain_ids_host is not None else dom_N).tolist()
-    # Unavailable elements (selected, or in a full domain) carry -inf in the additive penalty.
-    penalty_N = torch.zeros(n, dtype=mu_N.dtype, device=device)
+    # Unavailable elements (selected, or in a full domain) carry -inf in the additive penalty. The
+    # exact greedy rounds keep grad + penalty in the state (its `scores_N`, updated with the gradient).
+    own_scores = exact and not (randomized or lazy)
+    penalty_N = state.scores_N if own_scores else torch.zeros(n, dtype=mu_N.dtype, device=device)
     if not exact or min(rem_host, default=1) <= 0:
         penalty_N.masked_fill_(capacities_C.index_select(0, dom_N) <= 0, float("-inf"))
     if randomized or not exact:
@@ -427,7 +429,7 @@ def _omp_rounds(
     if randomized:
         uniforms_K, truncated = _randomized_draws(generator, k, device, caps_host if caps_host is not None else capacities_C)
     for r in range(k):
-        scores_N = state.grad_N + penalty_N
+        scores_N = state.scores_N if own_scores else state.grad_N + penalty_N
         if randomized:
             avail_N = penalty_N == 0
             j_greedy = scores_N.argmax()
@@ -458,14 +460,12 @@ def _omp_rounds(
         j_int = state.add(j1, g_j)
         if r == k - 1:
             break  # no later pick reads the penalty
-        if state.settled and not (randomized or lazy):
-            # The gradient no longer changes: the rest are the largest scores in turn (see
-            # ActiveSetState.add), penalised in place.
-            _mark_taken(scores_N, j_int, state.j_1, dom_N, dom_host, rem_host)
-            state.add_settled(_settled_picks(state, scores_N, dom_N, dom_host, rem_host, k - r - 1))
-            break
         # j_1 holds j again after `add` (re-entries and a promotion may have used the old one).
-        _mark_taken(penalty_N, j_int, j1 if randomized else state.j_1, dom_N, dom_host, rem_host)
+        _mark_taken(state.scores_N if own_scores else penalty_N, j_int, j1 if randomized else state.j_1, dom_N, dom_host, rem_host)
+        if state.settled and own_scores:
+            # The gradient no longer changes: the rest are the largest scores in turn (see ActiveSetState.add).
+            state.add_settled(_settled_picks(state, state.scores_N, dom_N, dom_host, rem_host, k - r - 1))
+            break
     if isinstance(state, ActiveSetState):
         state.finalize()
     sel_S = state.sel_M if isinstance(state, ActiveSetState) else state.sel_M[:k].clone()
@@ -667,7 +667,7 @@ def _ridge_share(
     """
     align = torch.dot(v_S, mu_S)
     share = ridge_abs * torch.dot(v_S, v_S) / align.clamp_min(torch.finfo(v_S.dtype).tiny)
-    share = torch.where(align > 0, share, torch.zeros_like(share))
+    share = share.masked_fill_(align <= 0, 0.0)
     if device is not None:
         share = share.to(device, non_blocking=True)  # a CPU solve's value joins the features' device, as the step reads them
     if not _RIDGE_WARNED and ridge_rel > 0 and inputs.eta > 0:
