@@ -92,14 +92,14 @@ class ActiveSetState:
         cap1 = capacity + 1
         self.cap1 = cap1
         self._alloc_slots(n, dt, dev)
-        self._pairs()[0].copy_(mu_N)  # grad = mu at v = 0, and the scores (no element unavailable yet)
+        self._pair(0).copy_(mu_N)  # grad = mu at v = 0, and the scores (no element unavailable yet)
         # Small problems run every kernel over all slots: at M N <= 2^16 the extra multiply-adds
         # cost less than slicing the buffers anew each round (a few microseconds per view).
         self.full_width = cap1 * n <= 1 << 16
         self._slot_views: dict[tuple[int, int], torch.Tensor] = {}
         self._flag_views(dt)
-        self.inactive_N = torch.zeros(n, dtype=torch.bool, device=dev)  # selected at weight 0
-        self._neg_inf_N: torch.Tensor | None = None  # -inf over the pool, made when first needed
+        # Selected at weight 0, as an additive mask: 0 there, -inf elsewhere (grad + mask: their gradients).
+        self.inactive_N = torch.full((n,), float("-inf"), dtype=dt, device=dev)
         self._elem_cache: torch.Tensor | None = None  # _elem_tensor's copy of elem[:hi]
         # Set by a pick whose gradient is not positive: the state then no longer changes, and every
         # later pick (a max over fewer elements of the same gradient) is one too (see `add`).
@@ -168,11 +168,14 @@ class ActiveSetState:
 
     def _pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(2, N)`` views ``[grad_N; scores_N]`` of the state's set and of the scratch (made when first used)."""
-        c, n = self._pool_cols
-        for i in (self._cur, 1 - self._cur):
-            if self._pair_views[i] is None:
-                self._pair_views[i] = self._sets[i][0].narrow(1, c, n)
-        return self._pair_views[self._cur], self._pair_views[1 - self._cur]
+        return self._pair(self._cur), self._pair(1 - self._cur)
+
+    def _pair(self, i: int) -> torch.Tensor:
+        """``[grad; scores]`` of set ``i``, a ``(2, N)`` view (made once)."""
+        if self._pair_views[i] is None:
+            c, n = self._pool_cols
+            self._pair_views[i] = self._sets[i][0].narrow(1, c, n)
+        return self._pair_views[i]
 
     def _refresh_scores(self, old_scores_N: torch.Tensor) -> None:
         """``scores_N = grad_N`` (a new gradient) with ``-inf`` kept where ``old_scores_N`` has it."""
@@ -240,7 +243,7 @@ class ActiveSetState:
         assert self.settled
         self.sel.extend(picks)
         self.m += len(picks)
-        self.inactive_N.index_fill_(0, _to_device(picks, self.mu_N.device), True)
+        self.inactive_N.index_fill_(0, _to_device(picks, self.mu_N.device), 0.0)
         self.num_inactive += len(picks)
 
     def _views(
@@ -269,12 +272,6 @@ class ActiveSetState:
         if neg_e is None:
             neg_e = self._slot_views[(h, w)] = self._neg_e_1M[h].narrow(1, 0, w)
         return self._rows_1N[h], neg_e
-
-    def _neg_inf(self) -> torch.Tensor:
-        """``-inf`` over the pool in the state's dtype (for maxima over the inactive elements)."""
-        if self._neg_inf_N is None or self._neg_inf_N.dtype != self.grad_N.dtype:
-            self._neg_inf_N = torch.full_like(self.grad_N, float("-inf"))
-        return self._neg_inf_N
 
     def _enter(self, j1: torch.Tensor, g_j: torch.Tensor | None, *, new: bool) -> tuple[int, bool]:
         """Try to make ``j1`` active; returns ``(j, whether inactive elements must be re-checked)``."""
@@ -313,7 +310,7 @@ class ActiveSetState:
         torch.amin(z_W, 0, keepdim=True, out=self.zmin_1)
         if self.num_inactive > 0:
             # Selected elements at weight 0 must keep a non-positive gradient (KKT): their largest.
-            inactive_grad_N = torch.where(self.inactive_N, self.grad_scratch_N, self._neg_inf())
+            inactive_grad_N = self.grad_scratch_N + self.inactive_N
             torch.amax(inactive_grad_N, 0, keepdim=True, out=self.viol_1)
         if j1 is not self.j_1:
             self.j_1.copy_(j1)  # j travels with the round's one sync
@@ -405,12 +402,12 @@ class ActiveSetState:
             if self.num_inactive == 0:
                 return
             # The largest inactive gradient and its element, into the round buffer (g_1, j_1).
-            inactive_grad_N = torch.where(self.inactive_N, self.grad_N, self._neg_inf())
+            inactive_grad_N = self.grad_N + self.inactive_N
             torch.max(inactive_grad_N, 0, keepdim=True, out=(self.g_1, self.j_1))
             g_f, _, _, _, _ = self._read_flags()
             if not g_f > self.grad_tol_f:
                 return
-            self.inactive_N.index_fill_(0, self.j_1, False)
+            self.inactive_N.index_fill_(0, self.j_1, float("-inf"))
             self.num_inactive -= 1
             self.reentries += 1
             self._enter(self.j_1, self.g_1, new=False)
@@ -422,13 +419,13 @@ class ActiveSetState:
         e = self.elem[p]
         del self.slot_of[e]
         self.free.append(p)
-        self.inactive_N[e] = True
+        self.inactive_N[e] = 0.0
         self.num_inactive += 1
         self.drops += 1
 
     def _mark_inactive(self, j1: torch.Tensor) -> None:
         """Record a selected element that stays at weight 0."""
-        self.inactive_N.index_fill_(0, j1, True)
+        self.inactive_N.index_fill_(0, j1, 0.0)
         self.num_inactive += 1
 
     def finalize(self) -> None:
@@ -455,7 +452,7 @@ class ActiveSetState:
         self.g_1.copy_(info)
         torch.amin(v_A, 0, keepdim=True, out=self.zmin_1)
         if self.num_inactive > 0:
-            torch.amax(torch.where(self.inactive_N, grad_N, self._neg_inf()), 0, keepdim=True, out=self.viol_1)
+            torch.amax(grad_N + self.inactive_N, 0, keepdim=True, out=self.viol_1)
         info_f, _, vmin_f, viol_f, _ = self._read_flags()
         viol = self.num_inactive > 0 and viol_f > self.grad_tol_f
         if info_f == 0 and vmin_f > 0 and not viol:
@@ -471,7 +468,7 @@ class ActiveSetState:
         """Full Lawson–Hanson on ``S`` from the current ``v``, then rebuild the slots."""
         self.slow_refits += 1
         sel_S = self.sel_M
-        v_S = self.weights_on(sel_S)
+        v_S = self.selection_weights()
         gram_SS = self.gram_NN[sel_S.unsqueeze(1), sel_S.unsqueeze(0)].to(self.mu_N.dtype)
         stats: dict = {}
         v_S = refit_exact(
@@ -492,9 +489,9 @@ class ActiveSetState:
         self.p_MM.zero_()
         self.v_M.zero_()
         self.z_M.zero_()
-        self.inactive_N.zero_()
-        self.inactive_N.index_fill_(0, self.sel_M, True)  # index_fill_: a number assigned through a
-        self.inactive_N.index_fill_(0, act_A, False)  # device index would be copied to it (a sync)
+        self.inactive_N.fill_(float("-inf"))
+        self.inactive_N.index_fill_(0, self.sel_M, 0.0)  # index_fill_: a number assigned through a
+        self.inactive_N.index_fill_(0, act_A, float("-inf"))  # device index would be copied to it (a sync)
         self.num_inactive = self.m - a
         self.rows_MN[:a] = self.gram_NN.index_select(0, act_A)
         if a == 0:
@@ -514,12 +511,13 @@ class ActiveSetState:
         torch.addmv(self.mu_N, self.rows_MN[:a].T, self.v_M[:a], alpha=-1.0, out=self.grad_N)
         self._refresh_scores(self.scores_N)
 
-    def weights_on(self, idx_S: torch.Tensor) -> torch.Tensor:
-        """The current ``v`` at pool positions ``idx_S`` (zero for inactive ones)."""
-        v_N = self.mu_N.new_zeros(self.mu_N.shape[0])
-        # Free slots hold weight 0, so adding every slot's weight at its element is exact.
-        v_N.index_add_(0, self._elem_tensor(), self.v_M[: self.hi])
-        return v_N[idx_S].to(self.out_dtype)
+    def selection_weights(self) -> torch.Tensor:
+        """The current ``v`` of the selection in pick order (zero for inactive elements)."""
+        # Slot M-1 is never used (at most M-1 elements are selected, and an entering element finds
+        # a free slot below hi or hi itself, at most M-2), so its weight is exactly 0.
+        spare = self.cap1 - 1
+        slots_S = _to_device([self.slot_of.get(e, spare) for e in self.sel], self.mu_N.device)
+        return self.v_M.index_select(0, slots_S).to(self.out_dtype)
 
     def _elem_tensor(self) -> torch.Tensor:
         """The element of each used slot as a device tensor (one copy while the slots do not change)."""

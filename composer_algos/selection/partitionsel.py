@@ -469,7 +469,7 @@ def _omp_rounds(
     if isinstance(state, ActiveSetState):
         state.finalize()
     sel_S = state.sel_M if isinstance(state, ActiveSetState) else state.sel_M[:k].clone()
-    v_S = state.weights_on(sel_S)
+    v_S = state.selection_weights() if exact else state.weights_on(sel_S)
     return sel_S, v_S, state.scaled_objective(), _state_info(state)
 
 
