@@ -142,8 +142,8 @@ class ActiveSetState:
         start = sum(split[:6])
         self.y_L = flat[start : start + c + m]
         self._sets = []
-        for i in range(2):  # set i: [v, gap, grad, gap] then [-, gap, scores, gap]
-            set_2L = flat[start + (1 + 2 * i) * (c + m) : start + (3 + 2 * i) * (c + m)].view(2, c + m)
+        sets_22L = flat[start + c + m : start + 5 * (c + m)].view(2, 2, c + m).unbind(0)
+        for i, set_2L in enumerate(sets_22L):  # set i: [v, gap, grad, gap] then [-, gap, scores, gap]
             v, _, grad, _, _, _, scores, _ = sets[8 * i : 8 * i + 8]
             self._sets.append((set_2L, v, grad, scores))
         self._pair_views: list[torch.Tensor | None] = [None, None]

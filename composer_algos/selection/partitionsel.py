@@ -244,7 +244,7 @@ def _solve_from_host(
     # The setup's host reads in one transfer: the ridge's scale (mean diag K), and for the exact
     # refit's host-side tests the gradient tolerance and diag(K).
     exact = opts.refit == "exact"
-    parts = [gram.diag_N.mean().view(1)] + ([grad_tol.view(1), gram.diag_N] if exact else [])
+    parts = [gram.diag_N.mean(0, keepdim=True)] + ([grad_tol.view(1), gram.diag_N] if exact else [])
     setup = torch.cat(parts).tolist() if opts.ridge > 0 or exact else [0.0]
     ridge_abs = opts.ridge * setup[0] if opts.ridge > 0 else 0.0
     host_values = (setup[1], setup[2:]) if exact else None
@@ -413,6 +413,7 @@ def _omp_rounds(
         # The exact state syncs once per round anyway and hands back j: track domains on the host.
         rem_host = (caps_host if caps_host is not None else capacities_C).tolist()
         dom_host = (domain_ids_host if domain_ids_host is not None else dom_N).tolist()
+        dom_masks = _DomainMasks(dom_N, len(rem_host))
     # Unavailable elements (selected, or in a full domain) carry -inf in the additive penalty. The
     # exact greedy rounds keep grad + penalty in the state (its `scores_N`, updated with the gradient).
     own_scores = exact and not (randomized or lazy)
@@ -461,10 +462,11 @@ def _omp_rounds(
         if r == k - 1:
             break  # no later pick reads the penalty
         # j_1 holds j again after `add` (re-entries and a promotion may have used the old one).
-        _mark_taken(state.scores_N if own_scores else penalty_N, j_int, j1 if randomized else state.j_1, dom_N, dom_host, rem_host)
+        j_now = j1 if randomized else state.j_1
+        _mark_taken(state.scores_N if own_scores else penalty_N, j_int, j_now, dom_masks, dom_host, rem_host)
         if state.settled and own_scores:
             # The gradient no longer changes: the rest are the largest scores in turn (see ActiveSetState.add).
-            state.add_settled(_settled_picks(state, state.scores_N, dom_N, dom_host, rem_host, k - r - 1))
+            state.add_settled(_settled_picks(state, state.scores_N, dom_masks, dom_host, rem_host, k - r - 1))
             break
     if isinstance(state, ActiveSetState):
         state.finalize()
@@ -473,14 +475,33 @@ def _omp_rounds(
     return sel_S, v_S, state.scaled_objective(), _state_info(state)
 
 
+class _DomainMasks:
+    """``dom_N == d`` for the domains that fill up: all ``C`` rows in one comparison at the first
+    request when ``C N`` is at most 2^22 (one kernel instead of one a full domain), else one each."""
+
+    def __init__(self, dom_N: torch.Tensor, num_domains: int) -> None:
+        self.dom_N = dom_N
+        self.num_domains = num_domains
+        self.rows: tuple[torch.Tensor, ...] | None = None
+
+    def mask(self, d: int) -> torch.Tensor:
+        """``(N,)`` bool mask of domain ``d``."""
+        if self.num_domains * self.dom_N.shape[0] > 1 << 22:
+            return self.dom_N == d
+        if self.rows is None:
+            domains_C1 = torch.arange(self.num_domains, device=self.dom_N.device).view(-1, 1)
+            self.rows = (self.dom_N == domains_C1).unbind(0)
+        return self.rows[d]
+
+
 def _mark_taken(
-    penalty_N: torch.Tensor, j: int, j1: torch.Tensor, dom_N: torch.Tensor, dom_host: list[int], rem_host: list[int]
+    penalty_N: torch.Tensor, j: int, j1: torch.Tensor, domains: _DomainMasks, dom_host: list[int], rem_host: list[int]
 ) -> None:
     """Make pick ``j`` (host; ``j1`` on the device) unavailable, with its domain when that is now full."""
     d = dom_host[j]
     rem_host[d] -= 1
     if rem_host[d] == 0:
-        penalty_N.masked_fill_(dom_N == d, float("-inf"))  # j among them
+        penalty_N.masked_fill_(domains.mask(d), float("-inf"))  # j among them
     else:
         penalty_N.index_fill_(0, j1, float("-inf"))
 
@@ -488,7 +509,7 @@ def _mark_taken(
 def _settled_picks(
     state: ActiveSetState,
     scores_N: torch.Tensor,
-    dom_N: torch.Tensor,
+    domains: _DomainMasks,
     dom_host: list[int],
     rem_host: list[int],
     picks: int,
@@ -499,11 +520,12 @@ def _settled_picks(
     place), one host read each, without the refit's kernels (no refit can change the state).
     """
     out = []
-    for _ in range(picks):
+    for i in range(picks):
         torch.max(scores_N, 0, keepdim=True, out=(state.g_1, state.j_1))
         (j,) = state.j_1.tolist()  # the pick's one sync, as in a full round
         out.append(j)
-        _mark_taken(scores_N, j, state.j_1, dom_N, dom_host, rem_host)
+        if i < picks - 1:  # no later pick reads the scores
+            _mark_taken(scores_N, j, state.j_1, domains, dom_host, rem_host)
     return out
 
 
