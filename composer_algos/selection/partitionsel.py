@@ -74,8 +74,10 @@ class PartitionSelOptions:
         gram_batch_rows: rows per speculative batch of the lazy Gram (default 32).
         solver_loop: where the rounds run when the features are on an accelerator (on a CPU the three
             are the same computation). ``"host"`` (default): beside the features, each exact round
-            deciding on the host (``ActiveSetState``: one host sync a pick, about 18 launches and 29
-            aten ops; 17.6 and 29.0 counted on an H200 at n = 2048, kappa = 512).
+            deciding on the host (``ActiveSetState``: one host sync a pick, and about 13 launches, all
+            of its aten ops, for a pick that enters the active set, 2 for a pick after the gradient
+            stopped being positive; counted on the CPU at n = 16, kappa = 8. Before issue 31 it was
+            17.6 launches and 29.0 ops a pick on an H200 at n = 2048, kappa = 512).
             ``"cpu"``: ``K`` and ``mu`` copied to the CPU in one transfer and the whole solve (OMP,
             refit, swap) run there, the selection copied back without blocking: one sync and no
             launch whatever ``kappa``, but the same ops at the CPU's per-op cost (0.4-1.0 ms a pick
@@ -424,9 +426,7 @@ def _omp_rounds(
         rem_C = capacities_C.clone()
         minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=device)
     if randomized or lazy:
-        counts_C = torch.bincount(dom_N, minlength=capacities_C.shape[0])
-        starts_C = torch.cumsum(counts_C, 0) - counts_C
-        positions_N = torch.arange(n, device=device)
+        starts_C, positions_N = _domain_starts(dom_N, capacities_C.shape[0])
     if randomized:
         uniforms_K, truncated = _randomized_draws(generator, k, device, caps_host if caps_host is not None else capacities_C)
     for r in range(k):
@@ -445,16 +445,9 @@ def _omp_rounds(
         else:
             g_j, j1 = torch.max(scores_N, 0, keepdim=True)
         if lazy:
-            # The pick's K row, with the likeliest next picks in the same GEMM (see _prefetch_priority).
-            j_host = int(j1)
-            if not gram.has(j_host):
-                rem_now_C = torch.tensor(rem_host, device=device) if exact else rem_C
-                gram.ensure([j_host], _prefetch_priority(scores_N, dom_N, rem_now_C, starts_C, positions_N))
+            _ensure_row(gram, j1, scores_N, dom_N, rem_host if exact else rem_C, starts_C, positions_N)
         if not exact:
-            penalty_N.index_fill_(0, j1, float("-inf"))
-            rem_C.index_add_(0, dom_N.index_select(0, j1), minus_one)
-            state.add(j1, g_j)
-            penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+            _apga_round(state, j1, g_j, penalty_N, rem_C, dom_N, minus_one)
             continue
         if randomized:
             rem_C.index_add_(0, dom_N.index_select(0, j1), minus_one)
@@ -468,11 +461,61 @@ def _omp_rounds(
             # The gradient no longer changes: the rest are the largest scores in turn (see ActiveSetState.add).
             state.add_settled(_settled_picks(state, state.scores_N, dom_masks, dom_host, rem_host, k - r - 1))
             break
+    return _state_result(state, k)
+
+
+def _apga_round(
+    state: APGAState | APGAPoolState,
+    j1: torch.Tensor,
+    g_j: torch.Tensor,
+    penalty_N: torch.Tensor,
+    rem_C: torch.Tensor,
+    dom_N: torch.Tensor,
+    minus_one: torch.Tensor,
+) -> None:
+    """An APGA round after its pick ``j1``: the domains tracked on the device (no host read)."""
+    penalty_N.index_fill_(0, j1, float("-inf"))
+    rem_C.index_add_(0, dom_N.index_select(0, j1), minus_one)
+    state.add(j1, g_j)
+    penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+
+
+def _state_result(
+    state: ActiveSetState | APGAState | APGAPoolState, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """After the rounds: the selection in pick order, its weights ``v``, ``Phi(v)`` and the counters."""
     if isinstance(state, ActiveSetState):
         state.finalize()
-    sel_S = state.sel_M if isinstance(state, ActiveSetState) else state.sel_M[:k].clone()
-    v_S = state.selection_weights() if exact else state.weights_on(sel_S)
+        sel_S, v_S = state.sel_M, state.selection_weights()
+    else:
+        sel_S = state.sel_M[:k].clone()
+        v_S = state.weights_on(sel_S)
     return sel_S, v_S, state.scaled_objective(), _state_info(state)
+
+
+def _domain_starts(dom_N: torch.Tensor, num_domains: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each domain starts when the pool is grouped by domain, and the positions ``0..N-1``."""
+    counts_C = torch.bincount(dom_N, minlength=num_domains)
+    return torch.cumsum(counts_C, 0) - counts_C, torch.arange(dom_N.shape[0], device=dom_N.device)
+
+
+def _ensure_row(
+    gram: GramRows,
+    j1: torch.Tensor,
+    scores_N: torch.Tensor,
+    dom_N: torch.Tensor,
+    rem: torch.Tensor | list[int],
+    starts_C: torch.Tensor,
+    positions_N: torch.Tensor,
+) -> None:
+    """A lazy Gram's row of pick ``j1``, with the likeliest next picks in the same GEMM (see _prefetch_priority).
+
+    ``rem``: the domains' remaining capacities, on the device or (the exact refit's) on the host.
+    """
+    j_host = int(j1)
+    if not gram.has(j_host):
+        rem_C = torch.tensor(rem, device=scores_N.device) if isinstance(rem, list) else rem
+        gram.ensure([j_host], _prefetch_priority(scores_N, dom_N, rem_C, starts_C, positions_N))
 
 
 class _DomainMasks:
