@@ -36,10 +36,11 @@ class ActiveSetState:
     gives in closed form the unconstrained optimum on ``A + j``: ``z_j = grad_j / s``,
     ``z_A = v_A - z_j q``, the new gradient ``grad - z_j (K_{:,j} - K_{:,A} q)`` and the new inverse
     ``P + [q; -1][q; -1]^T / s``: two matrix-vector products, one rank-one update, one update of
-    weights, gradient and the caller's scores together (``_alloc_slots``) and five small kernels,
-    ONE host sync per round (which also returns ``j``, so the selection and the slots are tracked
-    on the host). A pick whose gradient is not positive changes nothing but the selection
-    (``settled``: the caller's later picks need no refit, ``add_settled``). When some ``z_A`` is negative, Lawson–Hanson steps from
+    weights, gradient and the caller's scores together (``_alloc_slots``) and six small kernels
+    (three gathers, ``s``, ``z_j``, ``min z``), ONE host sync per round (which also returns ``j``,
+    so the selection and the slots are tracked on the host). A pick whose gradient is not
+    positive changes nothing but the selection (``settled``: the caller's later picks need no
+    refit, ``add_settled``). When some ``z_A`` is negative, Lawson–Hanson steps from
     the current ``v`` towards ``z`` until the first weight reaches zero, removes that element
     (``P - P_{:,p} P_{p,:} / P_pp``, ``z - z_p P_{:,p} / P_pp``) and repeats, one sync per removal;
     selected elements at weight zero whose gradient turns positive re-enter the same way. Every
