@@ -104,6 +104,7 @@ class ActiveSetState:
         # Selected at weight 0, as an additive mask: 0 there, -inf elsewhere (grad + mask: their gradients).
         self.inactive_N = torch.full((n,), float("-inf"), dtype=dt, device=dev)
         self._elem_cache: torch.Tensor | None = None  # _elem_tensor's copy of elem[:hi]
+        self._final: tuple[torch.Tensor, ...] | None = None  # see finalize
         # Set by a pick whose gradient is not positive: the state then no longer changes, and every
         # later pick (a max over fewer elements of the same gradient) is one too (see `add`).
         self.settled = False
@@ -124,8 +125,8 @@ class ActiveSetState:
     def _alloc_slots(self, n: int, dt: torch.dtype, dev: torch.device) -> None:
         """The slot buffers, zero, carved from one allocation.
 
-        ``rows_MN`` (K rows by slot), ``p_MM`` ((K_AA + ridge I)^{-1} by slot), ``neg_eye_MM = -I``
-        (its row ``h`` adds the ``-1`` of ``qext`` at slot ``h``), ``y_L = [qext_M | u_N]`` with
+        ``rows_MN`` (K rows by slot), ``p_MM`` ((K_AA + ridge I)^{-1} by slot), ``-I`` (its row
+        ``h`` adds the ``-1`` of ``qext`` at slot ``h``), ``y_L = [qext_M | u_N]`` with
         ``u = -K_{:,W} qext``, and two ``(2, L)`` sets ``[[v_M | grad_N], [- | scores_N]]`` (the
         state's) and ``[[z_M | grad_scratch_N], [- | scores_scratch_N]]`` (the round's scratch,
         swapped in when the round's refit is kept): one ``addcmul`` of ``y_L`` updates the weights,
@@ -155,12 +156,12 @@ class ActiveSetState:
         self.rows_MN = rows.view(cap1, n)
         self.rows_NM = self.rows_MN.T
         self.p_MM = p.view(cap1, cap1)
-        self.neg_eye_MM = neg_eye.view(cap1, cap1)
-        self.neg_eye_MM.diagonal().fill_(-1.0)
+        neg_eye[:: cap1 + 1].fill_(-1.0)  # -I, row-major
         self.qext_1M = self.qext_M.view(1, cap1)
-        # One-slot views (rows_MN[h:h+1], neg_eye_MM[h:h+1]) of every slot, two ops in all.
+        # One-slot views of every slot, two ops in all: rows_MN[h:h+1] and row h of -I (-e_h, 1-D:
+        # addmm broadcasts it).
         self._rows_1N = self.rows_MN.split(1)
-        self._neg_e_1M = self.neg_eye_MM.split(1)
+        self._neg_e_M = neg_eye.split(cap1)
 
     def _swap_sets(self, cur: int | None = None) -> None:
         """Make set ``cur`` the state's (default: the other one: keep the round's refit, whose weights,
@@ -268,12 +269,12 @@ class ActiveSetState:
         )
 
     def _slot(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The one-slot views ``rows_MN[h:h+1]`` and ``neg_eye_MM[h:h+1, :w]`` (``-e_h`` over ``w`` slots)."""
+        """The one-slot views ``rows_MN[h:h+1]`` and ``-e_h`` over ``w`` slots."""
         if w == self.cap1:
-            return self._rows_1N[h], self._neg_e_1M[h]
+            return self._rows_1N[h], self._neg_e_M[h]
         neg_e = self._slot_views.get((h, w))
         if neg_e is None:
-            neg_e = self._slot_views[(h, w)] = self._neg_e_1M[h].narrow(1, 0, w)
+            neg_e = self._slot_views[(h, w)] = self._neg_e_M[h].narrow(0, 0, w)
         return self._rows_1N[h], neg_e
 
     def _enter(self, j1: torch.Tensor, g_j: torch.Tensor | None, *, new: bool) -> tuple[int, bool]:
@@ -448,7 +449,8 @@ class ActiveSetState:
         kr_AA = rows_AN.index_select(1, act_A)
         kr_AA.diagonal().add_(self.ridge_abs)
         chol_AA, info = torch.linalg.cholesky_ex(kr_AA)
-        v_A = torch.cholesky_solve(self.mu_N.index_select(0, act_A).unsqueeze(1), chol_AA).squeeze(1)
+        mu_A = self.mu_N.index_select(0, act_A)
+        v_A = torch.cholesky_solve(mu_A.unsqueeze(1), chol_AA).squeeze(1)
         grad_N = torch.addmv(self.mu_N, rows_AN.T, v_A, alpha=-1.0)
         # The checks read back in the round buffer's one transfer: the factor's info, the smallest
         # weight and the largest gradient of an inactive element.
@@ -461,6 +463,8 @@ class ActiveSetState:
         if info_f == 0 and vmin_f > 0 and not viol:
             if in_order:
                 self.v_M[:a].copy_(v_A)
+                if a == self.hi:  # the used slots are the active ones in order: scaled_objective's gathers
+                    self._final = (act_A, v_A, mu_A)
             else:
                 self.v_M.index_copy_(0, slots_A, v_A)
             self.grad_N = grad_N
@@ -530,9 +534,12 @@ class ActiveSetState:
 
     def scaled_objective(self) -> torch.Tensor:
         """``Phi(v)`` with the true ``K`` (no ridge), from ``K_AA v_A = mu_A - grad_A`` (ridge aside)."""
-        elem_W = self._elem_tensor()
-        v_W = self.v_M[: self.hi]
-        phi = 0.5 * (torch.dot(v_W, self.mu_N[elem_W]) + torch.dot(v_W, self.grad_N[elem_W]))
+        if self._final is not None:  # finalize's elem[:hi], v_M[:hi] and their mu
+            elem_W, v_W, mu_W = self._final
+        else:
+            elem_W = self._elem_tensor()
+            v_W, mu_W = self.v_M[: self.hi], self.mu_N[elem_W]
+        phi = 0.5 * (torch.dot(v_W, mu_W) + torch.dot(v_W, self.grad_N[elem_W]))
         return phi.to(self.out_dtype)
 
     def _promote(self) -> None:
