@@ -74,8 +74,10 @@ class PartitionSelOptions:
         gram_batch_rows: rows per speculative batch of the lazy Gram (default 32).
         solver_loop: where the rounds run when the features are on an accelerator (on a CPU the three
             are the same computation). ``"host"`` (default): beside the features, each exact round
-            deciding on the host (``ActiveSetState``: one host sync a pick, about 18 launches and 29
-            aten ops; 17.6 and 29.0 counted on an H200 at n = 2048, kappa = 512).
+            deciding on the host (``ActiveSetState``: one host sync a pick, and about 13 launches, all
+            of its aten ops, for a pick that enters the active set, 2 for a pick after the gradient
+            stopped being positive; counted on the CPU at n = 16, kappa = 8. Before issue 31 it was
+            17.6 launches and 29.0 ops a pick on an H200 at n = 2048, kappa = 512).
             ``"cpu"``: ``K`` and ``mu`` copied to the CPU in one transfer and the whole solve (OMP,
             refit, swap) run there, the selection copied back without blocking: one sync and no
             launch whatever ``kappa``, but the same ops at the CPU's per-op cost (0.4-1.0 ms a pick
@@ -244,7 +246,7 @@ def _solve_from_host(
     # The setup's host reads in one transfer: the ridge's scale (mean diag K), and for the exact
     # refit's host-side tests the gradient tolerance and diag(K).
     exact = opts.refit == "exact"
-    parts = [gram.diag_N.mean().view(1)] + ([grad_tol.view(1), gram.diag_N] if exact else [])
+    parts = [gram.diag_N.mean(0, keepdim=True)] + ([grad_tol.view(1), gram.diag_N] if exact else [])
     setup = torch.cat(parts).tolist() if opts.ridge > 0 or exact else [0.0]
     ridge_abs = opts.ridge * setup[0] if opts.ridge > 0 else 0.0
     host_values = (setup[1], setup[2:]) if exact else None
@@ -265,6 +267,7 @@ def _solve_from_host(
         cpu_single_thread=opts.cpu_single_thread,
         domain_ids_host=inputs.domain_ids_host,
         host_values=host_values,
+        grad_tol=grad_tol,
     )
     return sel_S, v_S, phi, info, ridge_abs
 
@@ -325,6 +328,7 @@ def omp_select(
     cpu_single_thread: bool = False,
     domain_ids_host: torch.Tensor | None = None,
     host_values: tuple[float, list[float]] | None = None,
+    grad_tol: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """OMP over the partition matroid in the scale-free variable ``v`` (paper Alg. 2).
 
@@ -354,6 +358,7 @@ def omp_select(
             are read there too.
         host_values: the exact refit's ``(float(grad_tol), diag(K).tolist())`` when the caller has
             read them already (with other values, in one transfer).
+        grad_tol: the KKT tolerance when the caller has it (default ``default_grad_tol(mu_N)``).
 
     Returns:
         ``(indices_S, v_S, phi, info)``: the selection in pick order, its weights ``v``, the
@@ -374,6 +379,7 @@ def omp_select(
             generator,
             domain_ids_host,
             host_values,
+            grad_tol,
         )
 
 
@@ -391,36 +397,40 @@ def _omp_rounds(
     generator: torch.Generator | None,
     domain_ids_host: torch.Tensor | None = None,
     host_values: tuple[float, list[float]] | None = None,
+    grad_tol: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The body of ``omp_select``."""
     device = mu_N.device
     n = gram.n
-    grad_tol = default_grad_tol(mu_N)
+    if grad_tol is None:
+        grad_tol = default_grad_tol(mu_N)
     caps_host = capacities_C if capacities_C.device.type == "cpu" else None
     capacities_C = capacities_C.to(device, non_blocking=True)
     state = _refit_state(refit, gram, mu_N, k, ridge_abs, grad_tol, apga_max_iters, apga_tol, host_values)
     lazy = gram.lazy
-    # Unavailable elements (selected, or in a full domain) carry -inf in the additive penalty.
     dom_N = domain_ids_N
-    penalty_N = torch.zeros(n, dtype=mu_N.dtype, device=device)
-    penalty_N.masked_fill_(capacities_C.index_select(0, dom_N) <= 0, float("-inf"))
     exact = isinstance(state, ActiveSetState)
     randomized = pick == "randomized"
-    rem_C = capacities_C.clone()
-    minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=device)
     if exact:
-        j_buf = torch.zeros(1, dtype=torch.long, device=device)
         # The exact state syncs once per round anyway and hands back j: track domains on the host.
         rem_host = (caps_host if caps_host is not None else capacities_C).tolist()
         dom_host = (domain_ids_host if domain_ids_host is not None else dom_N).tolist()
+        dom_masks = _DomainMasks(dom_N, len(rem_host))
+    # Unavailable elements (selected, or in a full domain) carry -inf in the additive penalty. The
+    # exact greedy rounds keep grad + penalty in the state (its `scores_N`, updated with the gradient).
+    own_scores = exact and not (randomized or lazy)
+    penalty_N = state.scores_N if own_scores else torch.zeros(n, dtype=mu_N.dtype, device=device)
+    if not exact or min(rem_host, default=1) <= 0:
+        penalty_N.masked_fill_(capacities_C.index_select(0, dom_N) <= 0, float("-inf"))
+    if randomized or not exact:
+        rem_C = capacities_C.clone()
+        minus_one = torch.full((1,), -1, dtype=rem_C.dtype, device=device)
     if randomized or lazy:
-        counts_C = torch.bincount(dom_N, minlength=capacities_C.shape[0])
-        starts_C = torch.cumsum(counts_C, 0) - counts_C
-        positions_N = torch.arange(n, device=device)
+        starts_C, positions_N = _domain_starts(dom_N, capacities_C.shape[0])
     if randomized:
         uniforms_K, truncated = _randomized_draws(generator, k, device, caps_host if caps_host is not None else capacities_C)
     for r in range(k):
-        scores_N = state.grad_N + penalty_N
+        scores_N = state.scores_N if own_scores else state.grad_N + penalty_N
         if randomized:
             avail_N = penalty_N == 0
             j_greedy = scores_N.argmax()
@@ -430,33 +440,136 @@ def _omp_rounds(
             ).view(1)
             g_j = None
         elif exact:
-            # Straight into the state's round buffer (the value it reads back on the host).
-            g_j, j1 = torch.max(scores_N, 0, keepdim=True, out=(state.g_1, j_buf))
+            # Straight into the state's round buffer (the values it reads back on the host).
+            g_j, j1 = torch.max(scores_N, 0, keepdim=True, out=(state.g_1, state.j_1))
         else:
             g_j, j1 = torch.max(scores_N, 0, keepdim=True)
         if lazy:
-            # The pick's K row, with the likeliest next picks in the same GEMM (see _prefetch_priority).
-            j_host = int(j1)
-            if not gram.has(j_host):
-                rem_now_C = torch.tensor(rem_host, device=device) if exact else rem_C
-                gram.ensure([j_host], _prefetch_priority(scores_N, dom_N, rem_now_C, starts_C, positions_N))
-        penalty_N.index_fill_(0, j1, float("-inf"))
-        if randomized or not exact:
+            _ensure_row(gram, j1, scores_N, dom_N, rem_host if exact else rem_C, starts_C, positions_N)
+        if not exact:
+            _apga_round(state, j1, g_j, penalty_N, rem_C, dom_N, minus_one)
+            continue
+        if randomized:
             rem_C.index_add_(0, dom_N.index_select(0, j1), minus_one)
-        if exact:
-            j_int = state.add(j1, g_j)
-            d = dom_host[j_int]
-            rem_host[d] -= 1
-            if rem_host[d] == 0:
-                penalty_N.masked_fill_(dom_N == d, float("-inf"))
-        else:
-            state.add(j1, g_j)
-            penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+        j_int = state.add(j1, g_j)
+        if r == k - 1:
+            break  # no later pick reads the penalty
+        # j_1 holds j again after `add` (re-entries and a promotion may have used the old one).
+        j_now = j1 if randomized else state.j_1
+        _mark_taken(state.scores_N if own_scores else penalty_N, j_int, j_now, dom_masks, dom_host, rem_host)
+        if state.settled and own_scores:
+            # The gradient no longer changes: the rest are the largest scores in turn (see ActiveSetState.add).
+            state.add_settled(_settled_picks(state, state.scores_N, dom_masks, dom_host, rem_host, k - r - 1))
+            break
+    return _state_result(state, k)
+
+
+def _apga_round(
+    state: APGAState | APGAPoolState,
+    j1: torch.Tensor,
+    g_j: torch.Tensor,
+    penalty_N: torch.Tensor,
+    rem_C: torch.Tensor,
+    dom_N: torch.Tensor,
+    minus_one: torch.Tensor,
+) -> None:
+    """An APGA round after its pick ``j1``: the domains tracked on the device (no host read)."""
+    penalty_N.index_fill_(0, j1, float("-inf"))
+    rem_C.index_add_(0, dom_N.index_select(0, j1), minus_one)
+    state.add(j1, g_j)
+    penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+
+
+def _state_result(
+    state: ActiveSetState | APGAState | APGAPoolState, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """After the rounds: the selection in pick order, its weights ``v``, ``Phi(v)`` and the counters."""
     if isinstance(state, ActiveSetState):
         state.finalize()
-    sel_S = state.sel_M if isinstance(state, ActiveSetState) else state.sel_M[:k].clone()
-    v_S = state.weights_on(sel_S)
+        sel_S, v_S = state.sel_M, state.selection_weights()
+    else:
+        sel_S = state.sel_M[:k].clone()
+        v_S = state.weights_on(sel_S)
     return sel_S, v_S, state.scaled_objective(), _state_info(state)
+
+
+def _domain_starts(dom_N: torch.Tensor, num_domains: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each domain starts when the pool is grouped by domain, and the positions ``0..N-1``."""
+    counts_C = torch.bincount(dom_N, minlength=num_domains)
+    return torch.cumsum(counts_C, 0) - counts_C, torch.arange(dom_N.shape[0], device=dom_N.device)
+
+
+def _ensure_row(
+    gram: GramRows,
+    j1: torch.Tensor,
+    scores_N: torch.Tensor,
+    dom_N: torch.Tensor,
+    rem: torch.Tensor | list[int],
+    starts_C: torch.Tensor,
+    positions_N: torch.Tensor,
+) -> None:
+    """A lazy Gram's row of pick ``j1``, with the likeliest next picks in the same GEMM (see _prefetch_priority).
+
+    ``rem``: the domains' remaining capacities, on the device or (the exact refit's) on the host.
+    """
+    j_host = int(j1)
+    if not gram.has(j_host):
+        rem_C = torch.tensor(rem, device=scores_N.device) if isinstance(rem, list) else rem
+        gram.ensure([j_host], _prefetch_priority(scores_N, dom_N, rem_C, starts_C, positions_N))
+
+
+class _DomainMasks:
+    """``dom_N == d`` for the domains that fill up: all ``C`` rows in one comparison at the first
+    request when ``C N`` is at most 2^22 (one kernel instead of one a full domain), else one each."""
+
+    def __init__(self, dom_N: torch.Tensor, num_domains: int) -> None:
+        self.dom_N = dom_N
+        self.num_domains = num_domains
+        self.rows: tuple[torch.Tensor, ...] | None = None
+
+    def mask(self, d: int) -> torch.Tensor:
+        """``(N,)`` bool mask of domain ``d``."""
+        if self.num_domains * self.dom_N.shape[0] > 1 << 22:
+            return self.dom_N == d
+        if self.rows is None:
+            domains_C1 = torch.arange(self.num_domains, device=self.dom_N.device).view(-1, 1)
+            self.rows = (self.dom_N == domains_C1).unbind(0)
+        return self.rows[d]
+
+
+def _mark_taken(
+    penalty_N: torch.Tensor, j: int, j1: torch.Tensor, domains: _DomainMasks, dom_host: list[int], rem_host: list[int]
+) -> None:
+    """Make pick ``j`` (host; ``j1`` on the device) unavailable, with its domain when that is now full."""
+    d = dom_host[j]
+    rem_host[d] -= 1
+    if rem_host[d] == 0:
+        penalty_N.masked_fill_(domains.mask(d), float("-inf"))  # j among them
+    else:
+        penalty_N.index_fill_(0, j1, float("-inf"))
+
+
+def _settled_picks(
+    state: ActiveSetState,
+    scores_N: torch.Tensor,
+    domains: _DomainMasks,
+    dom_host: list[int],
+    rem_host: list[int],
+    picks: int,
+) -> list[int]:
+    """The remaining greedy picks of a settled exact state: the largest of the fixed ``scores_N`` in turn.
+
+    The same maxima as full rounds (``scores_N`` is the gradient plus the penalty, penalised in
+    place), one host read each, without the refit's kernels (no refit can change the state).
+    """
+    out = []
+    for i in range(picks):
+        torch.max(scores_N, 0, keepdim=True, out=(state.g_1, state.j_1))
+        (j,) = state.j_1.tolist()  # the pick's one sync, as in a full round
+        out.append(j)
+        if i < picks - 1:  # no later pick reads the scores
+            _mark_taken(scores_N, j, state.j_1, domains, dom_host, rem_host)
+    return out
 
 
 def _randomized_draws(
@@ -619,7 +732,7 @@ def _ridge_share(
     """
     align = torch.dot(v_S, mu_S)
     share = ridge_abs * torch.dot(v_S, v_S) / align.clamp_min(torch.finfo(v_S.dtype).tiny)
-    share = torch.where(align > 0, share, torch.zeros_like(share))
+    share = share.masked_fill_(align <= 0, 0.0)
     if device is not None:
         share = share.to(device, non_blocking=True)  # a CPU solve's value joins the features' device, as the step reads them
     if not _RIDGE_WARNED and ridge_rel > 0 and inputs.eta > 0:

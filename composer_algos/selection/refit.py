@@ -22,7 +22,7 @@ __all__ = ["refit_exact", "default_grad_tol"]
 def default_grad_tol(mu_N: torch.Tensor) -> torch.Tensor:
     """Gradients below this count as zero in KKT checks: ``100 * eps * max|mu|`` (0-dim tensor)."""
     eps = torch.finfo(mu_N.dtype).eps
-    scale = mu_N.abs().max() if mu_N.numel() else mu_N.new_zeros(())
+    scale = torch.linalg.vector_norm(mu_N, float("inf")) if mu_N.numel() else mu_N.new_zeros(())  # max |mu|
     return 100.0 * eps * torch.clamp(scale, min=torch.finfo(mu_N.dtype).tiny)
 
 

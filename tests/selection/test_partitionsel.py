@@ -355,3 +355,38 @@ def test_auto_gram_rows_is_lazy_only_for_small_budgets_on_cpu():
     gram = features @ features.T
     given = _run(features, val_feature, dom, 3, 30, gram=gram, gram_rows="lazy")
     assert "gram_rows_computed" not in given.info, "a given Gram is used as is"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_settled_picks_and_the_states_scores_select_as_full_rounds(seed, monkeypatch):
+    # Once a pick's gradient is not positive the exact state settles and the rounds take the
+    # remaining picks as the maxima of its fixed scores (penalised in place, full domains masked at
+    # once); until then the state keeps grad + penalty itself. Both must pick exactly as full rounds
+    # with the penalty added each round (the lazy Gram's path) on the same Gram.
+    from composer_algos.selection import partitionsel as ps
+    from composer_algos.selection.active_set import ActiveSetState
+
+    features, val_feature, dom = make_instance(seed, 16, dim=2, num_domains=4)
+    gram, mu = objective_terms(features, val_feature, 0.0)  # eta = 0: two dimensions are matched soon
+    caps = compute_capacities(torch.bincount(dom, minlength=4), 10)
+    settled = []
+    add = ActiveSetState.add
+
+    def spy(self, j1, g_j=None):
+        j = add(self, j1, g_j)
+        settled.append(self.settled)
+        return j
+
+    monkeypatch.setattr(ActiveSetState, "add", spy)
+    fast = ps.omp_select(gram, mu, dom, caps, 10, ridge_abs=1e-6)
+    assert any(settled) and len(settled) < 10, "the instance must settle before its last pick"
+    # The full rounds: a GramRows marked lazy (its rows all present) takes the penalty path, no settling.
+    rows = ps.GramRows(gram_NN=gram)
+    rows.lazy, rows._have = True, set(range(16))
+    settled.clear()
+    full = ps.omp_select(rows, mu, dom, caps, 10, ridge_abs=1e-6)
+    assert len(settled) == 10
+    assert fast[0].tolist() == full[0].tolist()
+    assert torch.equal(fast[1], full[1]) and torch.equal(fast[2], full[2])
+    ref_sel, _ = omp_greedy_loop(gram, mu, dom, caps, 10, ridge=1e-6)  # the picks in order, from loops
+    assert fast[0].tolist() == ref_sel
