@@ -459,7 +459,7 @@ def _omp_rounds(
         _mark_taken(state.scores_N if own_scores else penalty_N, j_int, j_now, dom_masks, dom_host, rem_host)
         if state.settled and own_scores:
             # The gradient no longer changes: the rest are the largest scores in turn (see ActiveSetState.add).
-            state.add_settled(_settled_picks(state, state.scores_N, dom_masks, dom_host, rem_host, k - r - 1))
+            state.add_settled(_settled_picks(state.scores_N, dom_N, rem_host, k - r - 1))
             break
     return _state_result(state, k)
 
@@ -549,27 +549,36 @@ def _mark_taken(
         penalty_N.index_fill_(0, j1, float("-inf"))
 
 
-def _settled_picks(
-    state: ActiveSetState,
-    scores_N: torch.Tensor,
-    domains: _DomainMasks,
-    dom_host: list[int],
-    rem_host: list[int],
-    picks: int,
-) -> list[int]:
-    """The remaining greedy picks of a settled exact state: the largest of the fixed ``scores_N`` in turn.
+def _settled_picks(scores_N: torch.Tensor, dom_N: torch.Tensor, rem_host: list[int], picks: int) -> list[int]:
+    """The remaining greedy picks of a settled exact state, all at once: one host read for all of them.
 
-    The same maxima as full rounds (``scores_N`` is the gradient plus the penalty, penalised in
-    place), one host read each, without the refit's kernels (no refit can change the state).
+    With the scores fixed (``scores_N``: the gradient plus the penalty, -inf where taken or in a full
+    domain), greedy picks in turn the largest score whose domain has room: the scores in descending
+    order (ties: the lower position first, as ``torch.max`` picks), each kept while its domain's
+    rank in that order is within the domain's remaining capacity, and the first ``picks`` kept.
+    The same picks, in the same order, as ``picks`` rounds of ``max`` and marking, without their
+    syncs. ``rem_host`` and ``scores_N`` are left as they are (no later pick reads them).
     """
-    out = []
-    for i in range(picks):
-        torch.max(scores_N, 0, keepdim=True, out=(state.g_1, state.j_1))
-        (j,) = state.j_1.tolist()  # the pick's one sync, as in a full round
-        out.append(j)
-        if i < picks - 1:  # no later pick reads the scores
-            _mark_taken(scores_N, j, state.j_1, domains, dom_host, rem_host)
-    return out
+    device = scores_N.device
+    order_N = torch.sort(scores_N, descending=True, stable=True).indices
+    dom_sorted_N = dom_N.index_select(0, order_N)
+    # Rank of each sorted element within its domain: group by domain (stable, so score order is
+    # kept inside a group) and subtract the group's start (a search, not a bincount: CUDA's syncs).
+    by_domain_N = torch.argsort(dom_sorted_N, stable=True)
+    grouped_N = dom_sorted_N.index_select(0, by_domain_N)
+    positions = torch.arange(max(dom_N.shape[0], len(rem_host)), device=device)
+    starts_C = torch.searchsorted(grouped_N, positions[: len(rem_host)])
+    grouped_ranks_N = positions[: dom_N.shape[0]] - starts_C.index_select(0, grouped_N)
+    ranks_N = torch.empty_like(by_domain_N).index_copy_(0, by_domain_N, grouped_ranks_N)
+    rem_C = torch.tensor(rem_host, dtype=torch.long).to(device, non_blocking=True)
+    keep_N = (ranks_N < rem_C.index_select(0, dom_sorted_N)) & (scores_N.index_select(0, order_N) > float("-inf"))
+    kept_first_N = torch.argsort((~keep_N).to(torch.uint8), stable=True)
+    chosen = torch.cat([order_N.index_select(0, kept_first_N[:picks]), keep_N.sum().view(1)]).tolist()
+    if chosen[-1] < picks:
+        raise RuntimeError(
+            f"partitionsel: {picks} greedy picks remain but only {chosen[-1]} elements have room in their domain"
+        )
+    return chosen[:picks]
 
 
 def _randomized_draws(

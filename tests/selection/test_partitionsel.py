@@ -390,3 +390,49 @@ def test_settled_picks_and_the_states_scores_select_as_full_rounds(seed, monkeyp
     assert torch.equal(fast[1], full[1]) and torch.equal(fast[2], full[2])
     ref_sel, _ = omp_greedy_loop(gram, mu, dom, caps, 10, ridge=1e-6)  # the picks in order, from loops
     assert fast[0].tolist() == ref_sel
+
+
+def _settled_picks_in_turn(scores_N, dom_N, rem, picks):
+    # The rounds' way: the largest score, then the pick (or its full domain) masked, in turn.
+    scores_N, rem, out = scores_N.clone(), list(rem), []
+    for _ in range(picks):
+        j = int(torch.max(scores_N, 0).indices)
+        out.append(j)
+        d = int(dom_N[j])
+        rem[d] -= 1
+        if rem[d] == 0:
+            scores_N[dom_N == d] = float("-inf")
+        else:
+            scores_N[j] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_settled_tail_picks_at_once_what_rounds_pick_in_turn(seed):
+    from composer_algos.selection.partitionsel import _settled_picks
+
+    g = torch.Generator().manual_seed(seed)
+    n, num_domains = 40, 5
+    dom_N = torch.randint(0, num_domains, (n,), generator=g)
+    counts = torch.bincount(dom_N, minlength=num_domains).tolist()
+    rem = [int(torch.randint(0, c + 1, (1,), generator=g)) for c in counts]
+    # Integer scores (many ties, broken towards the lower position), some elements already taken.
+    scores_N = torch.randint(-3, 4, (n,), generator=g).to(torch.float64)
+    taken = torch.rand(n, generator=g) < 0.2
+    rem = [max(r - int((taken & (dom_N == d)).sum()), 0) for d, r in enumerate(rem)]
+    scores_N[taken] = float("-inf")
+    for d, r in enumerate(rem):
+        if r == 0:
+            scores_N[dom_N == d] = float("-inf")
+    available = sum(min(r, int(((dom_N == d) & ~taken).sum())) for d, r in enumerate(rem))
+    picks = int(torch.randint(0, available + 1, (1,), generator=g))
+    assert _settled_picks(scores_N, dom_N, rem, picks) == _settled_picks_in_turn(scores_N, dom_N, rem, picks)
+
+
+def test_the_settled_tail_refuses_more_picks_than_room():
+    from composer_algos.selection.partitionsel import _settled_picks
+
+    dom_N = torch.tensor([0, 0, 1])
+    scores_N = torch.tensor([1.0, float("-inf"), 2.0])
+    with pytest.raises(RuntimeError, match="only 2 elements have room"):
+        _settled_picks(scores_N, dom_N, [2, 1], 3)
