@@ -5,7 +5,19 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["tiny_llama_config", "tiny_llama"]
+__all__ = ["HAND_COUNTED_SHAPE", "tiny_llama_config", "tiny_llama"]
+
+# A Llama-style `model.config` small enough to count its FLOPs by hand (d_head 2, lm_head share
+# 80 / 912 at width 8): the compute plan's tests and run_experiment's fake runs.
+HAND_COUNTED_SHAPE = {
+    "hidden_size": 4,
+    "num_hidden_layers": 2,
+    "intermediate_size": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 10,
+    "head_dim": 2,
+}
 
 
 def tiny_llama_config(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+import run_experiment
 
 from composer_algos.analysis.compute_plan import (
     ComputeBudget,
@@ -21,27 +21,10 @@ from composer_algos.analysis.compute_plan import (
     scoring_forwards,
     training_forwards,
 )
+from tests.common.models import HAND_COUNTED_SHAPE
 from tests.common.paths import REPO_ROOT
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
-# A Llama-style shape small enough to count its FLOPs by hand (d_head 2, lm_head share 80 / 912 at width 8).
-_SHAPE = {
-    "hidden_size": 4,
-    "num_hidden_layers": 2,
-    "intermediate_size": 8,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "vocab_size": 10,
-}
-TOOL = REPO_ROOT / "tools" / "run_experiment.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("run_experiment", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_planner_gives_steps_in_inverse_proportion_to_step_cost():
@@ -134,7 +117,7 @@ def test_planned_runs_schedules_end_at_their_final_rate(name, tmp_path):
 
     from composer_algos.builders import build_scheduler
 
-    tool = _tool()
+    tool = run_experiment
     plan = plan_steps({"a": 1.0, "b": 2.0}, ComputeBudget(reference="a", steps=100), ["a", "b"])
     assert plan == {"a": 100, "b": 50}
     for label, steps in plan.items():
@@ -172,7 +155,7 @@ def test_a_planned_run_trains_its_own_steps_with_its_window_and_schedule(dolma_s
     from pipeline.config import load_config
     from tests.training.conftest import tiny_overrides
 
-    tool = _tool()
+    tool = run_experiment
     run_dir = tmp_path / "run"
     cmd = tool.train_command(
         yaml=TINY,
@@ -230,7 +213,7 @@ def test_a_planned_run_trains_its_own_steps_with_its_window_and_schedule(dolma_s
 
 
 def test_forward_flops_and_scoring_forwards_hand_computed():
-    shape = _SHAPE
+    shape = HAND_COUNTED_SHAPE
     # d_head 2; attention weights 4 * (2 + 2) * 2 + 2 * 2 * 4 = 48, MLP 3 * 4 * 8 = 96, lm_head 40:
     # 2 * (2 * 144 + 40) = 656, attention scores 4 * 2 blocks * 8 * 2 heads * 2 = 256.
     assert forward_flops_per_token(shape, 8) == 656 + 256
@@ -241,7 +224,7 @@ def test_forward_flops_and_scoring_forwards_hand_computed():
 
 def test_run_flops_from_the_recorded_counts(tmp_path):
     """A run of 10 steps: 4 rows of width 8 trained a step, pools of 8 rows, 3 steps scored pool and validation."""
-    shape = _SHAPE
+    shape = HAND_COUNTED_SHAPE
     (tmp_path / "train_budget.json").write_text(
         json.dumps(
             {
@@ -276,13 +259,13 @@ def test_run_flops_from_the_recorded_counts(tmp_path):
 
 def test_training_forwards_hand_computed():
     s = 80 / 912  # the lm_head's share of the forward at width 8 (test_forward_flops_and_scoring_forwards_hand_computed)
-    assert training_forwards(_SHAPE, 8) == 3.0
+    assert training_forwards(HAND_COUNTED_SHAPE, 8) == 3.0
     # LoRA in the top 1 of 2 blocks: the forward, the lm_head's input gradient, one block's input gradient.
-    assert training_forwards(_SHAPE, 8, adapted_blocks=1) == pytest.approx(1 + s + (1 - s) / 2)
+    assert training_forwards(HAND_COUNTED_SHAPE, 8, adapted_blocks=1) == pytest.approx(1 + s + (1 - s) / 2)
     # On every block: the backward is one forward's worth (no weight gradient).
-    assert training_forwards(_SHAPE, 8, adapted_blocks=2) == pytest.approx(2.0)
+    assert training_forwards(HAND_COUNTED_SHAPE, 8, adapted_blocks=2) == pytest.approx(2.0)
     # The frozen block's output handed on from the scoring pass: the forward skips it too.
-    assert training_forwards(_SHAPE, 8, adapted_blocks=1, reuse_prefix=True) == pytest.approx(2 * (s + (1 - s) / 2))
+    assert training_forwards(HAND_COUNTED_SHAPE, 8, adapted_blocks=1, reuse_prefix=True) == pytest.approx(2 * (s + (1 - s) / 2))
 
 
 def test_run_flops_of_a_lora_run_count_no_weight_gradients_of_the_frozen_blocks(tmp_path):
@@ -290,7 +273,7 @@ def test_run_flops_of_a_lora_run_count_no_weight_gradients_of_the_frozen_blocks(
     (tmp_path / "train_budget.json").write_text(
         json.dumps(
             {"steps": 10, "trained_samples": 40, "trained_tokens": 320, "pool_samples": 40, "pool_tokens": 320,
-             "world_size": 1, "model": _SHAPE}
+             "world_size": 1, "model": HAND_COUNTED_SHAPE}
         )
     )
     (tmp_path / "config.yaml").write_text(
@@ -315,13 +298,13 @@ def test_a_lora_config_plans_lora_training_work():
     cfg = load_run_config(REPO_ROOT / "yamls" / "testing" / "tiny_finetune.yaml", overrides)
     work = config_work(cfg)
     assert (work.lora, work.lora_top_blocks, work.reuse_prefix) == (True, 1, True)
-    expected = training_forwards(_SHAPE, work.train_width, adapted_blocks=1, reuse_prefix=True)
+    expected = training_forwards(HAND_COUNTED_SHAPE, work.train_width, adapted_blocks=1, reuse_prefix=True)
     assert expected < 3.0
-    per_row = work.train_width * forward_flops_per_token(_SHAPE, work.train_width)
-    assert work.work(_SHAPE).train_flops == pytest.approx(work.train_rows * per_row * expected)
+    per_row = work.train_width * forward_flops_per_token(HAND_COUNTED_SHAPE, work.train_width)
+    assert work.work(HAND_COUNTED_SHAPE).train_flops == pytest.approx(work.train_rows * per_row * expected)
     plain = config_work(load_run_config(REPO_ROOT / "yamls" / "testing" / "tiny_finetune.yaml", []))
     assert (plain.lora, plain.lora_top_blocks, plain.reuse_prefix) == (True, None, False)
-    assert plain.work(_SHAPE).train_flops == pytest.approx(plain.train_rows * per_row * 2.0)  # every block adapted
+    assert plain.work(HAND_COUNTED_SHAPE).train_flops == pytest.approx(plain.train_rows * per_row * 2.0)  # every block adapted
 
 
 # ---------------------------------------------------------------------------------------------- cost model (issue 34)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from composer_algos.mixture_io import write_mixture_json
+from tests.common.models import HAND_COUNTED_SHAPE
 from tests.common.paths import REPO_ROOT
 
 TOOL = REPO_ROOT / "tools" / "run_experiment.py"
@@ -20,15 +21,6 @@ TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 NAMES = ["a", "b"]
 FAKE_STEP_COST = {"random": 0.5, "random_stratified": 0.5, "partitionsel": 1.5}
 NOISE: dict = {"amp": 0.0, "rng": random.Random(0)}  # the fake's per-step timing noise (relative)
-FAKE_SHAPE = {
-    "hidden_size": 4,
-    "num_hidden_layers": 2,
-    "intermediate_size": 8,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "vocab_size": 10,
-    "head_dim": 2,
-}
 
 
 def _tool():
@@ -104,7 +96,7 @@ def fake_training(monkeypatch):
                     "pool_samples": 8 * steps,
                     "pool_tokens": 8 * 8 * steps,
                     "world_size": 1,
-                    "model": FAKE_SHAPE,
+                    "model": HAND_COUNTED_SHAPE,
                 }
             )
         )
