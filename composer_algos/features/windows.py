@@ -99,28 +99,11 @@ def window_positions(
         raise ValueError(f"window position must be one of {list(WINDOW_POSITIONS)}, got {position!r}")
     if row_offset < 0:
         raise ValueError(f"row_offset must be >= 0, got {row_offset}")
-    u_n = _uniforms(n, seed=seed, step=step, stream=stream, row_offset=row_offset).to(lengths_n.device, non_blocking=True)
+    gen = torch.Generator().manual_seed(mix_seed(seed, step, _WINDOW_SALT, stream))
+    u_n = torch.rand(row_offset + n, generator=gen, dtype=torch.float64)[row_offset:]
+    u_n = u_n.to(lengths_n.device, non_blocking=True)
     starts_n = (lengths_n.long() - t).clamp_min(0) + 1  # number of admissible starts
     return torch.floor(u_n * starts_n.double()).long().clamp_max(starts_n - 1)
-
-
-def _uniforms(n: int, *, seed: int, step: int, stream: int, row_offset: int) -> torch.Tensor:
-    """The (n,) float64 uniforms of rows `row_offset ..` of the draw of `(seed, step, stream)`, on the host."""
-    gen = torch.Generator().manual_seed(mix_seed(seed, step, _WINDOW_SALT, stream))
-    u_n = torch.rand(row_offset + n, generator=gen, dtype=torch.float64)
-    return u_n[row_offset:] if row_offset else u_n
-
-
-def _full_row_starts(n: int, T: int, t: int, *, seed: int, step: int, stream: int, row_offset: int) -> torch.Tensor:
-    """`window_positions` of n rows of T tokens each (a batch without padding), with the row length a number.
-
-    The same values: every row has `max(T - t, 0) + 1` admissible starts.
-    """
-    if row_offset < 0:
-        raise ValueError(f"row_offset must be >= 0, got {row_offset}")
-    starts = max(T - t, 0) + 1
-    u_n = _uniforms(n, seed=seed, step=step, stream=stream, row_offset=row_offset)
-    return torch.floor(u_n * float(starts)).long().clamp_max(starts - 1)
 
 
 def take_windows(batch: Mapping[str, torch.Tensor], t: int, starts_n: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -175,14 +158,8 @@ def window_batch(
             if key in out:
                 out[key] = out[key][:, :t]
         return out
-    if position != "random":
-        raise ValueError(f"window position must be one of {list(WINDOW_POSITIONS)}, got {position!r}")
-    mask = batch.get("attention_mask")
-    if mask is None:  # no padding: every row is T tokens long
-        n, T = (int(x) for x in batch["input_ids"].shape)
-        starts_n = _full_row_starts(n, T, t, seed=seed, step=step, stream=stream, row_offset=row_offset)
-    else:
-        starts_n = window_positions(
-            mask.sum(dim=1), t, position=position, seed=seed, step=step, stream=stream, row_offset=row_offset
-        )
+    mask, _ = mask_and_labels(batch)
+    starts_n = window_positions(
+        mask.sum(dim=1), t, position=position, seed=seed, step=step, stream=stream, row_offset=row_offset
+    )
     return take_windows(batch, t, starts_n)
