@@ -588,7 +588,7 @@ def selection_hash(indices_K: torch.Tensor) -> int:
 
     The bytes hashed are the sorted positions in the indices' own integer dtype (sorted on the host, in NumPy).
     """
-    positions = np.sort(indices_K.detach().cpu().numpy())
+    positions = np.sort(indices_K.cpu().numpy())  # integer positions: never part of a graph
     digest = hashlib.sha1(positions.tobytes()).digest()
     return int.from_bytes(digest[:3], "little")
 
