@@ -1,4 +1,4 @@
-"""Greedy OMP with the exact refit, every decision kept on the device: no host sync in the rounds.
+"""Greedy OMP with the exact refit, its rounds on the device: a host read every `ROUNDS_PER_READ` rounds.
 
 # Shape legend: N pool size, C domains, K rounds (picks), M slots (K + 1).
 
@@ -9,20 +9,27 @@ millisecond of kernels). The common round needs none of those branches: the pick
 gradient, its Schur complement is well above the pivot and float32 promotion tolerances, no active
 weight turns negative and no element left at weight zero wants back in. `omp_exact_on_device` runs
 every round as that common round, written with masks (a pick whose gradient is not positive
-selects at weight zero, as the host loop does) and raises a device flag when any other branch
-would have been taken (a singular or ill-conditioned pivot, a Lawson-Hanson drop, a KKT re-entry,
-or a final refactorisation that disagrees). The caller reads that flag once, with the result, and
-re-runs the host loop from the start when it is set: the selection is then the host loop's.
+selects at weight zero, as the host loop does), and reads the device once every `ROUNDS_PER_READ`
+rounds, and at the end together with the final refactorisation's check:
 
-The arithmetic of a round is the host loop's (the same products, in the same order, over every
-slot: the host's `full_width` form), so on the common path the picks are the host loop's up to
-the rounding of the final refactorisation (tests/selection/test_active_set_device.py compares
-them). Every round has the same shapes and no host read, and updates its state in place: on CUDA
-(from `GRAPH_MIN_ROUNDS` picks) the first round runs eagerly, the second is recorded as a CUDA graph
-and the rest replay it, one launch a round instead of about 50 (issue 31.3's 10 ms at n = 2048,
-kappa = 512 needs that, and more: on an H200 the graphed rounds equal the eager ones bit for bit, but
-that instance's solve met a drop and went to the host loop, 168 ms against its 122; the rounds are
-still about 50 small kernels each; docs/results/bench_gpu.md).
+- A round that would need a Lawson-Hanson drop, or (once a weight has dropped) a KKT re-entry, applies
+  nothing and freezes the state, so the rest of its batch of rounds changes nothing. The read finds
+  it; `_repair` then runs that round on the device state with its drops and re-entries decided on the
+  host (a read each: drops are rare, 2 drops and 2 re-entries in 512 picks on bench_selection's seed
+  0, none on seed 1), packs the active slots first again, and the rounds go on.
+- A round that would need the host loop's other branches (a singular or ill-conditioned pivot: a slow
+  refit there, or float32 promoted to float64), or a final refactorisation that disagrees, makes the
+  result not `clean`: the caller runs the host loop from the start, and the selection is its.
+
+The arithmetic of a round is the host loop's (the same products over every slot: the host's
+`full_width` form), so the picks are the host loop's up to the rounding of the final refactorisation,
+which may decide among near-ties (tests/selection/test_active_set_device.py compares them). Every
+round has the same shapes and no host read, and updates its state in place: on CUDA (from
+`GRAPH_MIN_ROUNDS` picks) the first round runs eagerly, the second is recorded as a CUDA graph and the
+rest replay it, one launch a round instead of about 50 (issue 31.3's 10 ms at n = 2048, kappa = 512
+needs that, and the round's kernels fused, `compile`; on an H200 the graphed rounds equal the eager ones
+bit for bit, docs/results/bench_gpu.md). After a repair the rounds also check the elements at weight
+zero (one reduction more), recorded as a second graph.
 """
 
 from __future__ import annotations
@@ -32,29 +39,69 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GRAPH_MIN_ROUNDS", "DeviceOMPResult", "omp_exact_on_device"]
+__all__ = ["GRAPH_MIN_ROUNDS", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
 
 # From this many rounds the CUDA rounds are recorded once as a CUDA graph and replayed: recording costs
 # about what a few eager rounds launch, and every replayed round saves about 50 launches.
 GRAPH_MIN_ROUNDS = 16
+# Rounds between two host reads: a round frozen for a repair wastes at most this many rounds of device
+# work, and a solve without one reads ceil(k / ROUNDS_PER_READ) times (once at the recipes' 8 picks a rank).
+ROUNDS_PER_READ = 64
 
 
 @dataclass(frozen=True)
 class DeviceOMPResult:
-    """What `omp_exact_on_device` returns, all on the device.
+    """What `omp_exact_on_device` returns: the selection on the device, the counts on the host.
 
     Attributes:
         sel_K: the picks in order.
         v_K: their weights ``v`` (0 for the picks left at weight zero).
         phi: the scale-free objective (0-dim).
-        clean: 0-dim bool, True when every round took the common path and the final refactorisation
+        clean: True when every round took the common path or was repaired, and the final refactorisation
             agreed: the result is the exact OMP's. False: discard it and run the host loop.
+        drops: Lawson-Hanson drops the repairs made.
+        reentries: KKT re-entries the repairs made.
+        reads: host reads of the device (the batches' reads and the repairs').
     """
 
     sel_K: torch.Tensor
     v_K: torch.Tensor
     phi: torch.Tensor
-    clean: torch.Tensor
+    clean: bool
+    drops: int = 0
+    reentries: int = 0
+    reads: int = 0
+
+
+@dataclass
+class _State:
+    """The rounds' tensors, every one updated in place (CUDA graphs replay on their memory)."""
+
+    gram_NN: torch.Tensor
+    diag_N: torch.Tensor
+    dom_N: torch.Tensor
+    ridge_1: torch.Tensor
+    tol_1: torch.Tensor
+    rows_MN: torch.Tensor  # K row of each slot's element (stale on free slots)
+    p_MM: torch.Tensor  # (K_AA + ridge I)^{-1} by slot; zero rows and columns on free slots
+    v_M: torch.Tensor  # the weights by slot; zero on free slots
+    elem_M: torch.Tensor  # each slot's element (stale on free slots)
+    used_M: torch.Tensor  # the active slots: [0, h) after every repair, filled in order by the rounds
+    grad_N: torch.Tensor  # mu - K_{:,A} v_A
+    inactive_N: torch.Tensor  # selected at weight zero
+    sel_K: torch.Tensor
+    bad_1: torch.Tensor  # a round needed a branch only the host loop takes
+    h_1: torch.Tensor  # the next slot
+    rem_C: torch.Tensor  # capacity left per domain
+    penalty_N: torch.Tensor  # -inf where unavailable (selected, or its domain full)
+    r_1: torch.Tensor  # rounds done
+    domains_C: torch.Tensor
+    live_1: torch.Tensor  # False from a round that needs a repair until the repair is made
+
+    def round_args(self) -> tuple[torch.Tensor, ...]:
+        return (self.gram_NN, self.diag_N, self.dom_N, self.ridge_1, self.tol_1, self.rows_MN, self.p_MM, self.v_M,
+                self.elem_M, self.used_M, self.grad_N, self.inactive_N, self.sel_K, self.bad_1, self.h_1, self.rem_C,
+                self.penalty_N, self.r_1, self.domains_C, self.live_1)
 
 
 def omp_exact_on_device(
@@ -68,8 +115,9 @@ def omp_exact_on_device(
     *,
     graph: bool | None = None,
     compile: bool = False,
+    rounds_per_read: int = ROUNDS_PER_READ,
 ) -> DeviceOMPResult:
-    """Greedy OMP over the partition matroid with the exact NNLS refit, no host read (module docstring).
+    """Greedy OMP over the partition matroid with the exact NNLS refit, rounds without a host read (module docstring).
 
     Args:
         gram_NN: ``K`` (no ridge), ``(N, N)``.
@@ -79,95 +127,121 @@ def omp_exact_on_device(
         k: rounds, ``1 <= k <= N``.
         ridge_abs: the absolute ridge (a float, or a device scalar to avoid reading it).
         grad_tol: 0-dim tensor; gradients at or below it count as zero.
-        graph: run the rounds as one CUDA graph replayed k - 1 times after an eager first round
-            (`_rounds_as_cuda_graph`: one launch a round instead of about 50); None: on CUDA from
-            `GRAPH_MIN_ROUNDS` rounds. The same kernels as the eager rounds, so the same result.
+        graph: run the rounds as a CUDA graph replayed after an eager first round (`_Rounds`: one
+            launch a round instead of about 50); None: on CUDA from `GRAPH_MIN_ROUNDS` rounds. The same
+            kernels as the eager rounds, so the same result.
         compile: run each round as `_round` compiled (`torch.compile`, one graph, static shapes): the
-            same arithmetic in a few fused kernels instead of about 45 ops (the picks are the eager
+            same arithmetic in a few fused kernels instead of about 50 ops (the picks are the eager
             rounds' but among near-ties, and the weights may differ in the last bits: fused
             reductions round in their own order). Dynamo compiles at most 8 shapes of the round
             per process (its recompile limit); past that the rounds run eagerly. With `graph`, the
-            compiled round is what the CUDA graph records.
+            compiled round is what the CUDA graph records. Repairs run eagerly.
+        rounds_per_read: rounds between two host reads (`ROUNDS_PER_READ`).
 
     Raises:
-        ValueError: `graph=True` off CUDA.
+        ValueError: `graph=True` off CUDA, or `rounds_per_read` below 1.
     """
-    n, dev, dt = mu_N.shape[0], mu_N.device, mu_N.dtype
+    dev, dt = mu_N.device, mu_N.dtype
     if graph and dev.type != "cuda":
         raise ValueError(f"omp_exact_on_device: graph=True needs CUDA tensors, got {dev.type}")
+    if rounds_per_read < 1:
+        raise ValueError(f"omp_exact_on_device: rounds_per_read must be at least 1, got {rounds_per_read}")
+    st = _initial_state(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol)
+    # The host loop's tolerances: a Schur complement at or below pivot_tol K_jj is a dependent column
+    # (a slow refit there); below promote_tol K_jj a float32 state moves to float64 (a refit too).
+    tols = (64.0 * torch.finfo(dt).eps, 1e4 * torch.finfo(dt).eps if dt == torch.float32 else 0.0)
+    if graph is None:
+        graph = dev.type == "cuda" and k >= GRAPH_MIN_ROUNDS
+    rounds = _Rounds(st, tols, compiled=compile, graph=graph)
+    done = drops = reentries = reads = 0
+    while True:
+        batch = min(rounds_per_read, k - done)  # 0 after a repair of the last round: only the final check
+        rounds.run(batch, kkt=drops > 0)
+        final = _finalized(mu_N, st) if done + batch == k else None
+        r, h, live, bad, agrees = _read_status(st, final)
+        reads += 1
+        if bad:
+            return _result(final if final is not None else _finalized(mu_N, st), False, drops, reentries, reads)
+        done = r
+        if live:
+            if final is not None:
+                return _result(final, agrees, drops, reentries, reads)
+            continue
+        fixed = _repair(st, mu_N, tols, h)  # round `r` froze
+        drops, reentries, reads = drops + fixed.drops, reentries + fixed.reentries, reads + fixed.reads
+        if not fixed.ok:
+            return _result(_finalized(mu_N, st), False, drops, reentries, reads)
+        done += 1
+
+
+def _initial_state(
+    gram_NN: torch.Tensor,
+    mu_N: torch.Tensor,
+    dom_N: torch.Tensor,
+    capacities_C: torch.Tensor,
+    k: int,
+    ridge_abs: torch.Tensor | float,
+    grad_tol: torch.Tensor,
+) -> _State:
+    """The state before the first round: no slot used, every element available whose domain has room."""
+    n, dev, dt = mu_N.shape[0], mu_N.device, mu_N.dtype
     m = k + 1
     if isinstance(ridge_abs, torch.Tensor):
         ridge_1 = ridge_abs.to(dt).reshape(1)
     else:
         ridge_1 = torch.full((1,), float(ridge_abs), dtype=dt, device=dev)  # a fill, not a copy from the host
-    tol_1 = grad_tol.to(dt).reshape(1)
-    diag_N = torch.diagonal(gram_NN)
-    # The host loop's tolerances: a Schur complement at or below pivot_tol K_jj is a dependent column
-    # (a slow refit there); below promote_tol K_jj a float32 state moves to float64 (a refit too).
-    pivot_tol = 64.0 * torch.finfo(dt).eps
-    promote_tol = 1e4 * torch.finfo(dt).eps if dt == torch.float32 else 0.0
-    rows_MN = torch.zeros(m, n, dtype=dt, device=dev)
-    p_MM = torch.zeros(m, m, dtype=dt, device=dev)
-    v_M = torch.zeros(m, dtype=dt, device=dev)
-    elem_M = torch.zeros(m, dtype=torch.long, device=dev)
-    used_M = torch.zeros(m, dtype=torch.bool, device=dev)
-    grad_N = mu_N.clone()
-    inactive_N = torch.zeros(n, dtype=torch.bool, device=dev)
-    sel_K = torch.zeros(k, dtype=torch.long, device=dev)
-    bad_1 = torch.zeros(1, dtype=torch.bool, device=dev)
-    h_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the next slot: no drops here, so slots fill in order
     rem_C = capacities_C.to(dev, non_blocking=True).clone()  # capacities are often resolved on the host
-    domains_C = torch.arange(rem_C.shape[0], dtype=dom_N.dtype, device=dev)
     penalty_N = torch.zeros(n, dtype=dt, device=dev)
     penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
-    r_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the round, on the device: every round is the same kernels
-    state = (gram_NN, diag_N, dom_N, ridge_1, tol_1, rows_MN, p_MM, v_M, elem_M, used_M, grad_N, inactive_N, sel_K,
-             bad_1, h_1, rem_C, penalty_N, r_1, domains_C)
-    round_fn = _compiled_round() if compile else _round
-
-    def one_round() -> None:
-        round_fn(*state, pivot_tol, promote_tol)
-
-    if graph is None:
-        graph = dev.type == "cuda" and k >= GRAPH_MIN_ROUNDS
-    if graph:
-        _rounds_as_cuda_graph(one_round, k)
-    else:
-        for _ in range(k):
-            one_round()
-    return _finalized(mu_N, rows_MN, elem_M, used_M, inactive_N, sel_K, bad_1, ridge_1, tol_1)
+    return _State(
+        gram_NN=gram_NN, diag_N=torch.diagonal(gram_NN), dom_N=dom_N, ridge_1=ridge_1,
+        tol_1=grad_tol.to(dt).reshape(1), rows_MN=torch.zeros(m, n, dtype=dt, device=dev),
+        p_MM=torch.zeros(m, m, dtype=dt, device=dev), v_M=torch.zeros(m, dtype=dt, device=dev),
+        elem_M=torch.zeros(m, dtype=torch.long, device=dev), used_M=torch.zeros(m, dtype=torch.bool, device=dev),
+        grad_N=mu_N.clone(), inactive_N=torch.zeros(n, dtype=torch.bool, device=dev),
+        sel_K=torch.zeros(k, dtype=torch.long, device=dev), bad_1=torch.zeros(1, dtype=torch.bool, device=dev),
+        h_1=torch.zeros(1, dtype=torch.long, device=dev), rem_C=rem_C, penalty_N=penalty_N,
+        r_1=torch.zeros(1, dtype=torch.long, device=dev),
+        domains_C=torch.arange(rem_C.shape[0], dtype=dom_N.dtype, device=dev),
+        live_1=torch.ones(1, dtype=torch.bool, device=dev),
+    )
 
 
-def _finalized(
-    mu_N: torch.Tensor,
-    rows_MN: torch.Tensor,
-    elem_M: torch.Tensor,
-    used_M: torch.Tensor,
-    inactive_N: torch.Tensor,
-    sel_K: torch.Tensor,
-    bad_1: torch.Tensor,
-    ridge_1: torch.Tensor,
-    tol_1: torch.Tensor,
-) -> DeviceOMPResult:
+def _read_status(st: _State, final: tuple | None) -> tuple[int, int, bool, bool, bool]:
+    """The batch's one host read: ``(rounds done, slots in use, live, bad, final refactorisation agrees)``."""
+    parts = [st.r_1, st.h_1, st.live_1.long(), st.bad_1.long()]
+    if final is not None:
+        parts.append(final[-1].long().view(1))
+    r, h, live, bad, *rest = torch.cat(parts).tolist()
+    return r, h, bool(live), bool(bad), bool(rest and rest[0])
+
+
+def _result(final: tuple, clean: bool, drops: int, reentries: int, reads: int) -> DeviceOMPResult:
+    sel_K, v_K, phi, _ = final
+    return DeviceOMPResult(sel_K=sel_K, v_K=v_K, phi=phi, clean=clean, drops=drops, reentries=reentries, reads=reads)
+
+
+def _finalized(mu_N: torch.Tensor, st: _State) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The host loop's finalize(): the active system solved afresh (unused slots as identity rows).
 
-    `clean` is False when a round flagged another branch or the fresh weights disagree with the rounds'.
+    Returns ``(sel_K, v_K, phi, agrees)``; ``agrees`` (0-dim bool) is False when the fresh weights
+    disagree with the rounds' (a weight not positive, an element at zero that wants in, a failed factor).
     """
-    n, m, dt, dev = mu_N.shape[0], elem_M.shape[0], mu_N.dtype, mu_N.device
+    n, m, dt, dev = mu_N.shape[0], st.elem_M.shape[0], mu_N.dtype, mu_N.device
+    used_M, elem_M, rows_MN = st.used_M, st.elem_M, st.rows_MN
     kr_MM = rows_MN.index_select(1, elem_M)
     pair_MM = used_M.unsqueeze(1) & used_M.unsqueeze(0)
     eye_MM = torch.eye(m, dtype=dt, device=dev)
-    kr_MM = torch.where(pair_MM, kr_MM + ridge_1 * eye_MM, eye_MM)
+    kr_MM = torch.where(pair_MM, kr_MM + st.ridge_1 * eye_MM, eye_MM)
     chol_MM, info = torch.linalg.cholesky_ex(kr_MM)
     mu_M = torch.where(used_M, mu_N.index_select(0, elem_M), 0.0)
     v_fresh_M = torch.where(used_M, torch.cholesky_solve(mu_M.unsqueeze(1), chol_MM).squeeze(1), 0.0)
     grad_N = torch.addmv(mu_N, rows_MN.T, v_fresh_M, alpha=-1.0)
-    agrees = (info == 0) & ~(used_M & ~(v_fresh_M > 0)).any() & ~((grad_N > tol_1) & inactive_N).any()
-    clean = ~bad_1.squeeze(0) & agrees
+    agrees = (info == 0) & ~(used_M & ~(v_fresh_M > 0)).any() & ~((grad_N > st.tol_1) & st.inactive_N).any()
     v_N = torch.zeros(n, dtype=dt, device=dev).index_add_(0, elem_M, v_fresh_M)
-    v_K = v_N.index_select(0, sel_K)
+    v_K = v_N.index_select(0, st.sel_K)
     phi = 0.5 * (torch.dot(v_fresh_M, mu_N.index_select(0, elem_M)) + torch.dot(v_fresh_M, grad_N.index_select(0, elem_M)))
-    return DeviceOMPResult(sel_K=sel_K, v_K=v_K, phi=phi, clean=clean)
+    return st.sel_K, v_K, phi, agrees
 
 
 def _round(
@@ -190,80 +264,244 @@ def _round(
     penalty_N: torch.Tensor,
     r_1: torch.Tensor,
     domains_C: torch.Tensor,
+    live_1: torch.Tensor,
     pivot_tol: float,
     promote_tol: float,
+    kkt: bool,
 ) -> None:
     """One common round of `omp_exact_on_device`, every state tensor (from `rows_MN` on) updated in place,
-    so the round can be recorded once and replayed, and compiled as one graph (`_compiled_round`)."""
+    so the round can be recorded once and replayed, and compiled as one graph (`_compiled_round`).
+
+    `kkt`: also check the elements at weight zero (needed once a weight has dropped; before that, only a
+    pick without a positive gradient leaves one, and after such a pick no later pick has one either:
+    the gradient does not move and the feasible set only shrinks).
+    """
     m = p_MM.shape[0]
-    rows_NM = rows_MN.T
     scores_N = grad_N + penalty_N
     g_1, j_1 = torch.max(scores_N, 0, keepdim=True)
-    penalty_N.index_fill_(0, j_1, float("-inf"))
-    sel_K.index_copy_(0, r_1, j_1)
-    r_1.add_(1)
-    # Slot h takes j's K row; q^T = k_Aj^T P over every slot (unused ones have zero P rows).
+    sel_K.index_copy_(0, r_1, j_1)  # overwritten by the repair when the round freezes
+    # Slot h takes j's K row; q^T = k_Aj^T P over every slot (free ones have zero P rows).
     rows_MN.index_copy_(0, h_1, gram_NN.index_select(0, j_1))
     qext_M = torch.mm(rows_MN.index_select(1, j_1).view(1, m), p_MM).view(m)
     qext_M.index_fill_(0, h_1, -1.0)
-    t_N = torch.mv(rows_NM, qext_M)
+    t_N = torch.mv(rows_MN.T, qext_M)
     schur_1 = ridge_1 - t_N.index_select(0, j_1)
     z_j = g_1 / schur_1
     z_M = torch.addcmul(v_M, qext_M, z_j, value=-1.0)
     grad_new_N = torch.addcmul(grad_N, t_N, z_j)
     diag_j = diag_N.index_select(0, j_1)
     positive = g_1 > tol_1
-    # The host loop's other branches, each a hand-over: a dependent column (a slow refit there), an
-    # ill-conditioned float32 one (promotion to float64) and a Lawson-Hanson drop. Its KKT re-entry
-    # needs an element at weight zero, which only a drop or a pick without a positive gradient
-    # leaves; after such a pick no later pick has one either (grad does not move and the feasible
-    # set only shrinks), so an entering round never meets one.
-    other_branch = ~(schur_1 > pivot_tol * diag_j) | (torch.amin(z_M, 0, keepdim=True) < 0)
+    # The host loop's branches that end the device solve: a dependent column (a slow refit there) and an
+    # ill-conditioned float32 one (promotion to float64).
+    host_only = ~(schur_1 > pivot_tol * diag_j)
     if promote_tol > 0:
-        other_branch |= schur_1 < promote_tol * diag_j
-    other_branch &= positive
-    bad_1.logical_or_(other_branch)
-    enter = positive & ~other_branch
-    # Enter j at slot h (P <- P + qext qext^T / s), or leave everything as it was. Slot h is free
-    # either way (slots fill in order: no drops here), so its element may be written regardless.
+        host_only |= schur_1 < promote_tol * diag_j
+    # And those `_repair` makes: a Lawson-Hanson drop, a KKT re-entry.
+    repair = torch.amin(z_M, 0, keepdim=True) < 0
+    if kkt:
+        repair |= torch.amax(torch.where(inactive_N, grad_new_N, float("-inf")), 0, keepdim=True) > tol_1
+    stop = positive & (host_only | repair)
+    # Not gated by live_1: a frozen round recomputes the round that froze (the state has not moved).
+    bad_1.logical_or_(stop & host_only)
+    live_1.logical_and_(~stop)  # from here, whether the round applies: a frozen state stays until the repair
+    enter = live_1 & positive
+    # Enter j at slot h (P <- P + qext qext^T / s), or leave everything as it was. Slot h is free either
+    # way, so its element may be written regardless.
     p_MM.addr_(torch.where(enter, qext_M / schur_1, 0.0), qext_M)
     elem_M.index_copy_(0, h_1, j_1)
     used_M.index_copy_(0, h_1, enter)
     torch.where(enter, z_M, v_M, out=v_M)
     torch.where(enter, grad_new_N, grad_N, out=grad_N)
-    h_1.add_(enter.long())
-    inactive_N.index_copy_(0, j_1, ~positive)  # a pick with a gradient at or below zero stays at weight 0
+    h_1.add_(enter)
+    r_1.add_(live_1)
+    # A pick with a gradient at or below zero stays at weight 0 (for bools, a > b is a and not b).
+    inactive_N.index_copy_(0, j_1, live_1 > positive)
+    penalty_N.index_copy_(0, j_1, torch.where(live_1, float("-inf"), penalty_N.index_select(0, j_1)))
     # j's domain loses one unit of capacity: a comparison with the domain ids, not a scatter (an int64
     # scatter-add is not fused by inductor: on CUDA it falls back to a sorting index_put_ of ~10 kernels).
-    rem_C.sub_((domains_C == dom_N.index_select(0, j_1)).to(rem_C.dtype))
+    rem_C.sub_(((domains_C == dom_N.index_select(0, j_1)) & live_1).to(rem_C.dtype))
     penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
 
 
 @functools.cache
 def _compiled_round():
-    """`_round` compiled as one graph (`solver_loop: device_compiled`): its ~45 ops become a few fused
+    """`_round` compiled as one graph (`solver_loop: device_compiled`): its ~50 ops become a few fused
     kernels around the two products (on a CPU, 2 fused loops and the GEMM; the CUDA count is gpu_bench's).
-    Static shapes: one compilation per pool size, kappa and dtype, which a run keeps fixed."""
+    Static shapes: one compilation per pool size, kappa, dtype and `kkt`, which a run keeps fixed."""
     # On a CPU, one thread: a round's loops are a few thousand elements, and OpenMP's barriers between them
     # cost milliseconds a round when the cores are shared (measured: 31 ms a round with 2 threads beside a
     # training run, on the 2-core VM). The CUDA code is not affected.
     return torch.compile(_round, fullgraph=True, dynamic=False, options={"cpp.threads": 1})
 
 
-def _rounds_as_cuda_graph(one_round, k: int) -> None:
-    """Run `one_round` k times: once eagerly on a side stream (the warm-up capture needs, which also
-    initialises the libraries' handles), then recorded as a CUDA graph (recording runs nothing) and
-    replayed k - 1 times. Every tensor the round writes is allocated before it, so replays update them."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        one_round()
-    torch.cuda.current_stream().wait_stream(side)
-    if k == 1:
-        return
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        one_round()
-    for _ in range(k - 1):
-        g.replay()
+class _Rounds:
+    """Runs batches of rounds of one variant (`kkt` or not), eagerly or as a CUDA graph per variant.
 
+    As a graph: the variant's first round runs eagerly on a side stream (the warm-up capture needs, which
+    also initialises the libraries' handles and compiles), then it is recorded (recording runs nothing)
+    and replayed once a round. Every tensor the round writes is allocated before, so replays update them,
+    and `_repair` writes the same tensors in place.
+    """
+
+    def __init__(self, st: _State, tols: tuple[float, float], *, compiled: bool, graph: bool) -> None:
+        fn = _compiled_round() if compiled else _round
+        args = st.round_args()
+        self._round = lambda kkt: fn(*args, *tols, kkt)
+        self._graph = graph
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+
+    def run(self, count: int, *, kkt: bool) -> None:
+        if not self._graph:
+            for _ in range(count):
+                self._round(kkt)
+            return
+        g = self._graphs.get(kkt)
+        if g is None and count > 0:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._round(kkt)
+            torch.cuda.current_stream().wait_stream(side)
+            count -= 1
+            g = self._graphs[kkt] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._round(kkt)
+        for _ in range(count):
+            g.replay()
+
+
+@dataclass
+class _Repair:
+    """What `_repair` did: whether the device solve can go on, and its counts."""
+
+    ok: bool = True
+    drops: int = 0
+    reentries: int = 0
+    reads: int = 0
+
+
+def _repair(st: _State, mu_N: torch.Tensor, tols: tuple[float, float], h: int) -> _Repair:
+    """The frozen round once more, its Lawson-Hanson steps decided on the host (the host loop's `_enter`,
+    `_drop_until_positive` and `_restore_kkt`), then the active slots packed first so the rounds fill in order.
+
+    Its pick has a positive gradient (only such a round freezes). ``h``: the slots in use, the first ``h``
+    (the rounds fill them in order from a packed state). Not ``ok``: a pivot the host loop would refit or
+    promote (``bad_1`` set), or a loop past the host loop's caps.
+    """
+    out = _Repair()
+    g_1, j_1 = torch.max(st.grad_N + st.penalty_N, 0, keepdim=True)
+    st.sel_K.index_copy_(0, st.r_1, j_1)
+    st.r_1.add_(1)
+    st.penalty_N.index_fill_(0, j_1, float("-inf"))
+    st.rem_C.sub_((st.domains_C == st.dom_N.index_select(0, j_1)).to(st.rem_C.dtype))
+    st.penalty_N.masked_fill_(st.rem_C.index_select(0, st.dom_N) <= 0, float("-inf"))
+    m = st.used_M.shape[0]
+    used = [True] * h + [False] * (m - h)
+    if not _enter_and_drop(st, mu_N, j_1, g_1, used, tols, out):
+        return out
+    neg_inf = torch.full_like(st.grad_N, float("-inf"))
+    for _ in range(3 * len(used) + 10):  # the host loop's cap
+        g_1, i_1 = torch.max(torch.where(st.inactive_N, st.grad_N, neg_inf), 0, keepdim=True)
+        out.reads += 1
+        if not bool(g_1 > st.tol_1):
+            break
+        st.inactive_N.index_fill_(0, i_1, False)
+        out.reentries += 1
+        if not _enter_and_drop(st, mu_N, i_1, g_1, used, tols, out):
+            return out
+    else:
+        out.ok = False
+        return out
+    # Pack the active slots first, in slot order (a stable sort of the free flags); free slots keep zero P
+    # rows, columns and weights.
+    _, perm_M = torch.sort((~st.used_M).to(torch.uint8), stable=True)
+    for buf in (st.rows_MN, st.v_M, st.elem_M, st.used_M):
+        buf.copy_(buf.index_select(0, perm_M))
+    st.p_MM.copy_(st.p_MM.index_select(0, perm_M).index_select(1, perm_M))
+    st.h_1.fill_(sum(used))
+    st.live_1.fill_(True)
+    return out
+
+
+def _enter_and_drop(
+    st: _State,
+    mu_N: torch.Tensor,
+    j_1: torch.Tensor,
+    g_1: torch.Tensor,
+    used: list[bool],
+    tols: tuple[float, float],
+    out: _Repair,
+) -> bool:
+    """Enter ``j`` (its gradient ``g_1`` is positive) at the first free slot, then drop weights until every
+    one is positive (`ActiveSetState._drop_until_positive`). ``used``: the slots in use (host), kept up to date.
+
+    Returns False (``out.ok`` too) where the host loop would refit or promote, or its inner loop's cap.
+    """
+    h = used.index(False)  # a free slot exists: at most k elements are active among k + 1 slots
+    st.h_1.fill_(h)
+    m = len(used)
+    st.rows_MN.index_copy_(0, st.h_1, st.gram_NN.index_select(0, j_1))
+    qext_M = torch.mm(st.rows_MN.index_select(1, j_1).view(1, m), st.p_MM).view(m)
+    qext_M.index_fill_(0, st.h_1, -1.0)
+    t_N = torch.mv(st.rows_MN.T, qext_M)
+    schur_1 = st.ridge_1 - t_N.index_select(0, j_1)
+    z_j = g_1 / schur_1
+    z_M = torch.addcmul(st.v_M, qext_M, z_j, value=-1.0)
+    grad_z_N = torch.addcmul(st.grad_N, t_N, z_j)
+    x_M = st.v_M.clone()  # the feasible point Lawson-Hanson steps from, towards z
+    neg_M, alpha_1, p_1 = _first_to_zero(x_M, z_M)
+    # One read: the pivot's tests and the first drop's (positions are exact as floats below 2^24).
+    schur_f, diag_f, any_neg, p = torch.cat(
+        [schur_1, st.diag_N.index_select(0, j_1), neg_M.any().view(1).to(z_M.dtype), p_1.to(z_M.dtype)]
+    ).tolist()
+    out.reads += 1
+    pivot_tol, promote_tol = tols
+    if not schur_f > pivot_tol * diag_f or schur_f < promote_tol * diag_f:
+        st.bad_1.fill_(True)
+        out.ok = False
+        return False
+    st.p_MM.addr_(qext_M / schur_1, qext_M)
+    st.elem_M.index_copy_(0, st.h_1, j_1)
+    st.used_M.index_fill_(0, st.h_1, True)
+    used[h] = True
+    dropped = False
+    for _ in range(m + 1):
+        if not any_neg:
+            break
+        p = int(p)
+        # Step to the first zero, then drop slot p: the optimum and the inverse on A - p.
+        p_col_M = st.p_MM.index_select(1, p_1).view(m)  # a copy: P changes below
+        p_pp_1 = p_col_M.index_select(0, p_1)
+        x_M.lerp_(z_M, alpha_1.clamp(0.0, 1.0))
+        z_M.addcmul_(p_col_M, z_M.index_select(0, p_1) / p_pp_1, value=-1.0)
+        st.p_MM.addr_(p_col_M / p_pp_1, p_col_M, alpha=-1.0)
+        st.p_MM[p].zero_()
+        st.p_MM[:, p].zero_()
+        x_M[p] = 0.0
+        z_M[p] = 0.0
+        st.used_M[p] = False
+        used[p] = False
+        st.inactive_N.index_fill_(0, st.elem_M.index_select(0, p_1), True)
+        out.drops += 1
+        dropped = True
+        neg_M, alpha_1, p_1 = _first_to_zero(x_M, z_M)
+        any_neg, p = torch.cat([neg_M.any().view(1).long(), p_1]).tolist()
+        out.reads += 1
+    else:
+        out.ok = False
+        return False
+    st.v_M.copy_(z_M)
+    if dropped:  # the gradient afresh, as the host loop computes it after a drop
+        torch.addmv(mu_N, st.rows_MN.T, st.v_M, alpha=-1.0, out=st.grad_N)
+    else:
+        st.grad_N.copy_(grad_z_N)
+    return True
+
+
+def _first_to_zero(x_M: torch.Tensor, z_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(z < 0, alpha, p)``: the step from ``x`` towards ``z`` at which the first weight, slot ``p``, reaches zero
+    (free slots hold ``x = z = 0`` exactly, so only active slots can have ``z < 0``)."""
+    neg_M = z_M < 0
+    ratio_M = torch.where(neg_M, x_M / (x_M - z_M).clamp_min(torch.finfo(x_M.dtype).tiny), float("inf"))
+    alpha_1, p_1 = torch.min(ratio_M, 0, keepdim=True)
+    return neg_M, alpha_1, p_1

@@ -83,11 +83,12 @@ class PartitionSelOptions:
             launch whatever ``kappa``, but the same ops at the CPU's per-op cost (0.4-1.0 ms a pick
             on one thread of the 2-core VM, n = 16 to 512, against 0.23 ms on an H200's host loop
             at n = 2048). ``"device"`` (``active_set_device.omp_exact_on_device``; greedy exact OMP
-            on a full Gram, no ``refine``): no sync in the rounds and one read of a flag at the end;
-            a round that needs a Lawson-Hanson drop, a KKT re-entry or a float64 promotion sets the
-            flag and the host loop then runs from the start; about 50 launches a pick. On an H200 at
-            n = 2048, kappa = 512: host 122 ms, device 168 ms (a drop handed it back), cpu 86 ms, the
-            same picks (docs/results/bench_gpu.md); the default stays the host loop until the
+            on a full Gram, no ``refine``): no sync in the rounds, one read every 64 rounds and at the
+            end; a round that needs a Lawson-Hanson drop or a KKT re-entry is repaired with reads
+            of its own, one that needs a slow refit or a float64 promotion sets a flag and the host
+            loop then runs from the start; about 50 launches a pick. On an H200 at n = 2048,
+            kappa = 512, before the repairs: host 122 ms, device 168 ms (a drop handed it back), cpu
+            86 ms, the same picks (docs/results/bench_gpu.md); the default stays the host loop until the
             recipes' shape tells them apart. ``"device_compiled"``: the device loop with each round
             compiled (``torch.compile``, static shapes, one compilation per pool size and kappa): the
             same picks but among near-ties, in a few fused kernels a round instead of about 45 (on
@@ -836,8 +837,9 @@ def _solve_on_device(
     caps_C: torch.Tensor,
     grad_tol: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, torch.Tensor | float] | None:
-    """``omp_exact_on_device`` and its one host read: ``(sel_S, v_S, phi, info, ridge_abs)``, or None
-    when a round left the common path and the host loop must run.
+    """``omp_exact_on_device`` (one host read when ``k <= ROUNDS_PER_READ`` and no round is repaired):
+    ``(sel_S, v_S, phi, info, ridge_abs)``, or None when a round needed a branch only the host loop takes
+    (a slow refit, a float64 promotion) and the host loop must run.
 
     The ridge stays on the device (``ridge x mean diag K``).
     """
@@ -847,9 +849,10 @@ def _solve_on_device(
             gram.gram_NN, mu_N, inputs.domain_ids, caps_C, inputs.k, ridge_abs, grad_tol,
             compile=opts.solver_loop == "device_compiled",
         )
-    if not bool(res.clean):  # the solver's one host read
+    if not res.clean:  # read with the last batch of rounds
         return None
-    info = {"slow_refits": 0, "weight_drops": 0, "weight_reentries": 0, "singular_pivots": 0, "device_loop_fallback": 0}
+    info = {"slow_refits": 0, "weight_drops": res.drops, "weight_reentries": res.reentries, "singular_pivots": 0,
+            "device_loop_fallback": 0}
     return res.sel_K, res.v_K, res.phi, info, ridge_abs
 
 

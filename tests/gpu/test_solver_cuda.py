@@ -84,8 +84,8 @@ def test_the_device_loop_replayed_as_a_cuda_graph_is_the_eager_loop(cuda, n, k):
 @pytest.mark.parametrize("n,k", [(64, 20), (2048, 512)])
 def test_the_compiled_rounds_replayed_as_a_cuda_graph_pick_what_the_eager_rounds_pick(cuda, n, k):
     """`solver_loop: device_compiled` on CUDA: the compiled round (Triton kernels) recorded as one CUDA graph
-    and replayed; a round needing a drop is flagged as the eager rounds flag it, and otherwise the same picks,
-    the weights up to rounding (fused reductions round in their own order)."""
+    and replayed (a second one after the first drop); the rounds needing a drop are repaired as the eager
+    rounds repair them, the same picks, the weights up to rounding (fused reductions round in their own order)."""
     from composer_algos.selection.active_set_device import omp_exact_on_device
     from composer_algos.selection.objective import build_objective
     from composer_algos.selection.refit import default_grad_tol
@@ -96,10 +96,11 @@ def test_the_compiled_rounds_replayed_as_a_cuda_graph_pick_what_the_eager_rounds
     args = (gram, mu, dom.to(cuda), caps, k, 1e-6, default_grad_tol(mu))
     eager = omp_exact_on_device(*args, graph=False)
     compiled = omp_exact_on_device(*args, graph=True, compile=True)
-    assert bool(compiled.clean) == bool(eager.clean)
-    # On the CPU the n = 64 instance stays on the common path and the n = 2048 one needs a drop: at least the
-    # first must compare picks here, or the test compared nothing but flags.
-    assert bool(eager.clean) or n > 64
-    if bool(eager.clean):
+    assert compiled.clean == eager.clean
+    assert (compiled.drops, compiled.reentries) == (eager.drops, eager.reentries)
+    # On the CPU the n = 64 instance stays on the common path and the n = 2048 one is repaired: both must
+    # compare picks here, or the test compared nothing but flags.
+    assert eager.clean
+    if eager.clean:
         assert torch.equal(compiled.sel_K, eager.sel_K)
         torch.testing.assert_close(compiled.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))

@@ -7,7 +7,7 @@ import torch
 from step_audit import SyncAudit  # tools/bench/step_audit.py
 
 from composer_algos.selection import select_partitionsel
-from composer_algos.selection.active_set_device import omp_exact_on_device
+from composer_algos.selection.active_set_device import ROUNDS_PER_READ, omp_exact_on_device
 from composer_algos.selection.objective import build_objective
 from composer_algos.selection.partitionsel import PartitionSelOptions, omp_select
 from composer_algos.selection.refit import default_grad_tol
@@ -24,13 +24,15 @@ def _select(features, val, dom, kappa, loop, **options):
 
 
 # Pools from 12 to 200 rows, kappa from a few to half the pool, features of 8 to 64 dimensions: some
-# instances drop weights (the device loop then hands over to the host loop), most do not.
+# instances drop weights and re-enter them (the device loop repairs those rounds), most do not; the
+# float32 ones with more picks than dimensions need the host loop's float64 promotion (it hands over).
 CASES = [(seed, n, dim, kappa) for seed in range(6) for n, dim, kappa in ((12, 32, 4), (40, 8, 20), (64, 64, 16), (200, 32, 100))]
+LH_KEYS = ("weight_drops", "weight_reentries")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_device_loop_picks_what_the_host_loop_picks(dtype):
-    clean = fallback = 0
+    seen = {"common": 0, "repaired": 0, "handed over": 0}
     for seed, n, dim, kappa in CASES:
         features, val, dom = make_instance(seed, n, dim=dim, dtype=dtype)
         host = _select(features, val, dom, kappa, "host")
@@ -39,44 +41,95 @@ def test_device_loop_picks_what_the_host_loop_picks(dtype):
         tol = 1e-9 if dtype == torch.float64 else 2e-4
         torch.testing.assert_close(device.weights, host.weights, rtol=tol, atol=tol * float(host.weights.abs().max()))
         torch.testing.assert_close(device.objective, host.objective, rtol=tol, atol=0.0)
-        common = all(host.info[k] == 0 for k in ("weight_drops", "weight_reentries", "slow_refits", "singular_pivots"))
-        # The device loop hands over exactly when the host loop left the common round.
-        assert device.info["device_loop_fallback"] == (0 if common else 1), (seed, n, kappa, host.info)
-        if device.info["device_loop_fallback"]:
-            fallback += 1
+        # The device loop hands over exactly where the host loop refitted (a dependent column or, in float32,
+        # the promotion to float64); it repairs drops and re-entries itself, the host loop's number of each.
+        host_only = host.info["slow_refits"] + host.info["singular_pivots"] > 0
+        assert device.info["device_loop_fallback"] == int(host_only), (seed, n, kappa, host.info)
+        assert [int(device.info[key]) for key in LH_KEYS] == [int(host.info[key]) for key in LH_KEYS], (seed, n, kappa)
+        if host_only:
+            seen["handed over"] += 1
             assert torch.equal(device.weights, host.weights)  # the host loop's own result
         else:
-            clean += 1
-    assert clean and fallback  # both paths ran
+            seen["repaired" if host.info["weight_drops"] else "common"] += 1
+    assert seen["common"] and seen["repaired"], seen
+    assert seen["handed over"] or dtype == torch.float64, seen  # float64 never promotes
 
 
-@pytest.mark.parametrize("loop", ["device", pytest.param("device_compiled", marks=pytest.mark.timeout(200))])
-def test_a_round_that_drops_a_weight_hands_over_to_the_host_loop(loop):
-    """Kappa at half a pool of 8-dimensional features: past 8 picks the refit must drop weights. The compiled
-    rounds (one compilation, about 40 s with an empty cache) hand over as the eager ones do."""
+def _drop_instance(dtype=torch.float64):
+    """The first of the 40-row, 8-dimension, kappa = 20 pools where the host loop drops a weight without a refit."""
     for seed in range(20):
-        features, val, dom = make_instance(seed, 40, dim=8)
+        features, val, dom = make_instance(seed, 40, dim=8, dtype=dtype)
         host = _select(features, val, dom, 20, "host")
-        if host.info["weight_drops"] > 0:
-            device = _select(features, val, dom, 20, loop)
-            assert device.info["device_loop_fallback"] == 1
-            assert device.indices.tolist() == host.indices.tolist() and torch.equal(device.weights, host.weights)
-            return
+        if host.info["weight_drops"] > 0 and host.info["slow_refits"] == 0:
+            return features, val, dom, host
     pytest.fail("no instance dropped a weight")
 
 
-def test_the_rounds_never_read_the_device():
-    """On a CUDA run every tensor here lives on the device: the emulated audit counts no read in the loop."""
+@pytest.mark.parametrize("loop", ["device", pytest.param("device_compiled", marks=pytest.mark.timeout(300))])
+def test_a_round_that_drops_a_weight_is_repaired_on_the_device(loop):
+    """Kappa at half a pool of 8-dimensional features: past 8 picks the refit must drop weights and re-enter
+    them. The device loop repairs those rounds and finishes without the host loop, with its picks. The
+    compiled rounds (two compilations: before and after the first drop, about 40 s each with an empty cache)
+    repair as the eager ones do."""
+    features, val, dom, host = _drop_instance()
+    device = _select(features, val, dom, 20, loop)
+    assert device.info["device_loop_fallback"] == 0
+    assert device.indices.tolist() == host.indices.tolist()
+    assert device.info["weight_drops"] == host.info["weight_drops"] > 0
+    torch.testing.assert_close(device.weights, host.weights, rtol=1e-9, atol=1e-9 * float(host.weights.abs().max()))
+
+
+def test_a_round_the_host_loop_refits_hands_over_to_it():
+    """float32 with more picks than feature dimensions: the host loop promotes to float64 (a refit), which the
+    device loop leaves to it: the selection is then the host loop's own."""
+    for seed in range(20):
+        features, val, dom = make_instance(seed, 40, dim=8, dtype=torch.float32)
+        host = _select(features, val, dom, 20, "host")
+        if host.info["slow_refits"] > 0:
+            device = _select(features, val, dom, 20, "device")
+            assert device.info["device_loop_fallback"] == 1
+            assert device.indices.tolist() == host.indices.tolist() and torch.equal(device.weights, host.weights)
+            return
+    pytest.fail("no instance refitted")
+
+
+def _device_solve(features, val, dom, kappa, **kw):
+    gram, mu, _ = build_objective(features, val, ETA)
+    caps = torch.tensor([kappa // 2] * 3)
+    return omp_exact_on_device(gram, mu, dom, caps, kappa, 1e-6, default_grad_tol(mu), **kw)
+
+
+def test_a_frozen_round_changes_nothing_until_its_repair():
+    """A round that needs a repair freezes the state for the rest of its batch: however many rounds run between
+    two reads (1, 3, 7 or all 20), the solve is the same bit for bit, and it reads once a batch and once a
+    step of each repair."""
+    features, val, dom, _ = _drop_instance()
+    base = _device_solve(features, val, dom, 20, rounds_per_read=1)
+    assert base.clean and base.drops > 0 and base.reentries > 0
+    for batch in (3, 7, 20):
+        other = _device_solve(features, val, dom, 20, rounds_per_read=batch)
+        assert other.clean and (other.drops, other.reentries) == (base.drops, base.reentries)
+        assert torch.equal(other.sel_K, base.sel_K) and torch.equal(other.v_K, base.v_K) and torch.equal(other.phi, base.phi)
+        assert other.reads < base.reads, (batch, other.reads, base.reads)
+
+
+def test_the_rounds_read_the_device_once_a_batch():
+    """On a CUDA run every tensor here lives on the device: the emulated audit counts one read for up to
+    `ROUNDS_PER_READ` rounds without a repair, and one a batch below that."""
     features, val, dom = make_instance(3, 64, dim=64)
     gram, mu, _ = build_objective(features, val, ETA)
     caps = torch.tensor([8, 8, 8])
     grad_tol = default_grad_tol(mu)
-    with SyncAudit([gram, mu, dom, caps, grad_tol]) as audit:
-        res = omp_exact_on_device(gram, mu, dom, caps, 16, 1e-6, grad_tol)
-    assert not audit.events and not audit.other, audit.events or audit.other
-    assert bool(res.clean)
     host_sel, _, _, _ = omp_select(gram, mu, dom, caps, 16, ridge_abs=1e-6)
-    assert res.sel_K.tolist() == host_sel.tolist()
+    for per_read, reads in ((ROUNDS_PER_READ, 1), (4, 4), (5, 4)):
+        with SyncAudit([gram, mu, dom, caps, grad_tol]) as audit:
+            res = omp_exact_on_device(gram, mu, dom, caps, 16, 1e-6, grad_tol, rounds_per_read=per_read)
+        syncs = sum(n for (kind, _s, _c), n in audit.events.items() if kind == "sync")
+        assert syncs == res.reads == reads and not audit.other, (per_read, audit.events, audit.other)
+        assert res.clean and res.drops == 0
+        assert res.sel_K.tolist() == host_sel.tolist()
+    with pytest.raises(ValueError, match="rounds_per_read must be at least 1, got 0"):
+        omp_exact_on_device(gram, mu, dom, caps, 16, 1e-6, grad_tol, rounds_per_read=0)
 
 
 def test_the_host_loop_is_the_default_until_a_gpu_run_says_otherwise():
@@ -139,15 +192,14 @@ def test_the_cuda_graph_rounds_are_refused_off_cuda():
 def test_the_compiled_rounds_pick_what_the_eager_rounds_pick():
     """`solver_loop: device_compiled` (issue 31.3): each round compiled as one graph, the eager rounds' picks.
 
-    Well-posed pools (features of more dimensions than picks; static shapes, so two shapes and two
-    compilations; float32, the features' dtype on a GPU): the same picks, the weights up to rounding. A pool
-    of 8-dimensional features where kappa is 20 picks among near-ties once the 8 dimensions are spent (the
-    ridge decides), where a fused reduction's rounding may pick another; there
-    `test_a_round_that_drops_a_weight_hands_over_to_the_host_loop` asks only that a round needing a drop
-    hands over as the eager rounds do, and that the selection is then the host loop's.
+    Well-posed pools (features of more dimensions than picks; static shapes, so two shapes, each compiled
+    before and after its first drop; float32, the features' dtype on a GPU): the same picks, the same repairs,
+    the weights up to rounding. (A pool of 8-dimensional features where kappa is 20 picks among near-ties once
+    the 8 dimensions are spent, where a fused reduction's rounding may pick another: there
+    `test_a_round_that_drops_a_weight_is_repaired_on_the_device` asks for the host loop's picks in float64.)
     """
     torch._dynamo.reset()
-    seen = {True: 0, False: 0}
+    seen = {"common": 0, "repaired": 0}
     for seed in range(4):
         for n, dim, kappa in ((64, 64, 16), (96, 128, 32)):
             features, val, dom = make_instance(seed, n, dim=dim, dtype=torch.float32)
@@ -155,17 +207,16 @@ def test_the_compiled_rounds_pick_what_the_eager_rounds_pick():
             caps, grad_tol = torch.tensor([kappa // 2] * 3), default_grad_tol(mu)
             eager = omp_exact_on_device(gram, mu, dom, caps, kappa, 1e-6, grad_tol)
             compiled = omp_exact_on_device(gram, mu, dom, caps, kappa, 1e-6, grad_tol, compile=True)
-            # A round that needs a drop is flagged by both (the host loop then decides); else the same picks.
-            assert bool(compiled.clean) == bool(eager.clean), (seed, n)
-            seen[bool(eager.clean)] += 1
+            assert compiled.clean and eager.clean, (seed, n)
+            assert (compiled.drops, compiled.reentries) == (eager.drops, eager.reentries), (seed, n)
+            seen["repaired" if eager.drops else "common"] += 1
+            assert compiled.sel_K.tolist() == eager.sel_K.tolist(), (seed, n)
+            tol = 2e-4
+            torch.testing.assert_close(compiled.v_K, eager.v_K, rtol=tol, atol=tol * float(eager.v_K.abs().max()))
             via, plain = (_select(features, val, dom, kappa, loop) for loop in ("device_compiled", "device"))
             assert via.indices.tolist() == plain.indices.tolist()
-            assert via.info["device_loop_fallback"] == plain.info["device_loop_fallback"]
-            if bool(eager.clean):
-                assert compiled.sel_K.tolist() == eager.sel_K.tolist(), (seed, n)
-                tol = 2e-4
-                torch.testing.assert_close(compiled.v_K, eager.v_K, rtol=tol, atol=tol * float(eager.v_K.abs().max()))
-    assert seen[True] and seen[False]  # both paths ran (the drop instance: the hand-over test's device_compiled case)
+            assert via.info["device_loop_fallback"] == plain.info["device_loop_fallback"] == 0
+    assert seen["common"] and seen["repaired"], seen  # both paths ran
 
 
 @pytest.mark.timeout(160)  # one compilation: about 40 s with an empty cache

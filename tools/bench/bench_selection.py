@@ -5,8 +5,9 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
 (n=256, kappa=64, C=8, D=1024) and (n=2048, kappa=512, C=8, D=4096). Variants:
 
 - ``exact``: the default refit (incremental active-set NNLS), its rounds decided on the host;
-- ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds, about
-  twice the ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed), with
+- ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds, one read
+  every 64 rounds, a few more for each round repaired with a Lawson-Hanson drop; about twice the
+  ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed), with
   ``--compiled`` ``exact, compiled rounds`` with ``solver_loop: device_compiled`` (each round
   compiled into a few fused kernels; the count is printed from inductor's code) and ``exact, on
   the CPU`` with ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there); which is fastest on a
@@ -249,7 +250,9 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
     fallback = int(res_dv.info.get("device_loop_fallback", 0))
     print(
         f"  device loop / host loop {w_dv / w_ex:6.2f}x wall, {c_dv / c_ex:6.2f}x cpu; the same picks: {same};"
-        f" handed over to the host loop: {bool(fallback)}"
+        f" handed over to the host loop: {bool(fallback)}; repaired on the device:"
+        f" {0 if fallback else int(res_dv.info['weight_drops'])} drops, {0 if fallback else int(res_dv.info['weight_reentries'])}"
+        f" re-entries (the host loop: {int(res_ex.info['weight_drops'])}, {int(res_ex.info['weight_reentries'])})"
     )
     if args.compiled:
         print(

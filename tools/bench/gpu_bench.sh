@@ -22,7 +22,9 @@
 #   2 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
 #             ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms): host loop,
 #             device loop (eager rounds, one CUDA graph), compiled rounds (solver_loop: device_compiled,
-#             Triton kernels in the graph; its kernels a round counted; not yet run on a GPU), cpu
+#             Triton kernels in the graph; its kernels a round counted; not yet run on a GPU), cpu. Seed 0
+#             drops weights: the device loops repair those rounds on the device (a read every 64 rounds
+#             and a few a repair) where they handed the solve to the host loop before; seed 1 drops none
 #   3 tests   pytest -m gpu tests/gpu but the bench's own test: features, solver (the CUDA-graph rounds
 #             bit for bit), trainer, and a selection step's host syncs counted by torch
 #             (set_sync_debug_mode) for every strategy against the CPU emulation's budget
