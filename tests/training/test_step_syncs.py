@@ -58,6 +58,12 @@ def test_one_selection_step_syncs_at_most_its_budget(strategy, dolma_shards, tmp
         assert counts["kernels"] == 0 and counts["sync"] == 0, report
     else:
         assert counts["sync"] >= 1 and counts["kernels"] > 0, report  # the selection reaches the host once
+    # The reads in order, each with the work dispatched before it: one entry a read, the counts growing.
+    timeline = counts["timeline"]
+    assert len(timeline) == counts["sync"] + counts["h2d"], report
+    assert all(0 <= a[0] <= b[0] <= counts["ops"] and 0 <= a[1] <= b[1] <= counts["kernels"]
+               for a, b in zip(timeline, timeline[1:] + [(counts["ops"], counts["kernels"])])), timeline
+    assert ("first host read after" in report) == bool(timeline)
 
 
 @pytest.mark.parametrize("loop", ["device", "cpu"])
@@ -68,6 +74,28 @@ def test_the_device_and_cpu_loops_read_the_device_twice_a_step(loop, dolma_shard
                                        f"algorithms.data_selection.strategy_options.partitionsel.solver_loop={loop}")
     assert counts["mixed"] == 0, report
     assert counts["sync"] + counts["h2d"] <= 2, report
+
+
+def test_the_audit_says_what_was_dispatched_before_each_read():
+    """A read right after some device work reports that work's ops: the host work before the first read can overlap
+    the GPU's, the rest waits for it."""
+    from step_audit import OpCount
+
+    from composer_algos.selection import types
+
+    dev = torch.arange(6.0, dtype=torch.float64)
+    audit = SyncAudit([dev])
+    ops = OpCount(on_device=lambda: audit.device_call)
+    audit.clock = lambda: (ops.ops, ops.kernels)
+    with ops, audit:
+        y = (dev * 2 + 1).cumsum(0)  # device work (from this file: counted, but its reads would not be the project's)
+        before = (ops.ops, ops.kernels)
+        types.host_values([y])  # the project's read of a float64 vector: nothing to convert first
+        z = y * 3
+        types.host_values([z])
+    assert before[0] >= 3 and before[1] >= 3
+    assert [entry[:3] for entry in audit.timeline] == [(*before, "sync"), (before[0] + 1, before[1] + 1, "sync")]
+    assert all(entry[3].startswith("composer_algos/selection/types.py") for entry in audit.timeline)
 
 
 def _audit(fn, device_tensors):

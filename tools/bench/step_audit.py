@@ -64,7 +64,7 @@ _HERE = str(Path(__file__).resolve())
 
 __all__ = [
     "OpCount", "StepAuditor", "StepCounts", "SyncAudit", "cuda_sync_count", "device_tensors_of", "format_counts",
-    "format_op_sites", "op_site",
+    "first_read", "format_op_sites", "op_site",
 ]
 
 # Reading a device tensor's value on the host.
@@ -165,6 +165,8 @@ class SyncAudit(TorchFunctionMode):
     Attributes:
         events: Counter of `(kind, site, call)`; kind `sync`, `h2d` or `mixed`.
         other: the same for calls made outside the project's code (transformers, Composer).
+        timeline: the project's syncs in order, each `(ops, launches, kind, site, call)` with the aten ops and
+            launches dispatched before it, when `clock` (set by `StepAuditor`) gives those counts.
     """
 
     def __init__(self, device_tensors: Iterable[torch.Tensor] = (), pause: Callable[[bool], None] | None = None) -> None:
@@ -176,6 +178,8 @@ class SyncAudit(TorchFunctionMode):
         self.device_call = False
         self.events: collections.Counter = collections.Counter()
         self.other: collections.Counter = collections.Counter()
+        self.timeline: list[tuple[int, int, str, str, str]] = []
+        self.clock: Callable[[], tuple[int, int]] | None = None
         for t in device_tensors:
             self._mark(t)
 
@@ -218,6 +222,7 @@ class SyncAudit(TorchFunctionMode):
         dev_in = [self.on_device(t) for t in tensors]
         kind, result_side = self._classify(name, func, args, kwargs, tensors, dev_in)
         outer, self.device_call = self.device_call, bool(any(dev_in) if result_side is None else result_side)
+        before = self.clock() if kind in ("sync", "h2d") and self.clock is not None else None
         try:
             out = func(*args, **kwargs)
         finally:
@@ -228,6 +233,8 @@ class SyncAudit(TorchFunctionMode):
             # inside torch.vmap, as transformers' masks are, is not seen being made), not a finding.
             if project or kind != "mixed":
                 (self.events if project else self.other)[(kind, site, name)] += 1
+            if project and before is not None:
+                self.timeline.append((*before, kind, site, name))
         return self._settle(name, args, out, any(dev_in), result_side)
 
     def _classify(self, name, func, args, kwargs, tensors, dev_in) -> tuple[str | None, bool | None]:
@@ -441,7 +448,9 @@ def device_tensors_of(model: torch.nn.Module, optimizers: Iterable[torch.optim.O
 
 class StepCounts(dict):
     """`ops` (aten ops), `kernels` (launches among them), `sync`, `h2d`, `mixed` of one step, with `sites` and `how`
-    (and `op_sites`, `[ops, kernels]` per `op_site`, when the auditor attributes ops)."""
+    (and `op_sites`, `[ops, kernels]` per `op_site`, when the auditor attributes ops), and `timeline`: the
+    project's syncs in order, each `(ops, launches, kind, site, call)` with what was dispatched before it. The
+    host work before the first read can overlap the GPU's earlier work; what follows it waits for the GPU."""
 
 
 class StepAuditor:
@@ -466,6 +475,7 @@ class StepAuditor:
         self._counting = False
         self._cuda_events: collections.Counter = collections.Counter()
         self._cuda_other: collections.Counter = collections.Counter()
+        self._cuda_timeline: list[tuple[int, int, str, str, str]] = []
         algo = find_data_selection(trainer.state)
         if algo is None:
             raise ValueError("the trainer has no DataSelection algorithm")
@@ -499,11 +509,15 @@ class StepAuditor:
                 if self._audit is not None:
                     self._audit.events.clear()
                     self._audit.other.clear()
+                    self._audit.timeline.clear()
+                    ops = self._ops
+                    self._audit.clock = lambda: (ops.ops, ops.kernels)
                 else:
                     # torch warns inside the op that syncs: the Python stack then shows who called it.
                     stack.enter_context(warnings.catch_warnings())
                     warnings.simplefilter("always")
                     self._cuda_events, self._cuda_other = collections.Counter(), collections.Counter()
+                    self._cuda_timeline = []
                     show = warnings.showwarning
 
                     def record(message, category, filename, lineno, file=None, line=None):
@@ -511,6 +525,8 @@ class StepAuditor:
                             return show(message, category, filename, lineno, file, line)
                         site, project = _call_site()
                         (self._cuda_events if project else self._cuda_other)[("sync", site, "cuda")] += 1
+                        if project and self._ops is not None:
+                            self._cuda_timeline.append((self._ops.ops, self._ops.kernels, "sync", site, "cuda"))
 
                     warnings.showwarning = record
                     torch.cuda.set_sync_debug_mode("warn")
@@ -530,12 +546,16 @@ class StepAuditor:
         assert ops is not None, "the batch ran no selection step"
         if self._audit is not None:
             events, other, how = collections.Counter(self._audit.events), collections.Counter(self._audit.other), "emulated"
+            timeline = list(self._audit.timeline)
+            self._audit.clock = None
         else:
-            events, other, how = self._cuda_events, self._cuda_other, "cuda"
+            events, other, how, timeline = self._cuda_events, self._cuda_other, "cuda", self._cuda_timeline
         counts = StepCounts(ops=ops.ops, kernels=ops.kernels, sync=0, h2d=0, mixed=0)
         for (kind, _site, _call), n in events.items():
             counts[kind] += n
-        counts.update(sites=events, other=other, by_name=ops.by_name, how=how, op_sites=dict(ops.by_site or {}))
+        counts.update(
+            sites=events, other=other, by_name=ops.by_name, how=how, op_sites=dict(ops.by_site or {}), timeline=timeline
+        )
         self._ops = None
         return counts
 
@@ -553,4 +573,20 @@ def format_counts(counts: StepCounts, top: int = 12) -> str:
     ]
     for (kind, site, call), n in counts["sites"].most_common(top):
         lines.append(f"  {n:4d} {kind:5} {call:18} {site}")
+    first = first_read(counts)
+    if first:
+        lines.append("  " + first)
     return "\n".join(lines)
+
+
+def first_read(counts: StepCounts) -> str:
+    """Where the step's first host read falls ("" without one): the host work before it can overlap the GPU's
+    earlier work, the rest waits for the GPU."""
+    timeline = counts.get("timeline") or []
+    if not timeline:
+        return ""
+    ops, kernels, kind, site, call = timeline[0]
+    return (
+        f"first host read after {ops} of {counts['ops']} aten ops ({kernels} of {counts['kernels']} launches):"
+        f" {kind} {call} {site}"
+    )

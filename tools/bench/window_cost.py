@@ -288,7 +288,7 @@ def step_counts_while_warming_up(
     `op_sites` > 0 each arm's counted ops are also filed by who dispatched them, and the top
     `op_sites` sites are logged.
     """
-    from step_audit import StepAuditor, format_op_sites
+    from step_audit import StepAuditor, first_read, format_op_sites
 
     auditors = {key: StepAuditor(trainer, attribute_ops=op_sites > 0) for key, (trainer, _timer) in runs.items()}
     counts: dict[str, tuple[int, int, int]] = {}
@@ -300,6 +300,7 @@ def step_counts_while_warming_up(
                 counts[key] = (c["ops"], c["kernels"], c["sync"] + c["h2d"])
                 if op_sites > 0:
                     log(f"  {key}: one selection step's aten ops by site\n" + format_op_sites(c["op_sites"], op_sites))
+                    log(f"  {key}: {first_read(c) or 'no host read in the selection step'}")
             else:
                 trainer.fit(duration="1ba")
     return counts
