@@ -26,7 +26,7 @@ The arithmetic of a round is the host loop's (the same products over every slot:
 which may decide among near-ties (tests/selection/test_active_set_device.py compares them). Every
 round has the same shapes and no host read, and updates its state in place: on CUDA (from
 `GRAPH_MIN_ROUNDS` picks) the first round runs eagerly, the second is recorded as a CUDA graph and the
-rest replay it, one launch a round instead of about 50 (issue 31.3's 10 ms at n = 2048, kappa = 512
+rest replay it, one launch a round instead of about 60 (issue 31.3's 10 ms at n = 2048, kappa = 512
 needs that, and the round's kernels fused, `compile`; on an H200 the graphed rounds equal the eager ones
 bit for bit, docs/results/bench_gpu.md). After a repair the rounds also check the elements at weight
 zero (one reduction more), recorded as a second graph.
@@ -42,7 +42,7 @@ import torch
 __all__ = ["GRAPH_MIN_ROUNDS", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
 
 # From this many rounds the CUDA rounds are recorded once as a CUDA graph and replayed: recording costs
-# about what a few eager rounds launch, and every replayed round saves about 50 launches.
+# about what a few eager rounds launch, and every replayed round saves about 60 launches.
 GRAPH_MIN_ROUNDS = 16
 # Rounds between two host reads: a round frozen for a repair wastes at most this many rounds of device
 # work, and a solve without one reads ceil(k / ROUNDS_PER_READ) times (once at the recipes' 8 picks a rank).
@@ -128,10 +128,10 @@ def omp_exact_on_device(
         ridge_abs: the absolute ridge (a float, or a device scalar to avoid reading it).
         grad_tol: 0-dim tensor; gradients at or below it count as zero.
         graph: run the rounds as a CUDA graph replayed after an eager first round (`_Rounds`: one
-            launch a round instead of about 50); None: on CUDA from `GRAPH_MIN_ROUNDS` rounds. The same
+            launch a round instead of about 60); None: on CUDA from `GRAPH_MIN_ROUNDS` rounds. The same
             kernels as the eager rounds, so the same result.
         compile: run each round as `_round` compiled (`torch.compile`, one graph, static shapes): the
-            same arithmetic in a few fused kernels instead of about 50 ops (the picks are the eager
+            same arithmetic in a few fused kernels instead of about 60 ops (the picks are the eager
             rounds' but among near-ties, and the weights may differ in the last bits: fused
             reductions round in their own order). Dynamo compiles at most 8 shapes of the round
             per process (its recompile limit); past that the rounds run eagerly. With `graph`, the
@@ -325,7 +325,7 @@ def _round(
 
 @functools.cache
 def _compiled_round():
-    """`_round` compiled as one graph (`solver_loop: device_compiled`): its ~50 ops become a few fused
+    """`_round` compiled as one graph (`solver_loop: device_compiled`): its ~60 ops become a few fused
     kernels around the two products (on a CPU, 2 fused loops and the GEMM; the CUDA count is gpu_bench's).
     Static shapes: one compilation per pool size, kappa, dtype and `kkt`, which a run keeps fixed."""
     # On a CPU, one thread: a round's loops are a few thousand elements, and OpenMP's barriers between them

@@ -86,12 +86,12 @@ class PartitionSelOptions:
             on a full Gram, no ``refine``): no sync in the rounds, one read every 64 rounds and at the
             end; a round that needs a Lawson-Hanson drop or a KKT re-entry is repaired with reads
             of its own, one that needs a slow refit or a float64 promotion sets a flag and the host
-            loop then runs from the start; about 50 launches a pick. On an H200 at n = 2048,
+            loop then runs from the start; about 60 launches a pick. On an H200 at n = 2048,
             kappa = 512, before the repairs: host 122 ms, device 168 ms (a drop handed it back), cpu
             86 ms, the same picks (docs/results/bench_gpu.md); the default stays the host loop until the
             recipes' shape tells them apart. ``"device_compiled"``: the device loop with each round
             compiled (``torch.compile``, static shapes, one compilation per pool size and kappa): the
-            same picks but among near-ties, in a few fused kernels a round instead of about 45 (on
+            same picks but among near-ties, in a few fused kernels a round instead of about 60 (on
             CUDA still recorded as one CUDA graph); not yet timed on a GPU
             (``tools/bench/bench_selection.py --compiled``: "exact, compiled rounds"). Other settings than
             those named always use the host loop.
