@@ -338,9 +338,9 @@ class _Rounds:
     """Runs batches of rounds of one variant (`kkt` or not), eagerly or as a CUDA graph per variant.
 
     As a graph: the variant's first round runs eagerly on a side stream (the warm-up capture needs, which
-    also initialises the libraries' handles and compiles), then it is recorded (recording runs nothing)
-    and replayed once a round. Every tensor the round writes is allocated before, so replays update them,
-    and `_repair` writes the same tensors in place.
+    also initialises the libraries' handles and compiles), then, if a round is left to run, it is recorded
+    (recording runs nothing) and replayed once a round. Every tensor the round writes is allocated before,
+    so replays update them, and `_repair` writes the same tensors in place.
     """
 
     def __init__(self, st: _State, tols: tuple[float, float], *, compiled: bool, graph: bool) -> None:
@@ -357,17 +357,42 @@ class _Rounds:
             return
         g = self._graphs.get(kkt)
         if g is None and count > 0:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._round(kkt)
-            torch.cuda.current_stream().wait_stream(side)
+            _on_side_stream(lambda: self._round(kkt))
             count -= 1
-            g = self._graphs[kkt] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._round(kkt)
+            if count == 0:
+                return  # nothing to replay yet: record when a batch needs it
+            g = self._graphs[kkt] = _recorded(lambda: self._round(kkt))
         for _ in range(count):
             g.replay()
+
+
+def _on_side_stream(fn) -> None:
+    """``fn()`` on a side stream ordered after the current stream's work, and the current stream after it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def _recorded(fn) -> torch.cuda.CUDAGraph:
+    """``fn``'s kernels recorded as a CUDA graph (nothing runs), on a side stream as capture requires.
+
+    `CUDAGraph.capture_begin`/`capture_end` rather than the `torch.cuda.graph` context: its entry
+    synchronizes, runs `gc.collect()` and empties the caching allocator, and a solve records a graph at
+    every selection step, so a training run would hand its cached blocks back to CUDA each step.
+    """
+    g = torch.cuda.CUDAGraph()
+
+    def capture() -> None:
+        g.capture_begin()
+        try:
+            fn()
+        finally:
+            g.capture_end()
+
+    _on_side_stream(capture)
+    return g
 
 
 @dataclass
