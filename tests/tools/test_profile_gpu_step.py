@@ -21,3 +21,43 @@ def test_smoke_profiles_three_arms_with_stage_tables_and_traces(tmp_path, capsys
 def test_steps_below_one_are_refused():
     with pytest.raises(SystemExit):
         profile_gpu_step.main(["--smoke", "--steps", "0"])
+
+
+def _event(name, start_us, end_us, device="CPU"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        name=name, device_type=SimpleNamespace(name=device), time_range=SimpleNamespace(start=start_us, end=end_us)
+    )
+
+
+def test_gpu_occupancy_is_the_union_of_device_intervals_within_each_host_range():
+    """Hand-computed: the selection's host range [0, 100] ms holds kernels [10, 30] and [20, 40] (overlapping: 30 ms
+    busy) and the start of [90, 120] (10 ms); the training's [100, 200] holds the rest of it (20 ms) and [130, 200]
+    (70 ms); a kernel after the step counts for no stage. Two steps: the second selection adds 50 ms of host time,
+    all of it idle."""
+    from profile_step import format_occupancy, gpu_busy_by_stage
+
+    ms = 1000.0
+    events = [
+        _event("step", 0, 200 * ms), _event("selection", 0, 100 * ms), _event("train", 100 * ms, 200 * ms),
+        _event("selection", 300 * ms, 350 * ms), _event("aten::mm", 0, 5 * ms),
+        *(_event("kernel", a * ms, b * ms, "CUDA") for a, b in ((10, 30), (20, 40), (90, 120), (130, 200), (400, 410))),
+    ]
+    busy = gpu_busy_by_stage(events)
+    assert busy == {"step": (200 * ms, 130 * ms), "selection": (150 * ms, 40 * ms), "train": (100 * ms, 90 * ms)}
+    table = format_occupancy(busy, steps=2).splitlines()
+    assert table[2].split() == ["selection", "75.0", "20.0", "55.0", "73.3"]  # a step: 75 ms of host, 20 busy
+    assert [line.split()[0] for line in table[1:]] == ["step", "selection", "train"]
+
+
+def test_gpu_occupancy_of_a_cpu_profile_is_zero():
+    import torch
+    from profile_step import gpu_busy_by_stage
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("selection"):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+    busy = gpu_busy_by_stage(prof.events())
+    assert set(busy) == {"selection"} and busy["selection"][0] > 0 and busy["selection"][1] == 0.0

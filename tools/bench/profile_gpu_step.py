@@ -10,7 +10,9 @@ random, partitionsel with 64-token windows at random positions (eager scoring pa
 workers in all three.
 For each: wall milliseconds a step under the profiler, the GPU time and count of its kernels, the
 stage table of `tools/bench/profile_step.py` (host milliseconds a step: selection, features, solve, train,
-the rest), and for the partitionsel arms the busiest ops by host and by GPU time and the host reads
+the rest), on CUDA how long the GPU was busy and idle within the host ranges of the step, the selection,
+its features and solve, and the training (is the selection's host work hidden behind GPU work?), and
+for the partitionsel arms the busiest ops by host and by GPU time and the host reads
 (`aten::item`, stream synchronisations). docs/results/bench_gpu.md quotes an H200 run of its first
 form (no loader workers).
 """
@@ -107,6 +109,8 @@ def _print_profile(name: str, prof, wall: float, steps: int, cuda: bool) -> None
         print(f"GPU: {sum(e.device_time for e in kernels) / 1000 / steps:.1f} ms of device events a step, "
               f"{len(kernels) / steps:.0f} events a step")
     print(ps.format_stages(ps._stage_totals(prof.events()), steps))
+    if cuda:  # how long the GPU idled while each stage's host work ran (docs/results/bench_gpu.md: Composer drains it)
+        print(ps.format_occupancy(ps.gpu_busy_by_stage(prof.events()), steps))
     if name != "random":
         averages = prof.key_averages()
         print(averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))

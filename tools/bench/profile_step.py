@@ -275,6 +275,51 @@ def _stage_totals(events) -> dict[str, float]:
     return dict(totals)
 
 
+# The stages whose GPU occupancy `gpu_busy_by_stage` reports: the selection and its two costly parts, the
+# training (forward, backward, optimizer) and the whole step.
+OCCUPANCY_STAGES = ("step", "selection", "selection/features", "selection/solve", "train")
+
+
+def gpu_busy_by_stage(events, stages=OCCUPANCY_STAGES) -> dict[str, tuple[float, float]]:
+    """``{stage: (host us, GPU-busy us)}`` summed over the stage's ranges: the time, within each range's host
+    interval, during which at least one device event (a kernel, a copy, whoever launched it) was running.
+
+    A stage whose host time is far above its GPU-busy time left the GPU idle: its host work is not hidden
+    behind earlier GPU work. `events` are the profiler's (`prof.events()`): host ranges by name, device events
+    by `device_type` CUDA; kineto puts both on the host clock.
+    """
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    )
+    merged: list[list[float]] = []
+    for start, end in kernels:  # the union of the device intervals, in order
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    out: dict[str, tuple[float, float]] = {}
+    for e in events:
+        if e.name not in stages or e.device_type.name == "CUDA":
+            continue
+        lo, hi = e.time_range.start, e.time_range.end
+        busy = sum(max(0.0, min(hi, end) - max(lo, start)) for start, end in merged if start < hi and end > lo)
+        host, busy_total = out.get(e.name, (0.0, 0.0))
+        out[e.name] = (host + hi - lo, busy_total + busy)
+    return out
+
+
+def format_occupancy(busy: dict[str, tuple[float, float]], steps: int) -> str:
+    """The occupancy table: per stage, host ms a step, GPU-busy ms a step within it, and the idle share."""
+    lines = [f"{'stage (host range)':24s} {'host ms':>9s} {'GPU busy':>9s} {'GPU idle':>9s} {'idle %':>7s}"]
+    for name in OCCUPANCY_STAGES:
+        if name not in busy:
+            continue
+        host, gpu = (x / steps / 1000 for x in busy[name])
+        idle = 100 * (host - gpu) / host if host else float("nan")
+        lines.append(f"{name:24s} {host:9.1f} {gpu:9.1f} {host - gpu:9.1f} {idle:7.1f}")
+    return "\n".join(lines)
+
+
 def _uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
