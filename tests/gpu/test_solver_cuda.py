@@ -104,3 +104,36 @@ def test_the_compiled_rounds_replayed_as_a_cuda_graph_pick_what_the_eager_rounds
     if eager.clean:
         assert torch.equal(compiled.sel_K, eager.sel_K)
         torch.testing.assert_close(compiled.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_features_raise_on_cuda(cuda, name, bad_value):
+    """The finiteness checks are inf-norms (`amax` of `abs`), which rely on CUDA's `amax` propagating NaN as the CPU's
+    does: a NaN or an infinity in one feature must still be caught on the device (tested on the CPU only before)."""
+    features, val_feature, dom = make_instance(0, 10)
+    features[3, 5] = bad_value
+    with pytest.raises(ValueError, match="non-finite"):
+        STRATEGIES[name].fn(features=features.to(cuda), val_feature=val_feature.to(cuda), domain_ids=dom.to(cuda),
+                            num_domains=3, kappa=3, eta=0.1, generator=None)
+
+
+def test_deferred_finiteness_checks_name_the_broken_tensor_on_cuda(cuda):
+    """The selection step's deferred form: the checks packed on the device, read once, judged on the host."""
+    from composer_algos.selection.types import (
+        DeferredChecks,
+        SelectionNumericsError,
+        check_finite,
+        deferring_checks,
+        host_values,
+    )
+
+    fine = torch.randn(5, device=cuda)
+    for bad_value in (float("nan"), float("inf"), float("-inf")):
+        broken = torch.randn(3, 4, device=cuda)
+        broken[1, 2] = bad_value
+        checks = DeferredChecks()
+        with deferring_checks(checks):
+            check_finite("s", fine=fine, broken=broken, ids=torch.arange(3, device=cuda))
+        with pytest.raises(SelectionNumericsError, match=r"\['broken'\]"):
+            checks.judge([v for part in host_values(checks.packed()) for v in part])
