@@ -128,14 +128,9 @@ def take_windows(batch: Mapping[str, torch.Tensor], t: int, starts_n: torch.Tens
 
 def _with_defaults(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A new dict of the batch with its labels filled in; a missing mask (no padding) stays missing."""
-    labels = batch.get("labels")
-    mask = batch.get("attention_mask")
-    if labels is None:
-        mask, labels = mask_and_labels(batch)
-    out = dict(batch)
-    out.update({"input_ids": batch["input_ids"], "labels": labels})
-    if batch.get("attention_mask") is not None:
-        out["attention_mask"] = mask
+    out = dict(batch)  # the mask, when there is one, as it is
+    if out.get("labels") is None:
+        out["labels"] = mask_and_labels(batch)[1]
     return out
 
 

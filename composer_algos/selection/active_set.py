@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from typing import NamedTuple
 
 import torch
 
@@ -22,8 +23,46 @@ from composer_algos.selection.types import SelectionNumericsError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ActiveSetState"]
+__all__ = ["ActiveSetState", "LawsonHansonDrop", "first_to_zero", "drop_slot"]
 
+
+
+class LawsonHansonDrop(NamedTuple):
+    """A Lawson–Hanson step to the first weight that reaches zero (`first_to_zero`)."""
+
+    alpha_1: torch.Tensor  # the step from x towards z, (1,)
+    p_1: torch.Tensor  # the slot whose weight reaches zero first, (1,)
+    p_col_W: torch.Tensor  # P's column p (a copy: P changes in `drop_slot`)
+    p_pp_1: torch.Tensor  # P_pp, (1,)
+    flags_3: torch.Tensor  # [any z < 0, p, P_pp] in x's dtype: what the host reads to decide
+
+
+def first_to_zero(p_WW: torch.Tensor, x_W: torch.Tensor, z_W: torch.Tensor) -> LawsonHansonDrop:
+    """From the feasible ``x`` towards the unconstrained optimum ``z``: the first slot whose weight reaches zero.
+
+    Free slots hold ``x = z = 0`` exactly, so only active slots can have ``z < 0``; without one the
+    step is not taken (``flags_3[0]`` is 0).
+    """
+    neg_W = z_W < 0
+    ratio_W = torch.where(neg_W, x_W / (x_W - z_W).clamp_min(torch.finfo(x_W.dtype).tiny), float("inf"))
+    alpha_1, p_1 = torch.min(ratio_W, 0, keepdim=True)
+    p_col_W = p_WW.index_select(1, p_1).view(-1)
+    p_pp_1 = p_col_W.index_select(0, p_1)
+    flags_3 = torch.cat([neg_W.any().view(1).to(x_W.dtype), p_1.to(x_W.dtype), p_pp_1])
+    return LawsonHansonDrop(alpha_1, p_1, p_col_W, p_pp_1, flags_3)
+
+
+def drop_slot(p_WW: torch.Tensor, x_W: torch.Tensor, z_W: torch.Tensor, drop: LawsonHansonDrop, p: int, p_pp: float) -> None:
+    """Step ``x`` to the first zero, then drop slot ``p`` (``drop.p_1`` on the host, ``p_pp`` its ``P_pp`` read
+    there): ``z`` and ``P = (K_AA + ridge I)^{-1}`` become the optimum and the inverse on ``A - p``, with slot
+    ``p``'s row, column and weights zero."""
+    x_W.lerp_(z_W, drop.alpha_1.clamp(0.0, 1.0))
+    z_W.addcmul_(drop.p_col_W, z_W.index_select(0, drop.p_1) / drop.p_pp_1, value=-1.0)
+    p_WW.addr_(drop.p_col_W, drop.p_col_W, alpha=-1.0 / p_pp)
+    p_WW[p].zero_()
+    p_WW[:, p].zero_()
+    x_W[p] = 0.0
+    z_W[p] = 0.0
 
 class ActiveSetState:
     """Exact NNLS refit state that OMP grows one element at a time (Lawson–Hanson on a rank-one inverse).
@@ -369,27 +408,13 @@ class ActiveSetState:
     def _drop_until_positive(self, w: int) -> None:
         """Lawson–Hanson inner loop from the feasible ``v_M`` towards the unconstrained ``z_M``."""
         _, rows_NW, p_WW, _, _, x_W, z_W = self._views(w)
-        tiny = torch.finfo(x_W.dtype).tiny
-        inf = torch.full_like(x_W, float("inf"))
         for _ in range(w + 1):
-            # Free slots hold x = z = 0 exactly, so only active slots can have z < 0.
-            neg_W = z_W < 0
-            ratio_W = torch.where(neg_W, x_W / (x_W - z_W).clamp_min(tiny), inf)
-            alpha, p1 = torch.min(ratio_W, 0, keepdim=True)
-            p_col_W = p_WW.index_select(1, p1).view(-1)  # a copy: P changes below
-            p_pp = p_col_W.index_select(0, p1)
-            flags = torch.cat([neg_W.any().view(1).to(x_W.dtype), p1.to(x_W.dtype), p_pp]).tolist()
-            if flags[0] == 0:
+            drop = first_to_zero(p_WW, x_W, z_W)
+            any_neg, p, p_pp = drop.flags_3.tolist()
+            if not any_neg:
                 break
-            p, p_pp_f = int(flags[1]), flags[2]
-            # Step to the first zero, then drop slot p: the optimum and inverse on A - p.
-            x_W.lerp_(z_W, alpha.clamp(0.0, 1.0))
-            z_W.addcmul_(p_col_W, z_W.index_select(0, p1) / p_pp, value=-1.0)
-            p_WW.addr_(p_col_W, p_col_W, alpha=-1.0 / p_pp_f)
-            p_WW[p].zero_()
-            p_WW[:, p].zero_()
-            x_W[p] = 0.0
-            z_W[p] = 0.0
+            p = int(p)
+            drop_slot(p_WW, x_W, z_W, drop, p, p_pp)
             self._free_slot(p)
         else:
             log.warning("ActiveSetState: Lawson–Hanson inner loop did not settle; refitting from scratch")

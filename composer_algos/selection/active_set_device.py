@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from composer_algos.selection.active_set import drop_slot, first_to_zero
+
 __all__ = ["GRAPH_MIN_ROUNDS", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
 
 # From this many rounds the CUDA rounds are recorded once as a CUDA graph and replayed: recording costs
@@ -192,7 +194,7 @@ def _initial_state(
         ridge_1 = torch.full((1,), float(ridge_abs), dtype=dt, device=dev)  # a fill, not a copy from the host
     rem_C = capacities_C.to(dev, non_blocking=True).clone()  # capacities are often resolved on the host
     penalty_N = torch.zeros(n, dtype=dt, device=dev)
-    penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
+    _close_full_domains(penalty_N, rem_C, dom_N)
     return _State(
         gram_NN=gram_NN, diag_N=torch.diagonal(gram_NN), dom_N=dom_N, ridge_1=ridge_1,
         tol_1=grad_tol.to(dt).reshape(1), rows_MN=torch.zeros(m, n, dtype=dt, device=dev),
@@ -317,9 +319,21 @@ def _round(
     # A pick with a gradient at or below zero stays at weight 0 (for bools, a > b is a and not b).
     inactive_N.index_copy_(0, j_1, live_1 > positive)
     penalty_N.index_copy_(0, j_1, torch.where(live_1, float("-inf"), penalty_N.index_select(0, j_1)))
-    # j's domain loses one unit of capacity: a comparison with the domain ids, not a scatter (an int64
-    # scatter-add is not fused by inductor: on CUDA it falls back to a sorting index_put_ of ~10 kernels).
-    rem_C.sub_(((domains_C == dom_N.index_select(0, j_1)) & live_1).to(rem_C.dtype))
+    _spend_capacity(rem_C, domains_C, dom_N.index_select(0, j_1) == domains_C, live_1)
+    _close_full_domains(penalty_N, rem_C, dom_N)
+
+
+def _spend_capacity(rem_C: torch.Tensor, domains_C: torch.Tensor, of_pick_C: torch.Tensor, apply_1: torch.Tensor | None) -> None:
+    """The pick's domain (``of_pick_C``: True there) loses one unit of capacity, when ``apply_1`` (None: always).
+
+    A comparison with the domain ids, not a scatter: an int64 scatter-add is not fused by inductor (on CUDA it
+    falls back to a sorting index_put_ of ~10 kernels).
+    """
+    rem_C.sub_((of_pick_C if apply_1 is None else of_pick_C & apply_1).to(rem_C.dtype))
+
+
+def _close_full_domains(penalty_N: torch.Tensor, rem_C: torch.Tensor, dom_N: torch.Tensor) -> None:
+    """-inf in the penalty of every element whose domain has no capacity left."""
     penalty_N.masked_fill_(rem_C.index_select(0, dom_N) <= 0, float("-inf"))
 
 
@@ -418,15 +432,14 @@ def _repair(st: _State, mu_N: torch.Tensor, tols: tuple[float, float], h: int) -
     st.sel_K.index_copy_(0, st.r_1, j_1)
     st.r_1.add_(1)
     st.penalty_N.index_fill_(0, j_1, float("-inf"))
-    st.rem_C.sub_((st.domains_C == st.dom_N.index_select(0, j_1)).to(st.rem_C.dtype))
-    st.penalty_N.masked_fill_(st.rem_C.index_select(0, st.dom_N) <= 0, float("-inf"))
+    _spend_capacity(st.rem_C, st.domains_C, st.dom_N.index_select(0, j_1) == st.domains_C, None)
+    _close_full_domains(st.penalty_N, st.rem_C, st.dom_N)
     m = st.used_M.shape[0]
     used = [True] * h + [False] * (m - h)
     if not _enter_and_drop(st, mu_N, j_1, g_1, used, tols, out):
         return out
-    neg_inf = torch.full_like(st.grad_N, float("-inf"))
     for _ in range(3 * len(used) + 10):  # the host loop's cap
-        g_1, i_1 = torch.max(torch.where(st.inactive_N, st.grad_N, neg_inf), 0, keepdim=True)
+        g_1, i_1 = torch.max(torch.where(st.inactive_N, st.grad_N, float("-inf")), 0, keepdim=True)
         out.reads += 1
         if not bool(g_1 > st.tol_1):
             break
@@ -473,44 +486,35 @@ def _enter_and_drop(
     z_j = g_1 / schur_1
     z_M = torch.addcmul(st.v_M, qext_M, z_j, value=-1.0)
     grad_z_N = torch.addcmul(st.grad_N, t_N, z_j)
+    # Enter j at slot h before the read: a pivot the host loop would refit ends the device solve, whose
+    # state is then dropped.
+    st.p_MM.addr_(qext_M / schur_1, qext_M)
+    st.elem_M.index_copy_(0, st.h_1, j_1)
+    st.used_M.index_fill_(0, st.h_1, True)
+    used[h] = True
     x_M = st.v_M.clone()  # the feasible point Lawson-Hanson steps from, towards z
-    neg_M, alpha_1, p_1 = _first_to_zero(x_M, z_M)
+    drop = first_to_zero(st.p_MM, x_M, z_M)
     # One read: the pivot's tests and the first drop's (positions are exact as floats below 2^24).
-    schur_f, diag_f, any_neg, p = torch.cat(
-        [schur_1, st.diag_N.index_select(0, j_1), neg_M.any().view(1).to(z_M.dtype), p_1.to(z_M.dtype)]
-    ).tolist()
+    schur_f, diag_f, any_neg, p, p_pp = torch.cat([schur_1, st.diag_N.index_select(0, j_1), drop.flags_3]).tolist()
     out.reads += 1
     pivot_tol, promote_tol = tols
     if not schur_f > pivot_tol * diag_f or schur_f < promote_tol * diag_f:
         st.bad_1.fill_(True)
         out.ok = False
         return False
-    st.p_MM.addr_(qext_M / schur_1, qext_M)
-    st.elem_M.index_copy_(0, st.h_1, j_1)
-    st.used_M.index_fill_(0, st.h_1, True)
-    used[h] = True
     dropped = False
     for _ in range(m + 1):
         if not any_neg:
             break
         p = int(p)
-        # Step to the first zero, then drop slot p: the optimum and the inverse on A - p.
-        p_col_M = st.p_MM.index_select(1, p_1).view(m)  # a copy: P changes below
-        p_pp_1 = p_col_M.index_select(0, p_1)
-        x_M.lerp_(z_M, alpha_1.clamp(0.0, 1.0))
-        z_M.addcmul_(p_col_M, z_M.index_select(0, p_1) / p_pp_1, value=-1.0)
-        st.p_MM.addr_(p_col_M / p_pp_1, p_col_M, alpha=-1.0)
-        st.p_MM[p].zero_()
-        st.p_MM[:, p].zero_()
-        x_M[p] = 0.0
-        z_M[p] = 0.0
+        drop_slot(st.p_MM, x_M, z_M, drop, p, p_pp)  # the host loop's `_drop_until_positive` step
         st.used_M[p] = False
         used[p] = False
-        st.inactive_N.index_fill_(0, st.elem_M.index_select(0, p_1), True)
+        st.inactive_N.index_fill_(0, st.elem_M.index_select(0, drop.p_1), True)
         out.drops += 1
         dropped = True
-        neg_M, alpha_1, p_1 = _first_to_zero(x_M, z_M)
-        any_neg, p = torch.cat([neg_M.any().view(1).long(), p_1]).tolist()
+        drop = first_to_zero(st.p_MM, x_M, z_M)
+        any_neg, p, p_pp = drop.flags_3.tolist()
         out.reads += 1
     else:
         out.ok = False
@@ -522,11 +526,3 @@ def _enter_and_drop(
         st.grad_N.copy_(grad_z_N)
     return True
 
-
-def _first_to_zero(x_M: torch.Tensor, z_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(z < 0, alpha, p)``: the step from ``x`` towards ``z`` at which the first weight, slot ``p``, reaches zero
-    (free slots hold ``x = z = 0`` exactly, so only active slots can have ``z < 0``)."""
-    neg_M = z_M < 0
-    ratio_M = torch.where(neg_M, x_M / (x_M - z_M).clamp_min(torch.finfo(x_M.dtype).tiny), float("inf"))
-    alpha_1, p_1 = torch.min(ratio_M, 0, keepdim=True)
-    return neg_M, alpha_1, p_1
