@@ -9,6 +9,7 @@
 # .gpu/whl (git-ignored; `run` it along with `carry: [".gpu"]`): this script installs it into
 # /tmp/site and puts it first on PYTHONPATH. Without .gpu/whl it uses the python it finds.
 #
+# GPU_STEPS="1 2 3 5" runs only those steps (their first word: 1, 2, 2', 3, ...); all run without it.
 # Steps, each under its own timeout and within a global deadline (GPU_BUDGET_S, default 540 s),
 # each logged to $OUT; a failed step does not stop the next; ordered by what the acceptance needs first:
 #   1 step    bench_step.py: Llama-3.2-1B shape (random weights), S = 2048, 8 rows a step, r = 2,
@@ -31,7 +32,8 @@
 #   4 optim   bench_optimizer.py: Composer's DecoupledAdamW against torch's fused AdamW, the same
 #             update, on Llama-3.2-1B's 146 tensors
 #   5 profile profile_gpu_step.py: stage tables of random, partitionsel and compiled at step 1's shape,
-#             and their Chrome traces (where the GPU idles), gzipped under $OUT/traces
+#             and their Chrome traces (where the GPU idles), gzipped under $OUT/traces; dynamo's
+#             perf hints and recompiles logged (TORCH_LOGS): why compile_forward might not replay a graph
 #   6 features  bench_features.py: the scoring pass eager (feat_sketch) and compiled (feat_compiled;
 #             mode reduce-overhead): times, aten ops and kernel launches, llama1b_cpu's structure and small
 # Measured on an H200 (seconds): step 1 about 130, step 2 about 30 each before the compiled rounds (their
@@ -69,6 +71,10 @@ SUMMARY=()
 run_step() {  # NAME CAP_S LOGFILE CMD...
   local name=$1 cap=$2 log=$3 left t rc
   shift 3
+  if [ -n "${GPU_STEPS:-}" ] && [[ " $GPU_STEPS " != *" ${name%% *} "* ]]; then
+    echo "### $name: not among GPU_STEPS ($GPU_STEPS)" | tee -a "$OUT/$log"
+    SUMMARY+=("$name|not run|0"); return 0
+  fi
   left=$(( DEADLINE - $(date +%s) ))
   (( left < cap )) && cap=$left
   if (( cap < 20 )); then
@@ -98,7 +104,7 @@ run_step "2' solver, an instance without drops (seed 1)" 120 2_solver.log \
 run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 160 3_tests.log \
   "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu --deselect tests/gpu/test_bench_cuda.py
 run_step "4 optimizer (146 tensors)" 45 4_optimizer.log "$PY" tools/bench/bench_optimizer.py --device cuda
-run_step "5 profile (stage tables, host waits, traces)" 200 5_profile.log \
+TORCH_LOGS=perf_hints,recompiles run_step "5 profile (stage tables, host waits, traces)" 200 5_profile.log \
   "$PY" tools/bench/profile_gpu_step.py --steps 2 --trace-dir "$OUT/traces"
 gzip -q "$OUT"/traces/*.json 2>/dev/null
 run_step "6 features (compiled forward)" 180 6_features.log \
