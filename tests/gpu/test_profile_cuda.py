@@ -25,9 +25,16 @@ def test_gpu_occupancy_sees_a_ranges_kernels_and_an_idle_range_on_cuda(cuda):
             torch.cuda.synchronize()
         with record_function("selection"):
             time.sleep(0.05)
+        with record_function("selection/solve"):  # mirrored on the device from its first kernel to its last
+            a.add_(1.0)
+            time.sleep(0.05)
+            a.add_(1.0)
+            torch.cuda.synchronize()
     del c
     busy = gpu_busy_by_stage(prof.events())
     host_train, gpu_train = busy["train"]
     host_sel, gpu_sel = busy["selection"]
     assert gpu_train > 0.5 * host_train, busy
     assert gpu_sel < 0.1 * host_sel, busy
+    host_solve, gpu_solve = busy["selection/solve"]
+    assert gpu_solve < 0.1 * host_solve, busy  # two short kernels 50 ms apart: the gap is idle

@@ -70,8 +70,11 @@ def test_bench_selection_seed_picks_another_instance():
 
 
 @pytest.mark.timeout(400)  # --compiled compiles two shapes of the round: about 100 s here with an empty cache
-def test_bench_selection_quick_table():
-    proc = run_tool("bench/bench_selection.py", "--quick", "--threads", "1", "--compiled")
+def test_bench_selection_quick_table(tmp_path):
+    code = tmp_path / "round.py"
+    proc = run_tool(
+        "bench/bench_selection.py", "--quick", "--threads", "1", "--compiled", "--kernel-table", "--round-code", str(code)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "[small] n=256 kappa=64 C=8 D=1024" in out, out
@@ -92,6 +95,11 @@ def test_bench_selection_quick_table():
     assert 1 <= int(re.search(r"round: (\d+) kernels", kernels).group(1)) <= 6, kernels
     for loop in ("host", "device", "cpu"):
         assert any(x.strip().startswith(f"exact ({loop} loop), one solve:") for x in out.splitlines()), out
+    # --kernel-table: one profiled solve of each device-side loop; --round-code: inductor's code of a round.
+    for loop in ("host", "device", "device_compiled"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"kernels of one solve, solver_loop {loop}:"))
+        assert float(re.search(rf"({NUMBER}) ms wall", line).group(1)) > 0 and "device busy 0.0 ms" in line, line
+    assert "def " in code.read_text() and "kernel" in code.read_text(), code.read_text()[:500]
     speedups = [x for x in out.splitlines() if x.strip().startswith("exact vs ")]
     assert len(speedups) == 2, out
     for line in speedups:

@@ -23,11 +23,12 @@ def test_steps_below_one_are_refused():
         profile_gpu_step.main(["--smoke", "--steps", "0"])
 
 
-def _event(name, start_us, end_us, device="CPU"):
+def _event(name, start_us, end_us, device="CPU", annotation=False):
     from types import SimpleNamespace
 
     return SimpleNamespace(
-        name=name, device_type=SimpleNamespace(name=device), time_range=SimpleNamespace(start=start_us, end=end_us)
+        name=name, device_type=SimpleNamespace(name=device), time_range=SimpleNamespace(start=start_us, end=end_us),
+        is_user_annotation=annotation,
     )
 
 
@@ -49,6 +50,21 @@ def test_gpu_occupancy_is_the_union_of_device_intervals_within_each_host_range()
     table = format_occupancy(busy, steps=2).splitlines()
     assert table[2].split() == ["selection", "75.0", "20.0", "55.0", "73.3"]  # a step: 75 ms of host, 20 busy
     assert [line.split()[0] for line in table[1:]] == ["step", "selection", "train"]
+
+
+def test_gpu_occupancy_ignores_ranges_mirrored_on_the_device():
+    """Kineto mirrors a `record_function` range on the device as a user annotation from its first kernel to its
+    last: a selection with a kernel at 1 ms and one at 99 ms is 2 ms busy, not 100 (the H200 run of 2026-11-27
+    printed every stage 0% idle from these)."""
+    from profile_step import device_work, gpu_busy_by_stage
+
+    ms = 1000.0
+    events = [
+        _event("selection", 0, 100 * ms), _event("selection", 0.5 * ms, 99.5 * ms, "CUDA", annotation=True),
+        _event("kernel", 0.5 * ms, 1.5 * ms, "CUDA"), _event("kernel", 98.5 * ms, 99.5 * ms, "CUDA"),
+    ]
+    assert gpu_busy_by_stage(events) == {"selection": (100 * ms, 2 * ms)}
+    assert [e.name for e in device_work(events)] == ["kernel", "kernel"]
 
 
 def test_gpu_occupancy_of_a_cpu_profile_is_zero():

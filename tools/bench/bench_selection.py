@@ -126,7 +126,7 @@ def per_solve_counts(fn, device_tensors) -> tuple[int, int, int]:
     return ops.ops, ops.kernels, syncs
 
 
-def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int) -> int:
+def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int, code_path: str | None = None) -> int:
     """Kernels one compiled round of `solver_loop: device_compiled` runs: the calls in the code inductor
     generated for it (fused kernels, the library GEMMs, any aten fallback). On a GPU each is a launch, or a
     node of the CUDA graph the rounds are replayed as; the eager round is about 60 (58, 63 once a weight has dropped). Resets dynamo's caches
@@ -143,6 +143,8 @@ def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int) -> int:
     _, sources = run_and_get_code(
         lambda: omp_exact_on_device(gram_NN, mu_N, dom_N, caps_C, k, 1e-6, default_grad_tol(mu_N), graph=False, compile=True)
     )
+    if code_path is not None:  # the kernels themselves, for fusing them further
+        Path(code_path).write_text("\n\n# ----- next generated module -----\n\n".join(sources))
     call = re.compile(r"^\s+(?:buf\w+ = )?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|(?:torch\.ops\.)?aten\.\w+)")
     return sum(1 for src in sources for line in src.splitlines() if call.match(line) and "async_compile" not in line)
 
@@ -199,6 +201,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--compiled", action="store_true",
         help="add the compiled rounds (solver_loop: device_compiled): compiles twice, tens of seconds on a CPU",
     )
+    parser.add_argument(
+        "--kernel-table", action="store_true",
+        help="profile one solve of each device-side loop: device busy time against the wall, the busiest kernels",
+    )
+    parser.add_argument("--round-code", help="with --compiled: write the code inductor generated for one round here")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu",
         help="where the features live and the solver runs (cuda: every call bracketed by a synchronize)",
@@ -262,8 +269,12 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
         )
         gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
         caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
-        calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16))
+        calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16), args.round_code)
         print(f"  one compiled round: {calls} kernels (inductor's generated code, {args.device}); the eager round about 60 ops")
+        if args.round_code:
+            print(f"  the compiled round's code: {args.round_code}")
+    if args.kernel_table:
+        _print_kernel_tables(args, common, ["host", "device"] + (["device_compiled"] if args.compiled else []))
     print(
         f"  cpu solve / host loop   {w_cp / w_ex:6.2f}x wall, {c_cp / c_ex:6.2f}x cpu; the same picks:"
         f" {res_cp.indices.tolist() == res_ex.indices.tolist()}"
@@ -334,6 +345,44 @@ def _print_rows(args: argparse.Namespace, name: str, case: dict, rows: list, w_g
             f"  {label:<23} {_fmt(wall, cpu)}   f(S) = {f:.6f}  (exact - this) / |this| ="
             f" {(f_ex - f) / abs(f):+.2e}{extra}"
         )
+
+
+def _print_kernel_tables(args: argparse.Namespace, common: dict, loops: list[str], top: int = 12) -> None:
+    """One solve of each loop under torch.profiler: where its device time goes, kernel by kernel.
+
+    The wall against the union of the device's busy intervals says how much of the solve is launch and
+    read latency; the table, which kernels the rest is (on a CPU: the busiest ops, not a GPU's figure).
+    """
+    import torch
+    from profile_step import device_work
+    from torch.profiler import ProfilerActivity, profile
+
+    from composer_algos.selection import select_partitionsel
+
+    cuda = args.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for loop in loops:
+        def solve():
+            select_partitionsel(**common, refit="exact", solver_loop=loop)
+            if cuda:
+                torch.cuda.synchronize()
+
+        solve()  # warm: graphs recorded, rounds compiled
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            solve()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        work = sorted((e.time_range.start, e.time_range.end) for e in device_work(prof.events()))
+        busy, reach = 0.0, float("-inf")
+        for start, end in work:  # the union of the device intervals
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        print(
+            f"\n  kernels of one solve, solver_loop {loop}: {wall_ms:.1f} ms wall (profiled), device busy"
+            f" {busy / 1e3:.1f} ms, {len(work)} device events"
+        )
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60))
 
 
 def _print_solve_counts(args: argparse.Namespace, common: dict, device_tensors: list, k: int) -> None:

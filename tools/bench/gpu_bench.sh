@@ -21,7 +21,8 @@
 #             memory); compile_forward (no gain on the H200) is in step 5's profile, the device loop in
 #             step 2 (at 8 rows a step it picks too few to graph)
 #   2 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
-#             ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms): host loop,
+#             kernel table (one profiled solve a loop: device busy time, the busiest kernels; inductor's
+#             code of a compiled round in $OUT/2_round_code.py) and ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms): host loop,
 #             device loop (eager rounds, one CUDA graph), compiled rounds (solver_loop: device_compiled,
 #             Triton kernels in the graph; its kernels a round counted; not yet run on a GPU), cpu. Seed 0
 #             drops weights: the device loops repair those rounds on the device (a read every 64 rounds
@@ -32,7 +33,7 @@
 #   4 optim   bench_optimizer.py: Composer's DecoupledAdamW against torch's fused AdamW, the same
 #             update, on Llama-3.2-1B's 146 tensors
 #   5 profile profile_gpu_step.py: stage tables of random, partitionsel and compiled at step 1's shape,
-#             and their Chrome traces (where the GPU idles), gzipped under $OUT/traces; dynamo's
+#             and their Chrome traces (where the GPU idles) in $OUT/traces.tgz; dynamo's
 #             perf hints and recompiles logged (TORCH_LOGS): why compile_forward might not replay a graph
 #   6 features  bench_features.py: the scoring pass eager (feat_sketch) and compiled (feat_compiled;
 #             mode reduce-overhead): times, aten ops and kernel launches, llama1b_cpu's structure and small
@@ -72,7 +73,7 @@ run_step() {  # NAME CAP_S LOGFILE CMD...
   local name=$1 cap=$2 log=$3 left t rc
   shift 3
   if [ -n "${GPU_STEPS:-}" ] && [[ " $GPU_STEPS " != *" ${name%% *} "* ]]; then
-    echo "### $name: not among GPU_STEPS ($GPU_STEPS)" | tee -a "$OUT/$log"
+    echo "### $name: not among GPU_STEPS ($GPU_STEPS)"
     SUMMARY+=("$name|not run|0"); return 0
   fi
   left=$(( DEADLINE - $(date +%s) ))
@@ -98,7 +99,8 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "1 step (llama1b, S=20
   --long-override train_loader.num_workers=4 --long-override train_loader.persistent_workers=true \
   --ps-variant "cpu:$PS.strategy_options.partitionsel.solver_loop=cpu"
 run_step "2 solver (n=2048, kappa=512, D=4096)" 160 2_solver.log \
-  "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --compiled
+  "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --compiled \
+  --kernel-table --round-code "$OUT/2_round_code.py"
 run_step "2' solver, an instance without drops (seed 1)" 120 2_solver.log \
   "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --seed 1 --compiled
 run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 160 3_tests.log \
@@ -106,7 +108,7 @@ run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 160 3_tests.log \
 run_step "4 optimizer (146 tensors)" 45 4_optimizer.log "$PY" tools/bench/bench_optimizer.py --device cuda
 TORCH_LOGS=perf_hints,recompiles run_step "5 profile (stage tables, host waits, traces)" 200 5_profile.log \
   "$PY" tools/bench/profile_gpu_step.py --steps 2 --trace-dir "$OUT/traces"
-gzip -q "$OUT"/traces/*.json 2>/dev/null
+[ -d "$OUT/traces" ] && tar czf "$OUT/traces.tgz" -C "$OUT" traces && rm -rf "$OUT/traces"
 run_step "6 features (compiled forward)" 180 6_features.log \
   "$PY" tools/bench/bench_features.py --device cuda --configs llama1b_cpu small \
   --methods forward batch_grad feat_sketch feat_compiled --repeats 7
@@ -123,13 +125,13 @@ run_step "6 features (compiled forward)" 180 6_features.log \
   echo "### 1. Step cost at the recipe's shape (t=64: solver_loop host; 64+cpu: solver_loop cpu)"
   echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/1_step.log"; echo '```'
   echo "### 2. The exact OMP solve"
-  echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  cpu solve" "$OUT/2_solver.log"; echo '```'
+  echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  compiled rounds|^  one compiled round|^  cpu solve|^  kernels of one solve" "$OUT/2_solver.log"; echo '```'
   echo "### 3. GPU tests (host syncs of one selection step by torch's count among them)"
   echo '```'; grep -E "passed|failed|PASSED|FAILED|Error" "$OUT/3_tests.log" | tail -15; echo '```'
   echo "### 4. Optimizer step"
   echo '```'; grep -E "hidden|adamw|relative difference" "$OUT/4_optimizer.log"; echo '```'
-  echo "### 5. Profile (host ms a step by stage; Chrome traces in traces/)"
-  echo '```'; grep -E "^=====|^GPU:|^host wait|^  (selection|train|rest)|^    selection/(features|solve)" "$OUT/5_profile.log"; echo '```'
+  echo "### 5. Profile (host ms a step by stage, the GPU's busy and idle time within each; Chrome traces in traces.tgz)"
+  echo '```'; grep -E "^=====|^GPU:|^host wait|^  (selection|train|rest)|^    selection/(features|solve)|^stage \(host range\)|^(step|selection|selection/features|selection/solve|train) +[0-9]" "$OUT/5_profile.log"; echo '```'
   echo "### 6. The scoring pass, eager and with the blocks below the cut compiled"
   echo '```'; grep -E "^\| (model|llama1b_cpu|small) \||feat_compiled /" "$OUT/6_features.log"; echo '```'
 } > "$OUT/bench_gpu_figures.md"

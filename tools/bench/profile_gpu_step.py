@@ -105,7 +105,7 @@ def _print_profile(name: str, prof, wall: float, steps: int, cuda: bool) -> None
 
     print(f"\n===== {name}: {wall:.1f} ms a step (profiled, {steps} steps) =====")
     if cuda:
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        kernels = ps.device_work(prof.events())
         print(f"GPU: {sum(e.device_time for e in kernels) / 1000 / steps:.1f} ms of device events a step, "
               f"{len(kernels) / steps:.0f} events a step")
     print(ps.format_stages(ps._stage_totals(prof.events()), steps))

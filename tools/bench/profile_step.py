@@ -280,17 +280,22 @@ def _stage_totals(events) -> dict[str, float]:
 OCCUPANCY_STAGES = ("step", "selection", "selection/features", "selection/solve", "train")
 
 
+def device_work(events) -> list:
+    """The device events that are work (kernels, copies, memsets), not `record_function` ranges mirrored on the device."""
+    return [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)]
+
+
 def gpu_busy_by_stage(events, stages=OCCUPANCY_STAGES) -> dict[str, tuple[float, float]]:
     """``{stage: (host us, GPU-busy us)}`` summed over the stage's ranges: the time, within each range's host
     interval, during which at least one device event (a kernel, a copy, whoever launched it) was running.
 
     A stage whose host time is far above its GPU-busy time left the GPU idle: its host work is not hidden
     behind earlier GPU work. `events` are the profiler's (`prof.events()`): host ranges by name, device events
-    by `device_type` CUDA; kineto puts both on the host clock.
+    by `device_type` CUDA; kineto puts both on the host clock. A `record_function` range also appears on the
+    device as a user annotation spanning its first kernel's start to its last kernel's end, idle gaps
+    included: those are not device work, and counting them made every annotated stage look fully busy.
     """
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
-    )
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in device_work(events) if e.time_range.end > e.time_range.start)
     merged: list[list[float]] = []
     for start, end in kernels:  # the union of the device intervals, in order
         if merged and start <= merged[-1][1]:
