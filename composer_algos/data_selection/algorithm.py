@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from composer.core import Algorithm, Event, State
+from composer.core import Algorithm, Event, State, TimeUnit
 from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
 
+from composer_algos.data_selection.lookahead import LookaheadLoader, PendingSelection, pool_key
 from composer_algos.data_selection.options import (
     BETWEEN_MODES,
     DEFAULT_OVERSAMPLING,
@@ -157,6 +158,18 @@ class DataSelection(Algorithm):
             compute features (they log the fraction already) and on the random steps outside
             `[start, end)` or between selections; skipped, with one warning, under global scope on
             several ranks (the indices then refer to the gathered pool).
+        lookahead: Select the next step's subset at this step's `AFTER_TRAIN_BATCH`, on the next
+            pool fetched early from the loader, instead of at the next step's `AFTER_DATALOADER`
+            (composer_algos/data_selection/lookahead.py). The selection's host work (launching the
+            scoring pass, the solver's reads) then runs while the accelerator works through this
+            step's backward, not on a device that Composer's per-step reads have drained. The
+            selection is the same function of its inputs, two of which are one step older: the
+            features are computed with this step's weights (before its optimizer step) and eta is
+            this step's learning rate. The first step, a step whose pool was not fetched early (the
+            epoch's or the run's last batch), and a resumed run's first step on several ranks
+            select as usual. The pending selection is in the checkpoint, so a single-rank run
+            resumes bitwise. Not under FSDP (refused at the start of fit; not verified).
+            docs/results/bench_gpu.md measures what it saves.
 
     Raises:
         ValueError: every invalid argument at once (unknown strategy, oversampling below 1, or 1 with
@@ -186,13 +199,14 @@ class DataSelection(Algorithm):
         check_consistency: bool = False,
         seed: int = 0,
         log_conflicts: bool = False,
+        lookahead: bool = False,
     ) -> None:
         self.options = options = DataSelectionOptions(
             strategy=strategy, oversampling=oversampling, scope=scope, validation=validation, domain_key=domain_key,
             domain_names=domain_names, features=features, strategy_options=strategy_options,
             capacity_fractions=capacity_fractions, capacities=capacities, weighted_loss=weighted_loss, start=start,
             end=end, interval=interval, between=between, check_consistency=check_consistency, seed=seed,
-            log_conflicts=log_conflicts,
+            log_conflicts=log_conflicts, lookahead=lookahead,
         )
         problems = options.problems()
         if problems:
@@ -212,7 +226,8 @@ class DataSelection(Algorithm):
         )
         self.capacity_policy = options.capacity_policy()
         self.start, self.end, self.interval, self.between = start, end, interval, between
-        self.check_consistency, self.log_conflicts = check_consistency, log_conflicts
+        self.check_consistency, self.log_conflicts, self.lookahead = check_consistency, log_conflicts, lookahead
+        self._pending: PendingSelection | None = None  # lookahead: the selection made ahead for the next step
         self.domain_names = list(domain_names) if domain_names is not None else None
         self._names_given = domain_names is not None
         self._trained_domains: list[str] | None = None  # the names the training dataset streams, once known
@@ -239,13 +254,19 @@ class DataSelection(Algorithm):
 
     # ------------------------------------------------------------------ Composer hooks
     def match(self, event: Event, state: State) -> bool:
-        return event in (Event.INIT, Event.AFTER_DATALOADER)
+        if event in (Event.INIT, Event.AFTER_DATALOADER):
+            return True
+        return self.lookahead and self.strategy != "none" and event in (Event.FIT_START, Event.AFTER_TRAIN_BATCH)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             self._init(state)
-            return
-        self._select(state, logger)
+        elif event == Event.FIT_START:
+            self._wrap_loader(state)
+        elif event == Event.AFTER_TRAIN_BATCH:
+            self._select_ahead(state)
+        else:
+            self._select(state, logger)
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -261,6 +282,10 @@ class DataSelection(Algorithm):
         if self.capacity_policy.stateful:
             # The same on every rank under global scope (see AdaptivePolicy); local scope on several ranks is rejected.
             sd["capacity_policy"] = {"name": self.capacity_policy.name, **self.capacity_policy.state_dict()}
+        # lookahead: the next step's selection, already made (its pool is read again on resume). Rank 0's
+        # alone would not do for several ranks: they select as usual after a resume.
+        keep = self._pending is not None and dist.get_world_size() == 1
+        sd["pending"] = self._pending.state_dict() if keep else None  # type: ignore[union-attr]
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -279,6 +304,8 @@ class DataSelection(Algorithm):
                     f"{saved.get('name')!r}, the run configures {self.capacity_policy.name!r}"
                 )
             self.capacity_policy.load_state_dict(saved)
+        pending = state.get("pending")
+        self._pending = PendingSelection.from_state(pending) if pending is not None and dist.get_world_size() == 1 else None
 
     @property
     def num_domains(self) -> int:
@@ -435,38 +462,115 @@ class DataSelection(Algorithm):
 
     # ------------------------------------------------------------------ the step
     def _select(self, state: State, logger: Logger) -> None:
-        """One step: the four stages of composer_algos/data_selection/step.py, in the order they run."""
+        """One step (AFTER_DATALOADER): train on the selection made ahead for this pool, or make it now."""
         batch = state.batch
+        self._check_batch(batch)
+        number = int(state.timestamp.batch.value)
+        pending, self._pending = self._pending, None
+        if pending is not None and self._pending_applies(state, pending, number, batch):
+            state.batch = pending.batch
+            record_step(logger, **self._noting_ahead(pending.record, True))
+            return
+        state.batch, record = self._selection(state, batch, number)
+        record_step(logger, **self._noting_ahead(record, False))
+
+    def _noting_ahead(self, record: dict[str, Any], ahead: bool) -> dict[str, Any]:
+        """With lookahead, `selection/made_ahead`: 1 when the step trains on a selection made at the previous step."""
+        if self.lookahead and record.get("metrics") is not None:
+            record = {**record, "metrics": {**record["metrics"], "selection/made_ahead": float(ahead)}}
+        return record
+
+    def _check_batch(self, batch: Any) -> None:
         if not isinstance(batch, Mapping) or self.domain_key not in batch:
             keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
             raise TypeError(
                 f"DataSelection needs dict batches with a per-example domain id tensor under domain_key "
                 f"{self.domain_key!r}; got {keys} (set domain_key, or use pipeline's collators)"
             )
+
+    def _selection(
+        self, state: State, batch: Mapping[str, Any], number: int, *, ahead: bool = False
+    ) -> tuple[Any, dict[str, Any]]:
+        """The four stages of composer_algos/data_selection/step.py on the pool `batch` of step `number`.
+
+        Returns the batch to train on and the keyword arguments of `record_step` for the step.
+        `ahead`: made at the previous step's AFTER_TRAIN_BATCH (lookahead).
+        """
         domain_N = batch[self.domain_key]
         pool_C = self._prepare(state, int(domain_N.shape[0]), domain_N)
         pool_ids = batch.get("sample_id")  # the pool's dataset indices, for MixtureMonitor(log_selected_ids=True)
         if self.strategy == "none":
-            record_step(logger, method="none", strategy="none", pool_counts_C=pool_C, pool_sample_ids_N=pool_ids)
-            return
-        step = self._begin_step(state, pool_C, pool_ids)
+            return batch, dict(method="none", strategy="none", pool_counts_C=pool_C, pool_sample_ids_N=pool_ids)
+        step = self._begin_step(state, pool_C, pool_ids, number, ahead)
         problem, probe_ND = self._assemble(state, batch, domain_N, step)
         outcome, extra_values, adaptive_metrics = self._solve(problem, probe_ND, step)
         new_batch, t_exchange = self._redistribute(batch, problem, outcome, step)
-        state.batch = new_batch
-        self._record(logger, problem, outcome, new_batch, step, extra_values, adaptive_metrics, t_exchange)
+        return new_batch, self._record(problem, outcome, new_batch, step, extra_values, adaptive_metrics, t_exchange)
 
-    def _begin_step(self, state: State, pool_C: torch.Tensor, pool_ids: Any) -> _Step:
+    # ------------------------------------------------------------------ lookahead
+    def _wrap_loader(self, state: State) -> None:
+        """FIT_START: the active (train) dataloader, wrapped so the next pool can be fetched early."""
+        if getattr(state, "fsdp_enabled", False):
+            raise ValueError(
+                "algorithms.data_selection.lookahead: true is not supported under FSDP (fsdp_config): the next "
+                "pool's scoring pass would run between the backward and the optimizer step of sharded modules, "
+                "which is not verified; set lookahead: false, or train without FSDP"
+            )
+        loader = state.dataloader
+        if loader is not None and not isinstance(loader, LookaheadLoader):
+            length = state.dataloader_len
+            wrapped = LookaheadLoader(loader, epoch=lambda: int(state.timestamp.epoch))
+            state.set_dataloader(wrapped, state.dataloader_label, length if length is not None else -1)
+
+    def _select_ahead(self, state: State) -> None:
+        """AFTER_TRAIN_BATCH: the next step's selection, on its pool fetched now, while this step's backward runs."""
+        loader = state.dataloader
+        if not isinstance(loader, LookaheadLoader) or not self._next_batch_follows(state):
+            return
+        batch = loader.peek()
+        if batch is None:
+            return
+        self._check_batch(batch)
+        number = int(state.timestamp.batch.value) + 1
+        new_batch, record = self._selection(state, batch, number, ahead=True)
+        self._pending = PendingSelection(number, pool_key(batch, self.domain_key), new_batch, record)
+
+    def _next_batch_follows(self, state: State) -> bool:
+        """Whether this epoch and the run go on to another batch (as far as the batch counts tell)."""
+        ts = state.timestamp
+        length = state.dataloader_len
+        if length is not None and int(ts.batch_in_epoch) + 1 >= int(length):
+            return False
+        limit = state.max_duration
+        return not (limit is not None and limit.unit == TimeUnit.BATCH and int(ts.batch) + 1 >= int(limit.value))
+
+    def _pending_applies(self, state: State, pending: PendingSelection, number: int, batch: Mapping[str, Any]) -> bool:
+        """Whether this step's pool is the one the pending selection was made for (on every rank, when several)."""
+        loader = state.dataloader
+        fetched = pending.restored or (isinstance(loader, LookaheadLoader) and loader.yielded_ahead)
+        ok = fetched and pending.matches(number, batch, self.domain_key)
+        if dist.get_world_size() > 1:
+            # All ranks use theirs or none does: a rank selecting alone would wait in the others' collectives.
+            flag = state.device.tensor_to_device(torch.tensor([int(ok)], dtype=torch.int64))
+            dist.all_reduce(flag, reduce_operation="MIN")
+            ok = bool(flag.item())
+        if not ok:
+            log.warning(
+                "data_selection step %d: the selection made ahead (for step %d) does not match this step's pool; "
+                "selecting now", number, pending.number,
+            )
+        return ok
+
+    def _begin_step(self, state: State, pool_C: torch.Tensor, pool_ids: Any, number: int, ahead: bool) -> _Step:
         """What this step runs and how: scope, seed, learning rate, strategy, which features it needs."""
         from composer_algos.selection import get_strategy
 
         assert self.kappa is not None
-        number = int(state.timestamp.batch.value)
         world = dist.get_world_size()
         use_global = self.scope == "global" or (self.scope == "auto" and world > 1)
         multi = use_global and world > 1
-        strategy = self.strategy if self._is_active(state, number) else "random"
-        stale = strategy == "random" and self._is_stale_step(state, number)
+        strategy = self.strategy if self._is_active(state, number, ahead) else "random"
+        stale = strategy == "random" and self._is_stale_step(state, number, ahead)
         model = getattr(state, "model", None)
         cpu = torch.device("cpu")
         return _Step(
@@ -637,7 +741,6 @@ class DataSelection(Algorithm):
 
     def _record(
         self,
-        logger: Logger,
         problem: Any,
         outcome: Any,
         new_batch: Mapping[str, Any],
@@ -645,8 +748,8 @@ class DataSelection(Algorithm):
         extra_values: dict,
         adaptive_metrics: dict[str, float],
         t_exchange: float,
-    ) -> None:
-        """Stage 4: record, through Composer's logger only."""
+    ) -> dict[str, Any]:
+        """Stage 4: what the step records (`record_step`'s keyword arguments; Composer's logger only)."""
         if outcome.fallback is not None:
             self._note_fallback(step.number, outcome.fallback)
         conflicts = extra_values.get("conflicts")
@@ -668,8 +771,7 @@ class DataSelection(Algorithm):
         if step.needs_features and self.extractor is not None:
             metrics.update(self._extractor_metrics())
         metrics.update(adaptive_metrics)
-        record_step(
-            logger,
+        return dict(
             method=self.strategy,
             strategy=outcome.strategy,
             pool_counts_C=step.pool_C,
@@ -870,17 +972,22 @@ class DataSelection(Algorithm):
         chunk = int(microbatch)
         return min(chunk, self.kappa) if self.kappa is not None else chunk
 
-    def _is_active(self, state: State, step: int) -> bool:
-        return self._in_window(state) and step % self.interval == 0
+    def _is_active(self, state: State, step: int, ahead: bool = False) -> bool:
+        return self._in_window(state, ahead) and step % self.interval == 0
 
-    def _in_window(self, state: State) -> bool:
+    def _in_window(self, state: State, ahead: bool = False) -> bool:
+        """Whether the fraction of training elapsed lies in [start, end): at the next batch's start with `ahead`
+        (exact for batch and epoch durations; with sample or token durations the current fraction)."""
         elapsed = state.get_elapsed_duration()
         frac = float(elapsed.value) if elapsed is not None else 0.0
+        limit = state.max_duration
+        if ahead and limit is not None and limit.unit == TimeUnit.BATCH:
+            frac = (int(state.timestamp.batch) + 1) / int(limit.value)
         return self.start <= frac < self.end
 
-    def _is_stale_step(self, state: State, step: int) -> bool:
+    def _is_stale_step(self, state: State, step: int, ahead: bool = False) -> bool:
         """Whether this step, between selections inside the window, trains on the stale top-k."""
-        if self.between != "stale_topk" or step % self.interval == 0 or not self._in_window(state):
+        if self.between != "stale_topk" or step % self.interval == 0 or not self._in_window(state, ahead):
             return False
         if self._stale_gbar is None:
             log.warning(

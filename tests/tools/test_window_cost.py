@@ -138,3 +138,37 @@ def test_recipe_cli_takes_overrides_after_gpus(capsys):
 
     scoring = [float(re.search(r"\) ([0-9.]+) PFLOP", out).group(1)) for out in (w64, w128)]
     assert 0.45 < scoring[0] / scoring[1] < 0.55
+
+
+def test_stepping_runs_warm_up_batches_singly_then_fit_batches_a_call_round_robin(monkeypatch):
+    """Two arms, 2 warm-up steps (the second counted by the audit), then 7 steps 3 a call: 3, 3 and the last 1."""
+    import step_audit
+
+    calls = []
+
+    class Trainer:
+        def __init__(self, name):
+            self.name = name
+
+        def fit(self, duration):
+            calls.append((self.name, duration))
+
+    class Auditor:
+        def __init__(self, trainer, attribute_ops=False):
+            self.trainer = trainer
+
+        def count(self):
+            calls.append((self.trainer.name, "audited"))
+            return {"ops": 5, "kernels": 2, "sync": 1, "h2d": 0}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(step_audit, "StepAuditor", Auditor)
+    runs = {"random": (Trainer("random"), None), "t": (Trainer("t"), None)}
+    counts = wc.step_counts_while_warming_up(runs, 9, 2, fit_batches=3, log=lambda *_: None)
+    assert counts == {"random": (5, 2, 1), "t": (5, 2, 1)}
+    expected = []
+    for duration in ("1ba", "audited", "3ba", "3ba", "1ba"):
+        expected += [("random", duration), ("t", duration)]
+    assert calls == expected

@@ -381,6 +381,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--long-steps", type=int, default=6, help="steps per arm of the long rows, 2 warm-up (default: 6)")
     parser.add_argument(
+        "--long-fit-batches", type=int, default=1,
+        help="batches a fit() call after the warm-up (default 1: arms alternate every step); a ps-variant with "
+        "algorithms.data_selection.lookahead=true needs 4 or more for its median step to be a steady one",
+    )
+    parser.add_argument(
         "--long-model", choices=("proportioned", "llama1b", "llama1b_cpu"), default="proportioned",
         help="proportioned: yamls/testing/long_proportioned.yaml (CPU-sized, Llama-3.2-1B's cost structure); "
         "llama1b: the real Llama-3.2-1B shape, random weights (for --device cuda); llama1b_cpu: its structure "
@@ -421,6 +426,8 @@ def _parse_long_options(
         parser.error(f"--long-batch must be at least 1 (got {args.long_batch})")
     if args.long_steps < 3:
         parser.error("--long-steps must be at least 3 (2 warm-up steps are dropped)")
+    if args.long_fit_batches < 1:
+        parser.error(f"--long-fit-batches must be at least 1 (got {args.long_fit_batches})")
     return long_seqs, long_ratios, windows, head_windows
 
 
@@ -498,7 +505,7 @@ def long_table(root: Path, args: argparse.Namespace, seqs, ratios, windows, head
         rows += wc.bench_long(
             shards, root / "runs-long", S, ratios, windows, head_windows=head_windows, steps=args.long_steps,
             device=args.device, model_overrides=overrides, op_sites=args.op_sites, ps_variants=args.ps_variants,
-            log=lambda line: print(line, flush=True),
+            fit_batches=args.long_fit_batches, log=lambda line: print(line, flush=True),
         )
     print()
     print(wc.format_long_table(rows, config=cfg.model.config, kappa=kappa, val_rows=val, reference=LLAMA_1B))

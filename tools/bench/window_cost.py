@@ -211,9 +211,12 @@ def bench_long(
     model_overrides: Sequence[str] = (),
     op_sites: int = 0,
     ps_variants: Mapping[str, Sequence[str]] | None = None,
+    fit_batches: int = 1,
     log=print,
 ) -> list[dict]:
     """Measured rows at one S: per r, random and partitionsel at each window, stepped round robin.
+
+    After the warm-up each arm runs `fit_batches` batches a `fit()` call (`step_counts_while_warming_up`).
 
     Returns one dict per r: `S`, `r`, `random` (median s per step after the warm-up) and `ps`
     {label: (window, last_n_blocks, median s)}; `head_windows` adds lm_head-feature arms, and each
@@ -262,7 +265,9 @@ def bench_long(
             prepare_for_stepping(trainer)
             trainer.state.callbacks.append(timer)
             runs[key] = (trainer, timer)
-        counts = step_counts_while_warming_up(runs, steps, WARMUP_STEPS, op_sites=op_sites, log=log)
+        counts = step_counts_while_warming_up(
+            runs, steps, WARMUP_STEPS, op_sites=op_sites, fit_batches=fit_batches, log=log
+        )
         medians = {k: statistics.median(timer.times[WARMUP_STEPS:]) for k, (_t, timer) in runs.items()}
         for trainer, _timer in runs.values():
             trainer.close()
@@ -278,9 +283,14 @@ def bench_long(
 
 
 def step_counts_while_warming_up(
-    runs: Mapping[str, tuple], steps: int, warmup: int, *, op_sites: int = 0, log=print
+    runs: Mapping[str, tuple], steps: int, warmup: int, *, op_sites: int = 0, fit_batches: int = 1, log=print
 ) -> dict[str, tuple[int, int, int]]:
     """Step the trainers round robin `steps` times; the last warm-up step of each is counted.
+
+    The warm-up steps are one `fit(duration="1ba")` call each; after them each arm runs `fit_batches` batches
+    a call (the last call fewer when they do not divide). More than one lets `lookahead: true` work as in
+    a run: its selection for the next batch is made inside a call, so a call's first batch selects at the step
+    and its last makes none ahead; with 4 or more a call, the median step is a steady one.
 
     Returns `{arm: (aten ops, kernel launches, host syncs)}` of one selection step (tools/bench/step_audit.py:
     emulated syncs on a CPU, torch's own on CUDA). The audit watches every step until the counted
@@ -292,9 +302,11 @@ def step_counts_while_warming_up(
 
     auditors = {key: StepAuditor(trainer, attribute_ops=op_sites > 0) for key, (trainer, _timer) in runs.items()}
     counts: dict[str, tuple[int, int, int]] = {}
-    for i in range(steps):
+    done = 0
+    while done < steps:
+        n = 1 if done < warmup else min(fit_batches, steps - done)
         for key, (trainer, _timer) in runs.items():
-            if i == warmup - 1:
+            if done == warmup - 1:
                 c = auditors[key].count()
                 auditors[key].close()
                 counts[key] = (c["ops"], c["kernels"], c["sync"] + c["h2d"])
@@ -302,7 +314,8 @@ def step_counts_while_warming_up(
                     log(f"  {key}: one selection step's aten ops by site\n" + format_op_sites(c["op_sites"], op_sites))
                     log(f"  {key}: {first_read(c) or 'no host read in the selection step'}")
             else:
-                trainer.fit(duration="1ba")
+                trainer.fit(duration=f"{n}ba")
+        done += n
     return counts
 
 

@@ -1,0 +1,153 @@
+"""`lookahead: true`: the next step's selection made at AFTER_TRAIN_BATCH, on the next pool fetched early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from composer.loggers import InMemoryLogger
+
+import train
+from composer_algos.data_selection.lookahead import LookaheadLoader, PendingSelection, pool_key
+from pipeline.config import load_config
+from tests.common.paths import REPO_ROOT
+from tests.training.conftest import tiny_overrides
+
+TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+AHEAD = "algorithms.data_selection.lookahead=true"
+
+
+# ---------------------------------------------------------------- the loader
+def test_peeked_batch_is_yielded_next_and_once():
+    loader = LookaheadLoader([10, 11, 12])
+    it = iter(loader)
+    assert next(it) == 10 and not loader.yielded_ahead
+    assert loader.peek() == 11 and loader.peek() == 11  # fetched once, kept
+    assert next(it) == 11 and loader.yielded_ahead
+    assert next(it) == 12 and not loader.yielded_ahead
+    assert loader.peek() is None  # the pass has ended
+    assert list(it) == []
+
+
+def test_a_new_pass_starts_over_and_ends_the_old_one():
+    loader = LookaheadLoader([1, 2, 3])
+    assert loader.peek() is None  # no pass yet
+    first = iter(loader)
+    assert next(first) == 1 and loader.peek() == 2
+    assert list(loader) == [1, 2, 3]  # a new pass: the old one's early batch is not carried over
+    assert list(first) == []
+    assert len(loader) == 3
+
+
+def test_attributes_are_the_wrapped_loaders_and_a_distributed_sampler_gets_the_epoch():
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = list(range(8))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    epoch = [0]
+    loader = LookaheadLoader(DataLoader(data, batch_size=2, sampler=sampler), epoch=lambda: epoch[0])
+    assert loader.batch_size == 2 and loader.dataset is data
+    first = [t.tolist() for t in loader]
+    epoch[0] = 1
+    second = [t.tolist() for t in loader]
+    assert sampler.epoch == 1 and first != second  # reshuffled by epoch, as Composer does for a DataLoader
+
+
+def test_pending_selection_matches_its_pool_only():
+    pool = {"domain_id": torch.tensor([0, 1, 1]), "sample_id": torch.tensor([5, 6, 7]), "input_ids": torch.zeros(3, 4)}
+    pending = PendingSelection(4, pool_key(pool, "domain_id"), {"input_ids": torch.zeros(1, 4)}, {})
+    assert pending.matches(4, pool, "domain_id")
+    assert not pending.matches(5, pool, "domain_id")
+    assert not pending.matches(4, {**pool, "sample_id": torch.tensor([5, 6, 8])}, "domain_id")
+    assert not pending.matches(4, {**pool, "domain_id": torch.tensor([0, 1])}, "domain_id")
+    restored = PendingSelection.from_state(pending.state_dict())
+    assert restored.restored and restored.matches(4, pool, "domain_id")
+
+
+def test_lookahead_is_refused_under_fsdp():
+    from types import SimpleNamespace
+
+    from composer_algos.data_selection import DataSelection
+
+    algo = DataSelection(strategy="random", lookahead=True)
+    with pytest.raises(ValueError, match="lookahead: true is not supported under FSDP"):
+        algo._wrap_loader(SimpleNamespace(fsdp_enabled=True, dataloader=[]))
+
+
+def test_a_non_bool_lookahead_is_refused_with_its_key():
+    from composer_algos.data_selection import DataSelection
+
+    with pytest.raises(ValueError, match="lookahead must be true or false, got 'yes'"):
+        DataSelection(strategy="random", lookahead="yes")
+
+
+# ---------------------------------------------------------------- in training
+def _series(trainer, key):
+    mem = next(d for d in trainer.logger.destinations if isinstance(d, InMemoryLogger))
+    return {int(ts.batch.value): v for ts, v in mem.data.get(key, [])}
+
+
+def _traces(trainer, key):
+    mem = next(d for d in trainer.logger.destinations if isinstance(d, InMemoryLogger))
+    return [v for _ts, v in mem.data.get(key, [])]
+
+
+def _run(dolma_shards, run_dir, *extra):
+    cfg = load_config(TINY, tiny_overrides(dolma_shards, run_dir, "loggers.in_memory={}", "eval_loader=null", *extra))
+    trainer = train.build_trainer(cfg)
+    trainer.fit()
+    trainer.close()
+    return trainer
+
+
+def test_with_frozen_weights_the_selection_made_ahead_is_the_one_made_at_the_step(dolma_shards, tmp_path):
+    """lr 1e-30 (below every weight's last bit) and features without the optimizer's state: the weights and every other input of a selection are the
+    same one step earlier, so the two modes must pick the same rows every step, and train on the same losses."""
+    common = ["max_duration=5ba", "optimizer.lr=1e-30", "algorithms.data_selection.features.normalization=none"]
+    now = _run(dolma_shards, tmp_path / "now", *common)
+    ahead = _run(dolma_shards, tmp_path / "ahead", *common, AHEAD)
+    made_ahead = _series(ahead, "selection/made_ahead")
+    assert made_ahead == {0: 0.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}  # the first step selects at the step
+    h_now, h_ahead = _series(now, "selection/selected_hash"), _series(ahead, "selection/selected_hash")
+    assert sorted(h_now) == list(range(5)) and h_ahead == h_now
+    assert _series(ahead, "loss/train/total") == _series(now, "loss/train/total")
+    pools_now = [t.tolist() for t in _traces(now, "selection/pool_sample_ids")]
+    assert [t.tolist() for t in _traces(ahead, "selection/pool_sample_ids")] == pools_now  # no pool lost or repeated
+
+
+def test_training_with_lookahead_differs_from_selecting_at_the_step(dolma_shards, tmp_path):
+    """With learning, a selection made ahead sees weights one step older: the picks may differ, the pools do not."""
+    now = _run(dolma_shards, tmp_path / "now", "max_duration=6ba")
+    ahead = _run(dolma_shards, tmp_path / "ahead", "max_duration=6ba", AHEAD)
+    assert [t.tolist() for t in _traces(ahead, "selection/pool_sample_ids")] == [
+        t.tolist() for t in _traces(now, "selection/pool_sample_ids")
+    ]
+    assert _series(ahead, "selection/made_ahead") == {0: 0.0, **{s: 1.0 for s in range(1, 6)}}
+    # Step 1 is the first made ahead, with step 0's weights: its loss differs from the run selecting at the step
+    # only through the picks, so equality everywhere would mean the weights never entered the selection.
+    loss_now, loss_ahead = _series(now, "loss/train/total"), _series(ahead, "loss/train/total")
+    assert loss_ahead[0] == loss_now[0]
+    assert any(loss_ahead[s] != loss_now[s] for s in range(1, 6))
+
+
+def test_a_lookahead_run_resumes_bitwise(dolma_shards, tmp_path):
+    common = ["loggers.in_memory={}", "eval_loader=null", AHEAD]
+    full_cfg = load_config(
+        TINY, tiny_overrides(dolma_shards, tmp_path / "full", *common, "max_duration=6ba", "save_interval=3ba")
+    )
+    full = train.build_trainer(full_cfg)
+    full.fit()
+    ckpt = tmp_path / "full" / "ep0-ba3-rank0.pt"
+    assert ckpt.exists()
+    full.close()
+    resumed = train.build_trainer(
+        load_config(TINY, tiny_overrides(dolma_shards, tmp_path / "resumed", *common, "max_duration=6ba", f"load_path={ckpt}"))
+    )
+    resumed.fit()
+    resumed.close()
+    # Step 3's selection was made at step 2, before the checkpoint: the resumed run trains on it (made ahead).
+    assert _series(resumed, "selection/made_ahead") == {3: 1.0, 4: 1.0, 5: 1.0}
+    for key in ("loss/train/total", "selection/selected_hash"):
+        full_s, res_s = _series(full, key), _series(resumed, key)
+        assert sorted(res_s) == [3, 4, 5]
+        assert all(res_s[s] == full_s[s] for s in (3, 4, 5)), (key, res_s, full_s)
