@@ -23,7 +23,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
 
-from composer_algos.data_selection.lookahead import LookaheadLoader, PendingSelection, pool_key
+from composer_algos.data_selection.ahead import PeekableLoader, PendingSelection, pool_key
 from composer_algos.data_selection.options import (
     BETWEEN_MODES,
     DEFAULT_OVERSAMPLING,
@@ -158,9 +158,9 @@ class DataSelection(Algorithm):
             compute features (they log the fraction already) and on the random steps outside
             `[start, end)` or between selections; skipped, with one warning, under global scope on
             several ranks (the indices then refer to the gathered pool).
-        lookahead: Select the next step's subset at this step's `AFTER_TRAIN_BATCH`, on the next
+        select_ahead: Select the next step's subset at this step's `AFTER_TRAIN_BATCH`, on the next
             pool fetched early from the loader, instead of at the next step's `AFTER_DATALOADER`
-            (composer_algos/data_selection/lookahead.py). The selection's host work (launching the
+            (composer_algos/data_selection/ahead.py). The selection's host work (launching the
             scoring pass, the solver's reads) then runs while the accelerator works through this
             step's backward, not on a device that Composer's per-step reads have drained. The
             selection is the same function of its inputs, two of which are one step older: the
@@ -168,7 +168,8 @@ class DataSelection(Algorithm):
             this step's learning rate. The first step, a step whose pool was not fetched early (the
             epoch's or the run's last batch), and a resumed run's first step on several ranks
             select as usual. The pending selection is in the checkpoint, so a single-rank run
-            resumes bitwise. Not under FSDP (refused at the start of fit; not verified).
+            resumes bitwise. Not under FSDP on several ranks (refused at the start of fit; not
+            verified); under FSDP on one rank it selects what it selects without FSDP.
             docs/results/bench_gpu.md measures what it saves.
 
     Raises:
@@ -199,14 +200,14 @@ class DataSelection(Algorithm):
         check_consistency: bool = False,
         seed: int = 0,
         log_conflicts: bool = False,
-        lookahead: bool = False,
+        select_ahead: bool = False,
     ) -> None:
         self.options = options = DataSelectionOptions(
             strategy=strategy, oversampling=oversampling, scope=scope, validation=validation, domain_key=domain_key,
             domain_names=domain_names, features=features, strategy_options=strategy_options,
             capacity_fractions=capacity_fractions, capacities=capacities, weighted_loss=weighted_loss, start=start,
             end=end, interval=interval, between=between, check_consistency=check_consistency, seed=seed,
-            log_conflicts=log_conflicts, lookahead=lookahead,
+            log_conflicts=log_conflicts, select_ahead=select_ahead,
         )
         problems = options.problems()
         if problems:
@@ -226,8 +227,8 @@ class DataSelection(Algorithm):
         )
         self.capacity_policy = options.capacity_policy()
         self.start, self.end, self.interval, self.between = start, end, interval, between
-        self.check_consistency, self.log_conflicts, self.lookahead = check_consistency, log_conflicts, lookahead
-        self._pending: PendingSelection | None = None  # lookahead: the selection made ahead for the next step
+        self.check_consistency, self.log_conflicts, self.select_ahead = check_consistency, log_conflicts, select_ahead
+        self._pending: PendingSelection | None = None  # select_ahead: the selection made ahead for the next step
         self.domain_names = list(domain_names) if domain_names is not None else None
         self._names_given = domain_names is not None
         self._trained_domains: list[str] | None = None  # the names the training dataset streams, once known
@@ -256,7 +257,7 @@ class DataSelection(Algorithm):
     def match(self, event: Event, state: State) -> bool:
         if event in (Event.INIT, Event.AFTER_DATALOADER):
             return True
-        return self.lookahead and self.strategy != "none" and event in (Event.FIT_START, Event.AFTER_TRAIN_BATCH)
+        return self.select_ahead and self.strategy != "none" and event in (Event.FIT_START, Event.AFTER_TRAIN_BATCH)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
@@ -282,7 +283,7 @@ class DataSelection(Algorithm):
         if self.capacity_policy.stateful:
             # The same on every rank under global scope (see AdaptivePolicy); local scope on several ranks is rejected.
             sd["capacity_policy"] = {"name": self.capacity_policy.name, **self.capacity_policy.state_dict()}
-        # lookahead: the next step's selection, already made (its pool is read again on resume). Rank 0's
+        # select_ahead: the next step's selection, already made (its pool is read again on resume). Rank 0's
         # alone would not do for several ranks: they select as usual after a resume.
         keep = self._pending is not None and dist.get_world_size() == 1
         sd["pending"] = self._pending.state_dict() if keep else None  # type: ignore[union-attr]
@@ -475,8 +476,8 @@ class DataSelection(Algorithm):
         record_step(logger, **self._noting_ahead(record, False))
 
     def _noting_ahead(self, record: dict[str, Any], ahead: bool) -> dict[str, Any]:
-        """With lookahead, `selection/made_ahead`: 1 when the step trains on a selection made at the previous step."""
-        if self.lookahead and record.get("metrics") is not None:
+        """With select_ahead, `selection/made_ahead`: 1 when the step trains on a selection made at the previous step."""
+        if self.select_ahead and record.get("metrics") is not None:
             record = {**record, "metrics": {**record["metrics"], "selection/made_ahead": float(ahead)}}
         return record
 
@@ -494,7 +495,7 @@ class DataSelection(Algorithm):
         """The four stages of composer_algos/data_selection/step.py on the pool `batch` of step `number`.
 
         Returns the batch to train on and the keyword arguments of `record_step` for the step.
-        `ahead`: made at the previous step's AFTER_TRAIN_BATCH (lookahead).
+        `ahead`: made at the previous step's AFTER_TRAIN_BATCH (select_ahead).
         """
         domain_N = batch[self.domain_key]
         pool_C = self._prepare(state, int(domain_N.shape[0]), domain_N)
@@ -507,25 +508,27 @@ class DataSelection(Algorithm):
         new_batch, t_exchange = self._redistribute(batch, problem, outcome, step)
         return new_batch, self._record(problem, outcome, new_batch, step, extra_values, adaptive_metrics, t_exchange)
 
-    # ------------------------------------------------------------------ lookahead
+    # ------------------------------------------------------------------ select_ahead
     def _wrap_loader(self, state: State) -> None:
         """FIT_START: the active (train) dataloader, wrapped so the next pool can be fetched early."""
-        if getattr(state, "fsdp_enabled", False):
+        world = dist.get_world_size()
+        if getattr(state, "fsdp_enabled", False) and world > 1:
             raise ValueError(
-                "algorithms.data_selection.lookahead: true is not supported under FSDP (fsdp_config): the next "
-                "pool's scoring pass would run between the backward and the optimizer step of sharded modules, "
-                "which is not verified; set lookahead: false, or train without FSDP"
+                f"algorithms.data_selection.select_ahead: true is not supported under FSDP (fsdp_config) on several "
+                f"ranks (world size {world}): the next pool's scoring pass would run between the backward and the "
+                "optimizer step of sharded modules, which is not verified (on one rank, where FSDP shards nothing, it "
+                "is); set select_ahead: false, or train without FSDP"
             )
         loader = state.dataloader
-        if loader is not None and not isinstance(loader, LookaheadLoader):
+        if loader is not None and not isinstance(loader, PeekableLoader):
             length = state.dataloader_len
-            wrapped = LookaheadLoader(loader, epoch=lambda: int(state.timestamp.epoch))
+            wrapped = PeekableLoader(loader, epoch=lambda: int(state.timestamp.epoch))
             state.set_dataloader(wrapped, state.dataloader_label, length if length is not None else -1)
 
     def _select_ahead(self, state: State) -> None:
         """AFTER_TRAIN_BATCH: the next step's selection, on its pool fetched now, while this step's backward runs."""
         loader = state.dataloader
-        if not isinstance(loader, LookaheadLoader) or not self._next_batch_follows(state):
+        if not isinstance(loader, PeekableLoader) or not self._next_batch_follows(state):
             return
         batch = loader.peek()
         if batch is None:
@@ -547,7 +550,7 @@ class DataSelection(Algorithm):
     def _pending_applies(self, state: State, pending: PendingSelection, number: int, batch: Mapping[str, Any]) -> bool:
         """Whether this step's pool is the one the pending selection was made for (on every rank, when several)."""
         loader = state.dataloader
-        fetched = pending.restored or (isinstance(loader, LookaheadLoader) and loader.yielded_ahead)
+        fetched = pending.restored or (isinstance(loader, PeekableLoader) and loader.yielded_ahead)
         ok = fetched and pending.matches(number, batch, self.domain_key)
         if dist.get_world_size() > 1:
             # All ranks use theirs or none does: a rank selecting alone would wait in the others' collectives.
@@ -980,8 +983,8 @@ class DataSelection(Algorithm):
         (exact for batch and epoch durations; with sample or token durations the current fraction)."""
         elapsed = state.get_elapsed_duration()
         frac = float(elapsed.value) if elapsed is not None else 0.0
-        limit = state.max_duration
-        if ahead and limit is not None and limit.unit == TimeUnit.BATCH:
+        limit = state.max_duration if ahead else None
+        if limit is not None and limit.unit == TimeUnit.BATCH:
             frac = (int(state.timestamp.batch) + 1) / int(limit.value)
         return self.start <= frac < self.end
 

@@ -79,7 +79,7 @@ class DataSelectionOptions:
     check_consistency: bool
     seed: int
     log_conflicts: bool
-    lookahead: bool = False
+    select_ahead: bool = False
 
     @functools.cached_property
     def validation_cfg(self) -> dict[str, Any]:
@@ -235,8 +235,8 @@ class DataSelectionOptions:
             )
         if not isinstance(self.log_conflicts, bool):
             problems.append(f"log_conflicts must be true or false, got {self.log_conflicts!r}")
-        if not isinstance(self.lookahead, bool):
-            problems.append(f"lookahead must be true or false, got {self.lookahead!r}")
+        if not isinstance(self.select_ahead, bool):
+            problems.append(f"select_ahead must be true or false, got {self.select_ahead!r}")
         return problems
 
 

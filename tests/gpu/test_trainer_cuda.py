@@ -43,6 +43,25 @@ def test_twenty_steps_amp_bf16_with_partitionsel(cuda, dolma_shards, tmp_path):
     trainer.close()
 
 
+def test_select_ahead_on_cuda_with_frozen_weights_picks_what_the_step_picks(cuda, dolma_shards, tmp_path):
+    """select_ahead: true under amp_bf16 on the GPU: the next step's selection made while the backward runs. With the
+    weights frozen (lr 1e-30) and features that do not read the optimizer, it must pick what selecting at the step
+    picks, every step; `selection/made_ahead` shows it was made ahead from the second step on."""
+    frozen = [*GPU_RUN, "max_duration=6ba", "optimizer.lr=1e-30", "algorithms.data_selection.features.normalization=none"]
+    hashes = {}
+    for mode in ("now", "ahead"):
+        extra = ["algorithms.data_selection.select_ahead=true"] if mode == "ahead" else []
+        cfg = load_config(TINY, tiny_overrides(dolma_shards, tmp_path / mode, "loggers.in_memory={}", *frozen, *extra))
+        trainer = train.build_trainer(cfg)
+        trainer.fit()
+        hashes[mode] = _series(trainer, "selection/selected_hash")
+        if mode == "ahead":
+            assert _series(trainer, "selection/made_ahead") == [0.0] + [1.0] * 5
+        assert _series(trainer, "selection/fallback") == [0.0] * 6
+        trainer.close()
+    assert len(hashes["now"]) == 6 and hashes["ahead"] == hashes["now"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

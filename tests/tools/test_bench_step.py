@@ -177,7 +177,7 @@ def test_long_batch_sets_the_rows_the_long_table_trains_and_its_floors(monkeypat
     monkeypatch.setattr(wc, "bench_long", fake_bench_long)
     monkeypatch.setattr(wc, "format_long_table", fake_table)
     args = argparse.Namespace(long_model="proportioned", long_batch=8, long_steps=3, device="cpu", op_sites=0,
-                              long_override=["optimizer.name=adamw"], ps_variants={})
+                              long_override=["optimizer.name=adamw"], ps_variants={}, long_fit_batches=1)
     bench_step.long_table(tmp_path, args, [2048], [2], [64], [])
     assert "global_train_batch_size=8" in seen["overrides"]
     assert "optimizer.name=adamw" in seen["overrides"]  # --long-override reaches every arm

@@ -56,7 +56,8 @@ def test_gpu_occupancy_ignores_ranges_mirrored_on_the_device():
     """Kineto mirrors a `record_function` range on the device as a user annotation from its first kernel to its
     last: a selection with a kernel at 1 ms and one at 99 ms is 2 ms busy, not 100 (the H200 run of 2026-11-27
     printed every stage 0% idle from these)."""
-    from profile_step import device_work, gpu_busy_by_stage
+    from profile_step import gpu_busy_by_stage
+    from step_audit import device_work
 
     ms = 1000.0
     events = [

@@ -1,6 +1,7 @@
 """Runs of train.py's trainer with Composer's FSDP on the CPU, in a process of their own (for tests).
 
 Usage: python -m tests.training.cpu_fsdp_runs OUT.json YAML RUNS.json
+       composer -n 2 --master_port P -m tests.training.cpu_fsdp_runs OUT.json YAML RUNS.json  (OUT.json.rank<r>)
 
 RUNS.json maps a run name to its list of overrides; OUT.json gets, per run, the per-step
 `selection/selected_hash` and `loss/train/total` (an in-memory logger is added), and `wrappers`: how
@@ -42,7 +43,15 @@ def main(argv: list[str]) -> None:
         # How Composer wrapped the model: FSDP units and activation-checkpoint wrappers, by class name.
         kinds = [type(m).__name__ for m in trainer.state.model.modules()]
         results[name]["wrappers"] = {k: kinds.count(k) for k in ("FullyShardedDataParallel", "CheckpointWrapper")}
+        _write(out_path, results)  # before close: a two-rank FSDP process on the CPU may crash at its teardown
         trainer.close()
+
+
+def _write(out_path: str, results: dict) -> None:
+    from composer.utils import dist
+
+    if dist.get_world_size() > 1:  # launched on several ranks (composer -n N -m ...): one file a rank
+        out_path = f"{out_path}.rank{dist.get_global_rank()}"
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)
 

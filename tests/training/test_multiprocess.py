@@ -84,3 +84,21 @@ def test_resumed_two_process_run_reproduces_selections_and_losses(dolma_shards, 
     for step in steps:
         assert b["loss/train/total"][step] == a["loss/train/total"][step]
         assert b["selection/selected_hash"][step] == a["selection/selected_hash"][step]
+
+
+@pytest.mark.timeout(400)
+def test_select_ahead_on_two_ranks_selects_identically_and_resumes_selecting_at_the_step(dolma_shards, tmp_path):
+    """select_ahead under global scope: both ranks make the next step's selection ahead, in the same collectives, and
+    pick the same rows; a resume (rank 0's checkpoint cannot hold the other rank's pending selection) selects its first
+    step at the step on both ranks, then goes on ahead."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = ["algorithms.data_selection.scope=global", "algorithms.data_selection.check_consistency=true",
+              "algorithms.data_selection.select_ahead=true", "max_duration=6ba"]
+    _launch(dolma_shards, full, *common, "save_interval=3ba")
+    _launch(dolma_shards, resumed, *common, f"load_path={full / 'ep0-ba3-rank0.pt'}")
+    for run, first in ((full, 0), (resumed, 3)):
+        r0, r1 = _metrics(run, 0), _metrics(run, 1)
+        expected = {s: float(s > first) for s in range(first, 6)}
+        assert r0["selection/made_ahead"] == expected == r1["selection/made_ahead"], run
+        assert r0["selection/selected_hash"] == r1["selection/selected_hash"] and len(r0["selection/selected_hash"]) == 6 - first
+        assert set(r0["selection/kept_samples"].values()) == {2.0} == set(r1["selection/kept_samples"].values())

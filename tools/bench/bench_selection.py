@@ -354,7 +354,7 @@ def _print_kernel_tables(args: argparse.Namespace, common: dict, loops: list[str
     read latency; the table, which kernels the rest is (on a CPU: the busiest ops, not a GPU's figure).
     """
     import torch
-    from profile_step import device_work
+    from step_audit import device_work
     from torch.profiler import ProfilerActivity, profile
 
     from composer_algos.selection import select_partitionsel

@@ -383,7 +383,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--long-fit-batches", type=int, default=1,
         help="batches a fit() call after the warm-up (default 1: arms alternate every step); a ps-variant with "
-        "algorithms.data_selection.lookahead=true needs 4 or more for its median step to be a steady one",
+        "algorithms.data_selection.select_ahead=true needs 4 or more for its median step to be a steady one",
     )
     parser.add_argument(
         "--long-model", choices=("proportioned", "llama1b", "llama1b_cpu"), default="proportioned",

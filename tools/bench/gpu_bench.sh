@@ -16,7 +16,7 @@
 #             64-token windows, amp_bf16, the recipe's optimizer (torch AdamW) and loader workers (4 a
 #             trainer; the recipe has 8: the pool's loading is prefetched): ps/random beside its FLOP
 #             floor (1.026 for the recipe) and the selection step's aten ops and syncs (target <= 1.05),
-#             selecting at the step (t=64) and with lookahead: true (64+la: the next step's selection made
+#             selecting at the step (t=64) and with select_ahead: true (64+la: the next step's selection made
 #             while this step's backward runs; 5 batches a fit() call after the warm-up, so the median step
 #             is a steady one). Three 1B trainers are resident (a fourth ran an H200 out of
 #             memory); compile_forward (no gain on the H200) is in step 5's profile, the device loop in
@@ -98,7 +98,7 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "1 step (llama1b, S=20
   --windows 64 --head-windows "" --long-batch 8 --long-steps 12 \
   --long-override optimizer.name=adamw --long-override optimizer.weight_decay=0.1 \
   --long-override train_loader.num_workers=4 --long-override train_loader.persistent_workers=true \
-  --long-fit-batches 5 --ps-variant "la:$PS.lookahead=true"
+  --long-fit-batches 5 --ps-variant "la:$PS.select_ahead=true"
 run_step "2 solver (n=2048, kappa=512, D=4096)" 160 2_solver.log \
   "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --compiled \
   --kernel-table --round-code "$OUT/2_round_code.py"
@@ -123,7 +123,7 @@ run_step "6 features (compiled forward)" 180 6_features.log \
   for row in "${SUMMARY[@]}"; do IFS='|' read -r name rc secs <<<"$row"; printf '%-45s rc %-8s %5s s\n' "$name" "$rc" "$secs"; done
   echo '```'
   echo
-  echo "### 1. Step cost at the recipe's shape (t=64: selecting at the step; 64+la: lookahead: true)"
+  echo "### 1. Step cost at the recipe's shape (t=64: selecting at the step; 64+la: select_ahead: true)"
   echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/1_step.log"; echo '```'
   echo "### 2. The exact OMP solve"
   echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  compiled rounds|^  one compiled round|^  cpu solve|^  kernels of one solve" "$OUT/2_solver.log"; echo '```'

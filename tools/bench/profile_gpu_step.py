@@ -102,10 +102,11 @@ def main(argv: list[str] | None = None) -> int:
 def _print_profile(name: str, prof, wall: float, steps: int, cuda: bool) -> None:
     """One arm's profile: its time a step, the GPU's events, the step's stages and (but random) the busiest ops."""
     import profile_step as ps
+    from step_audit import device_work
 
     print(f"\n===== {name}: {wall:.1f} ms a step (profiled, {steps} steps) =====")
     if cuda:
-        kernels = ps.device_work(prof.events())
+        kernels = device_work(prof.events())
         print(f"GPU: {sum(e.device_time for e in kernels) / 1000 / steps:.1f} ms of device events a step, "
               f"{len(kernels) / steps:.0f} events a step")
     print(ps.format_stages(ps._stage_totals(prof.events()), steps))

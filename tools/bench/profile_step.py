@@ -280,11 +280,6 @@ def _stage_totals(events) -> dict[str, float]:
 OCCUPANCY_STAGES = ("step", "selection", "selection/features", "selection/solve", "train")
 
 
-def device_work(events) -> list:
-    """The device events that are work (kernels, copies, memsets), not `record_function` ranges mirrored on the device."""
-    return [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)]
-
-
 def gpu_busy_by_stage(events, stages=OCCUPANCY_STAGES) -> dict[str, tuple[float, float]]:
     """``{stage: (host us, GPU-busy us)}`` summed over the stage's ranges: the time, within each range's host
     interval, during which at least one device event (a kernel, a copy, whoever launched it) was running.
@@ -295,6 +290,8 @@ def gpu_busy_by_stage(events, stages=OCCUPANCY_STAGES) -> dict[str, tuple[float,
     device as a user annotation spanning its first kernel's start to its last kernel's end, idle gaps
     included: those are not device work, and counting them made every annotated stage look fully busy.
     """
+    from step_audit import device_work
+
     kernels = sorted((e.time_range.start, e.time_range.end) for e in device_work(events) if e.time_range.end > e.time_range.start)
     merged: list[list[float]] = []
     for start, end in kernels:  # the union of the device intervals, in order

@@ -63,8 +63,8 @@ _TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
 _HERE = str(Path(__file__).resolve())
 
 __all__ = [
-    "OpCount", "StepAuditor", "StepCounts", "SyncAudit", "cuda_sync_count", "device_tensors_of", "format_counts",
-    "first_read", "format_op_sites", "op_site",
+    "OpCount", "StepAuditor", "StepCounts", "SyncAudit", "cuda_sync_count", "device_tensors_of", "device_work",
+    "format_counts", "first_read", "format_op_sites", "op_site",
 ]
 
 # Reading a device tensor's value on the host.
@@ -590,3 +590,8 @@ def first_read(counts: StepCounts) -> str:
         f"first host read after {ops} of {counts['ops']} aten ops ({kernels} of {counts['kernels']} launches):"
         f" {kind} {call} {site}"
     )
+
+
+def device_work(events) -> list:
+    """The device events that are work (kernels, copies, memsets), not `record_function` ranges mirrored on the device."""
+    return [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)]

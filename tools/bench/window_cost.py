@@ -214,9 +214,8 @@ def bench_long(
     fit_batches: int = 1,
     log=print,
 ) -> list[dict]:
-    """Measured rows at one S: per r, random and partitionsel at each window, stepped round robin.
-
-    After the warm-up each arm runs `fit_batches` batches a `fit()` call (`step_counts_while_warming_up`).
+    """Measured rows at one S: per r, random and partitionsel at each window, stepped round robin
+    (`fit_batches` batches a `fit()` call after the warm-up: `step_counts_while_warming_up`).
 
     Returns one dict per r: `S`, `r`, `random` (median s per step after the warm-up) and `ps`
     {label: (window, last_n_blocks, median s)}; `head_windows` adds lm_head-feature arms, and each
@@ -265,9 +264,7 @@ def bench_long(
             prepare_for_stepping(trainer)
             trainer.state.callbacks.append(timer)
             runs[key] = (trainer, timer)
-        counts = step_counts_while_warming_up(
-            runs, steps, WARMUP_STEPS, op_sites=op_sites, fit_batches=fit_batches, log=log
-        )
+        counts = step_counts_while_warming_up(runs, steps, WARMUP_STEPS, op_sites=op_sites, fit_batches=fit_batches, log=log)
         medians = {k: statistics.median(timer.times[WARMUP_STEPS:]) for k, (_t, timer) in runs.items()}
         for trainer, _timer in runs.values():
             trainer.close()
@@ -288,7 +285,7 @@ def step_counts_while_warming_up(
     """Step the trainers round robin `steps` times; the last warm-up step of each is counted.
 
     The warm-up steps are one `fit(duration="1ba")` call each; after them each arm runs `fit_batches` batches
-    a call (the last call fewer when they do not divide). More than one lets `lookahead: true` work as in
+    a call (the last call fewer when they do not divide). More than one lets `select_ahead: true` work as in
     a run: its selection for the next batch is made inside a call, so a call's first batch selects at the step
     and its last makes none ahead; with 4 or more a call, the median step is a steady one.
 

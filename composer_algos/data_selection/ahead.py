@@ -1,4 +1,4 @@
-"""`lookahead: true`: select the next step's subset while the accelerator still runs this step's backward.
+"""`select_ahead: true`: select the next step's subset while the accelerator still runs this step's backward.
 
 Composer 0.32 reads the device three times a batch (`iter_finished`, the batch size before the
 forwards, the loss after the optimizer step), so when `AFTER_DATALOADER` fires the accelerator has
@@ -7,7 +7,7 @@ solve's reads) on an idle device. `AFTER_TRAIN_BATCH` fires after the step's for
 are launched and before anything reads the device. A selection started there for the next pool
 runs its host work while the device works through the backward; its kernels queue behind it.
 
-`LookaheadLoader` wraps the trainer's active dataloader and fetches the next batch early on request
+`PeekableLoader` wraps the trainer's active dataloader and fetches the next batch early on request
 (`peek`); the batch is then the one Composer's loop receives next, unchanged. `PendingSelection`
 is the selection made ahead: the subset to train on, what the step logs, and a key of the pool
 it was made for, checked against the batch that arrives. Composer's checkpoints count batches by
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["LookaheadLoader", "PendingSelection", "pool_key"]
+__all__ = ["PeekableLoader", "PendingSelection", "pool_key"]
 
 _NOTHING = object()
 
 
-class LookaheadLoader:
+class PeekableLoader:
     """An iterable over `loader` whose current iterator can hand out its next batch early.
 
     Each `iter()` starts a new pass over `loader` (Composer makes one per epoch). `peek()` fetches

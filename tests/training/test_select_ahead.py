@@ -1,4 +1,4 @@
-"""`lookahead: true`: the next step's selection made at AFTER_TRAIN_BATCH, on the next pool fetched early."""
+"""`select_ahead: true`: the next step's selection made at AFTER_TRAIN_BATCH, on the next pool fetched early."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ import torch
 from composer.loggers import InMemoryLogger
 
 import train
-from composer_algos.data_selection.lookahead import LookaheadLoader, PendingSelection, pool_key
+from composer_algos.data_selection.ahead import PeekableLoader, PendingSelection, pool_key
 from pipeline.config import load_config
 from tests.common.paths import REPO_ROOT
 from tests.training.conftest import tiny_overrides
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
-AHEAD = "algorithms.data_selection.lookahead=true"
+AHEAD = "algorithms.data_selection.select_ahead=true"
 
 
 # ---------------------------------------------------------------- the loader
 def test_peeked_batch_is_yielded_next_and_once():
-    loader = LookaheadLoader([10, 11, 12])
+    loader = PeekableLoader([10, 11, 12])
     it = iter(loader)
     assert next(it) == 10 and not loader.yielded_ahead
     assert loader.peek() == 11 and loader.peek() == 11  # fetched once, kept
@@ -29,7 +29,7 @@ def test_peeked_batch_is_yielded_next_and_once():
 
 
 def test_a_new_pass_starts_over_and_ends_the_old_one():
-    loader = LookaheadLoader([1, 2, 3])
+    loader = PeekableLoader([1, 2, 3])
     assert loader.peek() is None  # no pass yet
     first = iter(loader)
     assert next(first) == 1 and loader.peek() == 2
@@ -45,7 +45,7 @@ def test_attributes_are_the_wrapped_loaders_and_a_distributed_sampler_gets_the_e
     data = list(range(8))
     sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
     epoch = [0]
-    loader = LookaheadLoader(DataLoader(data, batch_size=2, sampler=sampler), epoch=lambda: epoch[0])
+    loader = PeekableLoader(DataLoader(data, batch_size=2, sampler=sampler), epoch=lambda: epoch[0])
     assert loader.batch_size == 2 and loader.dataset is data
     first = [t.tolist() for t in loader]
     epoch[0] = 1
@@ -64,21 +64,25 @@ def test_pending_selection_matches_its_pool_only():
     assert restored.restored and restored.matches(4, pool, "domain_id")
 
 
-def test_lookahead_is_refused_under_fsdp():
+def test_select_ahead_is_refused_under_fsdp_on_several_ranks(monkeypatch):
+    """On one rank FSDP shards nothing and select_ahead selects as without it (tests/training/test_fsdp_one_rank.py)."""
     from types import SimpleNamespace
+
+    from composer.utils import dist
 
     from composer_algos.data_selection import DataSelection
 
-    algo = DataSelection(strategy="random", lookahead=True)
-    with pytest.raises(ValueError, match="lookahead: true is not supported under FSDP"):
+    algo = DataSelection(strategy="random", select_ahead=True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"not supported under FSDP \(fsdp_config\) on several ranks \(world size 2\)"):
         algo._wrap_loader(SimpleNamespace(fsdp_enabled=True, dataloader=[]))
 
 
-def test_a_non_bool_lookahead_is_refused_with_its_key():
+def test_a_non_bool_select_ahead_is_refused_with_its_key():
     from composer_algos.data_selection import DataSelection
 
-    with pytest.raises(ValueError, match="lookahead must be true or false, got 'yes'"):
-        DataSelection(strategy="random", lookahead="yes")
+    with pytest.raises(ValueError, match="select_ahead must be true or false, got 'yes'"):
+        DataSelection(strategy="random", select_ahead="yes")
 
 
 # ---------------------------------------------------------------- in training
@@ -115,7 +119,7 @@ def test_with_frozen_weights_the_selection_made_ahead_is_the_one_made_at_the_ste
     assert [t.tolist() for t in _traces(ahead, "selection/pool_sample_ids")] == pools_now  # no pool lost or repeated
 
 
-def test_training_with_lookahead_differs_from_selecting_at_the_step(dolma_shards, tmp_path):
+def test_training_with_select_ahead_differs_from_selecting_at_the_step(dolma_shards, tmp_path):
     """With learning, a selection made ahead sees weights one step older: the picks may differ, the pools do not."""
     now = _run(dolma_shards, tmp_path / "now", "max_duration=6ba")
     ahead = _run(dolma_shards, tmp_path / "ahead", "max_duration=6ba", AHEAD)
@@ -130,7 +134,7 @@ def test_training_with_lookahead_differs_from_selecting_at_the_step(dolma_shards
     assert any(loss_ahead[s] != loss_now[s] for s in range(1, 6))
 
 
-def test_a_lookahead_run_resumes_bitwise(dolma_shards, tmp_path):
+def test_a_select_ahead_run_resumes_bitwise(dolma_shards, tmp_path):
     common = ["loggers.in_memory={}", "eval_loader=null", AHEAD]
     full_cfg = load_config(
         TINY, tiny_overrides(dolma_shards, tmp_path / "full", *common, "max_duration=6ba", "save_interval=3ba")
