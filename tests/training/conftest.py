@@ -60,3 +60,26 @@ def tiny_overrides(shard_dir: Path, run_dir: Path, *extra: str) -> list[str]:
         "algorithms.data_selection.validation.batch_size=2",
         *extra,
     ]
+
+
+def full_and_resumed(shard_dir: Path, run_root: Path, *overrides: str, steps: int = 6, at: int = 3):
+    """Two runs of yamls/testing/tiny_dolma.yaml: `steps` batches with a checkpoint at batch `at`, and a
+    run resumed from that checkpoint to `steps`. Returns the (closed) full trainer and the resumed one."""
+    import train
+    from pipeline.config import load_config
+    from tests.common.paths import REPO_ROOT
+
+    tiny = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+    common = [*overrides, f"max_duration={steps}ba"]
+    full = train.build_trainer(
+        load_config(tiny, tiny_overrides(shard_dir, run_root / "full", *common, f"save_interval={at}ba"))
+    )
+    full.fit()
+    ckpt = run_root / "full" / f"ep0-ba{at}-rank0.pt"
+    assert ckpt.exists(), ckpt
+    full.close()
+    resumed = train.build_trainer(
+        load_config(tiny, tiny_overrides(shard_dir, run_root / "resumed", *common, f"load_path={ckpt}"))
+    )
+    resumed.fit()
+    return full, resumed

@@ -5,12 +5,7 @@ from __future__ import annotations
 import pytest
 from composer.loggers import InMemoryLogger
 
-import train
-from pipeline.config import load_config
-from tests.common.paths import REPO_ROOT
-from tests.training.conftest import tiny_overrides
-
-TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+from tests.training.conftest import full_and_resumed
 
 
 def _series(trainer, key):
@@ -32,21 +27,7 @@ WINDOW = [
 def test_mid_epoch_resume_matches_uninterrupted_run(strategy, extra, dolma_shards, tmp_path):
     # With random scoring windows the draw must come back on resume (it depends on seed and step only).
     common = ["loggers.in_memory={}", f"algorithms.data_selection.strategy={strategy}", "eval_loader=null", *extra]
-    full_cfg = load_config(
-        TINY, tiny_overrides(dolma_shards, tmp_path / "full", *common, "max_duration=6ba", "save_interval=3ba")
-    )
-    full = train.build_trainer(full_cfg)
-    full.fit()
-    ckpt = tmp_path / "full" / "ep0-ba3-rank0.pt"
-    assert ckpt.exists()
-    full.close()
-
-    resumed_cfg = load_config(
-        TINY,
-        tiny_overrides(dolma_shards, tmp_path / "resumed", *common, "max_duration=6ba", f"load_path={ckpt}"),
-    )
-    resumed = train.build_trainer(resumed_cfg)
-    resumed.fit()
+    full, resumed = full_and_resumed(dolma_shards, tmp_path, *common)
     assert resumed.state.timestamp.batch.value == 6
 
     loss_full, loss_res = _series(full, "loss/train/total"), _series(resumed, "loss/train/total")

@@ -10,7 +10,7 @@ import train
 from composer_algos.data_selection.ahead import PeekableLoader, PendingSelection, pool_key
 from pipeline.config import load_config
 from tests.common.paths import REPO_ROOT
-from tests.training.conftest import tiny_overrides
+from tests.training.conftest import full_and_resumed, tiny_overrides
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 AHEAD = "algorithms.data_selection.select_ahead=true"
@@ -135,19 +135,7 @@ def test_training_with_select_ahead_differs_from_selecting_at_the_step(dolma_sha
 
 
 def test_a_select_ahead_run_resumes_bitwise(dolma_shards, tmp_path):
-    common = ["loggers.in_memory={}", "eval_loader=null", AHEAD]
-    full_cfg = load_config(
-        TINY, tiny_overrides(dolma_shards, tmp_path / "full", *common, "max_duration=6ba", "save_interval=3ba")
-    )
-    full = train.build_trainer(full_cfg)
-    full.fit()
-    ckpt = tmp_path / "full" / "ep0-ba3-rank0.pt"
-    assert ckpt.exists()
-    full.close()
-    resumed = train.build_trainer(
-        load_config(TINY, tiny_overrides(dolma_shards, tmp_path / "resumed", *common, "max_duration=6ba", f"load_path={ckpt}"))
-    )
-    resumed.fit()
+    full, resumed = full_and_resumed(dolma_shards, tmp_path, "loggers.in_memory={}", "eval_loader=null", AHEAD)
     resumed.close()
     # Step 3's selection was made at step 2, before the checkpoint: the resumed run trains on it (made ahead).
     assert _series(resumed, "selection/made_ahead") == {3: 1.0, 4: 1.0, 5: 1.0}
