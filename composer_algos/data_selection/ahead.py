@@ -49,8 +49,10 @@ class PeekableLoader:
     def __iter__(self) -> Iterator:
         from torch.utils.data.distributed import DistributedSampler
 
-        sampler = getattr(self.loader, "sampler", None)
-        if self.epoch is not None and isinstance(sampler, DistributedSampler):
+        # Where Composer's trainer looks for one (its _get_distributed_sampler): the batch sampler, then the sampler.
+        samplers = (getattr(self.loader, "batch_sampler", None), getattr(self.loader, "sampler", None))
+        sampler = next((s for s in samplers if isinstance(s, DistributedSampler)), None)
+        if self.epoch is not None and sampler is not None:
             sampler.set_epoch(int(self.epoch()))
         self._it, self._ahead, self.yielded_ahead = iter(self.loader), _NOTHING, False
         return self._pass(self._it)
@@ -80,6 +82,10 @@ class PeekableLoader:
                 return None
         return self._ahead
 
+    def release(self) -> None:
+        """Drop the current pass and any batch fetched early (at the end of a fit)."""
+        self._it, self._ahead, self.yielded_ahead = None, _NOTHING, False
+
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]  # TypeError for an unsized loader, as Composer expects
 
@@ -107,6 +113,9 @@ class PendingSelection:
         batch: The subset to train on (what `state.batch` becomes).
         record: The keyword arguments of `record_step` for the step that trains on it.
         restored: Loaded from a checkpoint (the pool then comes from the loader, not from `peek`).
+        before: The algorithm's state before making it (`DataSelection._ahead_state`), to undo what making it
+            changed when it is not used; not checkpointed.
+        pool: The pool batch it was made from (the object the loader hands on); not checkpointed.
     """
 
     number: int
@@ -114,6 +123,8 @@ class PendingSelection:
     batch: dict[str, Any]
     record: dict[str, Any]
     restored: bool = False
+    before: dict[str, Any] | None = None
+    pool: Any = None
 
     def matches(self, number: int, batch: Mapping[str, Any], domain_key: str) -> bool:
         """Whether `batch`, arriving at step `number`, is the pool this selection was made from."""

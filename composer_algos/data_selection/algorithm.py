@@ -7,6 +7,7 @@ trained per step (this rank), C = domains, D = feature dimension.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import logging
 import math
@@ -163,9 +164,10 @@ class DataSelection(Algorithm):
             (composer_algos/data_selection/ahead.py). The selection's host work (launching the
             scoring pass, the solver's reads) then runs while the accelerator works through this
             step's backward, not on a device that Composer's per-step reads have drained. The
-            selection is the same function of its inputs, two of which are one step older: the
-            features are computed with this step's weights (before its optimizer step) and eta is
-            this step's learning rate. The first step, a step whose pool was not fetched early (the
+            selection is the same function of its inputs, three of which are one step older: the
+            features are computed with this step's weights and optimizer state (before its optimizer
+            step; with `normalization: adam_optimizer` the second step's selection finds no second
+            moments yet), and eta is this step's learning rate. The first step, a step whose pool was not fetched early (the
             epoch's or the run's last batch), and a resumed run's first step on several ranks
             select as usual. The pending selection is in the checkpoint, so a single-rank run
             resumes bitwise. Not under FSDP on several ranks (refused at the start of fit; not
@@ -257,7 +259,9 @@ class DataSelection(Algorithm):
     def match(self, event: Event, state: State) -> bool:
         if event in (Event.INIT, Event.AFTER_DATALOADER):
             return True
-        return self.select_ahead and self.strategy != "none" and event in (Event.FIT_START, Event.AFTER_TRAIN_BATCH)
+        return self.select_ahead and self.strategy != "none" and event in (
+            Event.FIT_START, Event.AFTER_TRAIN_BATCH, Event.FIT_END
+        )
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
@@ -266,10 +270,26 @@ class DataSelection(Algorithm):
             self._wrap_loader(state)
         elif event == Event.AFTER_TRAIN_BATCH:
             self._select_ahead(state)
+        elif event == Event.FIT_END:
+            if isinstance(state.dataloader, PeekableLoader):
+                state.dataloader.release()  # the pass's iterator (its workers) and any batch fetched early
         else:
             self._select(state, logger)
 
     def state_dict(self) -> dict[str, Any]:
+        pending = self._pending
+        if pending is not None and dist.get_world_size() > 1:
+            # The pending selection is not saved (rank 0's alone), so neither is what making it changed: the
+            # resumed run makes that step's selection again, from the state it had before.
+            now = self._ahead_state()
+            self._restore_ahead_state(pending.before)
+            try:
+                return self._state_dict()
+            finally:
+                self._restore_ahead_state(now)
+        return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["fallbacks"] = self.fallbacks
         sd["val_average"] = self.val_average.state_dict()
@@ -306,7 +326,15 @@ class DataSelection(Algorithm):
                 )
             self.capacity_policy.load_state_dict(saved)
         pending = state.get("pending")
-        self._pending = PendingSelection.from_state(pending) if pending is not None and dist.get_world_size() == 1 else None
+        usable = self.select_ahead and self.strategy != "none" and dist.get_world_size() == 1
+        if pending is not None and not usable:
+            log.warning(
+                "data_selection: the checkpoint holds a selection made ahead for step %s; this run (select_ahead %s, "
+                "strategy %r, world size %d) does not use it, and its state includes that selection's update (e.g. the "
+                "validation average) once more than an uninterrupted run's", pending.get("number"), self.select_ahead,
+                self.strategy, dist.get_world_size(),
+            )
+        self._pending = PendingSelection.from_state(pending) if pending is not None and usable else None
 
     @property
     def num_domains(self) -> int:
@@ -468,10 +496,13 @@ class DataSelection(Algorithm):
         self._check_batch(batch)
         number = int(state.timestamp.batch.value)
         pending, self._pending = self._pending, None
-        if pending is not None and self._pending_applies(state, pending, number, batch):
+        if self._pending_applies(state, pending, number, batch):
+            assert pending is not None
             state.batch = pending.batch
             record_step(logger, **self._noting_ahead(pending.record, True))
             return
+        if pending is not None and pending.before is not None:
+            self._restore_ahead_state(pending.before)  # what making it changed, undone: the step selects anew
         state.batch, record = self._selection(state, batch, number)
         record_step(logger, **self._noting_ahead(record, False))
 
@@ -519,6 +550,17 @@ class DataSelection(Algorithm):
                 "optimizer step of sharded modules, which is not verified (on one rank, where FSDP shards nothing, it "
                 "is); set select_ahead: false, or train without FSDP"
             )
+        if world > 1 and state.dataloader_len is None:
+            raise ValueError(
+                "algorithms.data_selection.select_ahead: true on several ranks needs a train loader with a length "
+                "(every rank must know, without reading the device, that a batch follows before it selects for it)"
+            )
+        if world > 1 and getattr(state, "auto_microbatching", False):
+            raise ValueError(
+                "algorithms.data_selection.select_ahead: true is not supported with device_train_microbatch_size: auto "
+                "on several ranks (a rank retrying its microbatches after an out-of-memory error would meet the others "
+                "in the selection's collectives); set a fixed device_train_microbatch_size, or select_ahead: false"
+            )
         loader = state.dataloader
         if loader is not None and not isinstance(loader, PeekableLoader):
             length = state.dataloader_len
@@ -530,13 +572,51 @@ class DataSelection(Algorithm):
         loader = state.dataloader
         if not isinstance(loader, PeekableLoader) or not self._next_batch_follows(state):
             return
+        number = int(state.timestamp.batch.value) + 1
+        if self._pending is not None and self._pending.number == number:
+            return  # AFTER_TRAIN_BATCH again for this batch (Composer retrying its microbatches): made already
         batch = loader.peek()
         if batch is None:
+            if dist.get_world_size() > 1:  # the others select for a batch this rank does not have
+                raise RuntimeError(
+                    f"data_selection select_ahead: the train loader of rank {dist.get_global_rank()} ended before "
+                    f"the {len(loader)} batches it has (the ranks' loaders must yield equally many batches)"
+                )
             return
         self._check_batch(batch)
-        number = int(state.timestamp.batch.value) + 1
-        new_batch, record = self._selection(state, batch, number, ahead=True)
-        self._pending = PendingSelection(number, pool_key(batch, self.domain_key), new_batch, record)
+        before = self._ahead_state()
+        try:
+            new_batch, record = self._selection(state, batch, number, ahead=True)
+        except torch.OutOfMemoryError as e:
+            self._restore_ahead_state(before)
+            if dist.get_world_size() > 1:  # not an OOM of the training step: auto microbatching must not retry it
+                raise RuntimeError(f"data_selection select_ahead: out of memory selecting for step {number}") from e
+            log.warning("data_selection step %d: out of memory selecting ahead (%s); selecting at the step", number, e)
+            return
+        self._pending = PendingSelection(number, pool_key(batch, self.domain_key), new_batch, record, before=before, pool=batch)
+
+    def _ahead_state(self) -> dict[str, Any]:
+        """What making a selection changes in the algorithm's state, as it is now (references and small copies;
+        no read of the device): `_restore_ahead_state` puts it back."""
+        ext = self.extractor
+        return {
+            "val_average": self.val_average.snapshot(),
+            "simulated": ext.simulated.snapshot() if ext is not None else None,
+            "last_step": ext.last_step if ext is not None else None,
+            "capacity_policy": copy.deepcopy(self.capacity_policy) if self.capacity_policy.stateful else None,
+            "fallbacks": self.fallbacks,
+            "stale_gbar": (self._stale_gbar, self._stale_gbar_shared),
+        }
+
+    def _restore_ahead_state(self, saved: Mapping[str, Any]) -> None:
+        self.val_average.restore(saved["val_average"])
+        if self.extractor is not None and saved["simulated"] is not None:
+            self.extractor.simulated.restore(saved["simulated"])
+            self.extractor.last_step = saved["last_step"]
+        if saved["capacity_policy"] is not None:
+            self.capacity_policy = saved["capacity_policy"]
+        self.fallbacks = saved["fallbacks"]
+        self._stale_gbar, self._stale_gbar_shared = saved["stale_gbar"]
 
     def _next_batch_follows(self, state: State) -> bool:
         """Whether this epoch and the run go on to another batch (as far as the batch counts tell)."""
@@ -547,22 +627,42 @@ class DataSelection(Algorithm):
         limit = state.max_duration
         return not (limit is not None and limit.unit == TimeUnit.BATCH and int(ts.batch) + 1 >= int(limit.value))
 
-    def _pending_applies(self, state: State, pending: PendingSelection, number: int, batch: Mapping[str, Any]) -> bool:
-        """Whether this step's pool is the one the pending selection was made for (on every rank, when several)."""
-        loader = state.dataloader
-        fetched = pending.restored or (isinstance(loader, PeekableLoader) and loader.yielded_ahead)
-        ok = fetched and pending.matches(number, batch, self.domain_key)
-        if dist.get_world_size() > 1:
+    def _pending_applies(
+        self, state: State, pending: PendingSelection | None, number: int, batch: Mapping[str, Any]
+    ) -> bool:
+        """Whether this step's pool is the one the pending selection was made for (on every rank, when several).
+
+        The batch must be the very object fetched early: a `DataSpec` whose `batch_transforms` made another
+        one would be bypassed by the subset made from the untransformed pool (select_ahead then turns off).
+        """
+        collective = self.select_ahead and dist.get_world_size() > 1  # decided before anything can turn it off
+        if not self.select_ahead and pending is None:
+            return False
+        ok = False
+        if pending is not None:
+            loader = state.dataloader
+            fetched = pending.restored or (isinstance(loader, PeekableLoader) and loader.yielded_ahead)
+            ok = fetched and pending.matches(number, batch, self.domain_key)
+            if ok and not pending.restored and batch is not pending.pool:
+                ok = False
+                self._turn_ahead_off(
+                    "the batch the step received is not the pool fetched early (a DataSpec's batch_transforms?)"
+                )
+        if collective:
             # All ranks use theirs or none does: a rank selecting alone would wait in the others' collectives.
             flag = state.device.tensor_to_device(torch.tensor([int(ok)], dtype=torch.int64))
             dist.all_reduce(flag, reduce_operation="MIN")
             ok = bool(flag.item())
-        if not ok:
+        if not ok and pending is not None:
             log.warning(
                 "data_selection step %d: the selection made ahead (for step %d) does not match this step's pool; "
                 "selecting now", number, pending.number,
             )
         return ok
+
+    def _turn_ahead_off(self, why: str) -> None:
+        log.warning("data_selection: select_ahead turned off for the rest of the run: %s", why)
+        self.select_ahead = False
 
     def _begin_step(self, state: State, pool_C: torch.Tensor, pool_ids: Any, number: int, ahead: bool) -> _Step:
         """What this step runs and how: scope, seed, learning rate, strategy, which features it needs."""

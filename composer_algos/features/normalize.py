@@ -519,6 +519,14 @@ class SimulatedAdam:
         """Drop accumulated rows without updating (the call failed)."""
         self._sum, self._sum_sq, self._rows = {}, {}, {}
 
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The committed state as it is (`restore` puts it back; `_advance` replaces tensors, never writes into them)."""
+        return self.count, dict(self._m), dict(self._v)
+
+    def restore(self, snapshot: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:
+        self.count, self._m, self._v = snapshot[0], dict(snapshot[1]), dict(snapshot[2])
+        self.discard()
+
     def state_dict(self) -> dict:
         """Checkpointable state: the call count and per-layer moments (on CPU)."""
         return {

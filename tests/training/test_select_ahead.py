@@ -104,10 +104,19 @@ def _run(dolma_shards, run_dir, *extra):
     return trainer
 
 
-def test_with_frozen_weights_the_selection_made_ahead_is_the_one_made_at_the_step(dolma_shards, tmp_path):
-    """lr 1e-30 (below every weight's last bit) and features without the optimizer's state: the weights and every other input of a selection are the
-    same one step earlier, so the two modes must pick the same rows every step, and train on the same losses."""
-    common = ["max_duration=5ba", "optimizer.lr=1e-30", "algorithms.data_selection.features.normalization=none"]
+WINDOWED = [
+    "algorithms.data_selection.start=0.4", "algorithms.data_selection.interval=2",
+    "algorithms.data_selection.between=stale_topk",
+]
+
+
+@pytest.mark.parametrize("extra", [[], WINDOWED], ids=["every-step", "window-interval-stale"])
+def test_with_frozen_weights_the_selection_made_ahead_is_the_one_made_at_the_step(dolma_shards, tmp_path, extra):
+    """lr 1e-30 (below every weight's last bit) and features without the optimizer's state: the weights and every
+    other input of a selection are the same one step earlier, so the two modes must pick the same rows every step,
+    and train on the same losses. With a window from 0.4 of 5 steps, every second step selecting and stale top-k
+    between: a selection made ahead must judge the window at the step it is for (step 2 is the first in it)."""
+    common = ["max_duration=5ba", "optimizer.lr=1e-30", "algorithms.data_selection.features.normalization=none", *extra]
     now = _run(dolma_shards, tmp_path / "now", *common)
     ahead = _run(dolma_shards, tmp_path / "ahead", *common, AHEAD)
     made_ahead = _series(ahead, "selection/made_ahead")
@@ -143,3 +152,122 @@ def test_a_select_ahead_run_resumes_bitwise(dolma_shards, tmp_path):
         full_s, res_s = _series(full, key), _series(resumed, key)
         assert sorted(res_s) == [3, 4, 5]
         assert all(res_s[s] == full_s[s] for s in (3, 4, 5)), (key, res_s, full_s)
+
+
+def _ahead_trainer(dolma_shards, run_dir, *extra):
+    from composer_algos.data_selection.algorithm import find_data_selection
+
+    cfg = load_config(TINY, tiny_overrides(dolma_shards, run_dir, "loggers.in_memory={}", "eval_loader=null", *extra))
+    trainer = train.build_trainer(cfg)
+    return trainer, find_data_selection(trainer.state)
+
+
+AVERAGED = ["algorithms.data_selection.validation.average_beta=0.5", "max_duration=4ba"]
+
+
+def test_after_train_batch_twice_selects_ahead_once(dolma_shards, tmp_path):
+    """Composer runs a batch's microbatches again after an out-of-memory error in its optimizer step: the
+    selection made ahead at the first AFTER_TRAIN_BATCH stands, its state changes are not made twice."""
+    trainer, algo = _ahead_trainer(dolma_shards, tmp_path, AHEAD, *AVERAGED)
+    train_microbatches = trainer._train_microbatches
+
+    def twice(microbatches, loss_dict, **kwargs):
+        out = train_microbatches(microbatches, loss_dict, **kwargs)
+        if int(trainer.state.timestamp.batch) == 1:  # what _train_batch's retry does
+            for k in loss_dict:
+                loss_dict[k].zero_()
+            out = train_microbatches(microbatches, loss_dict, **kwargs)
+        return out
+
+    trainer._train_microbatches = twice
+    made = []
+    selection = algo._selection
+    algo._selection = lambda state, batch, number, **kw: made.append((number, kw.get("ahead", False))) or selection(
+        state, batch, number, **kw
+    )
+    trainer.fit()
+    trainer.close()
+    assert made == [(0, False), (1, True), (2, True), (3, True)]
+    assert algo.val_average.count == 4  # one update a trained step
+
+
+def test_a_discarded_selection_made_ahead_leaves_no_trace_in_the_state(dolma_shards, tmp_path, monkeypatch):
+    """When the pool that arrives is not the one a selection was made for, the step selects anew, from the state
+    before the discarded selection: the validation average counts each trained step once."""
+    trainer, algo = _ahead_trainer(dolma_shards, tmp_path, AHEAD, *AVERAGED)
+    matches = PendingSelection.matches
+    monkeypatch.setattr(PendingSelection, "matches", lambda self, number, *a: number != 2 and matches(self, number, *a))
+    trainer.fit()
+    trainer.close()
+    assert _series(trainer, "selection/made_ahead") == {0: 0.0, 1: 1.0, 2: 0.0, 3: 1.0}
+    assert algo.val_average.count == 4
+
+
+def test_a_checkpoint_on_several_ranks_holds_the_state_before_the_selection_made_ahead(dolma_shards, tmp_path, monkeypatch):
+    """Rank 0's checkpoint cannot hold every rank's pending selection, so a resumed run on several ranks makes it
+    again: the checkpoint must then hold the state from before it (one rank: the state after it, and it)."""
+    from composer.core import Callback
+    from composer.utils import dist
+
+    trainer, algo = _ahead_trainer(dolma_shards, tmp_path, AHEAD, *AVERAGED)
+    saved = {}
+
+    class AtBatchEnd(Callback):
+        def batch_end(self, state, logger):
+            if int(state.timestamp.batch) == 3:  # steps 0-2 trained, step 3's selection made
+                saved[1] = algo.state_dict()
+                with monkeypatch.context() as m:
+                    m.setattr(dist, "get_world_size", lambda: 2)
+                    saved[2] = algo.state_dict()
+
+    trainer.state.callbacks.append(AtBatchEnd())
+    trainer.fit()
+    trainer.close()
+    assert saved[1]["val_average"]["count"] == 4 and saved[1]["pending"]["number"] == 3
+    assert saved[2]["val_average"]["count"] == 3 and saved[2]["pending"] is None
+    assert algo.val_average.count == 4  # the swap for the checkpoint left the live state as it was
+
+
+def test_selecting_ahead_leaves_the_step_being_trained_untouched(dolma_shards, tmp_path):
+    """The selection for step 1 runs between step 0's backward and its optimizer step: step 0's update (weights and
+    optimizer state) must be bit for bit the one without select_ahead."""
+    from composer.core import Callback
+
+    def after_step_0(run_dir, *extra):
+        trainer, _ = _ahead_trainer(dolma_shards, run_dir, "max_duration=2ba", *extra)
+        got = {}
+
+        class AtBatchEnd(Callback):
+            def batch_end(self, state, logger):
+                if int(state.timestamp.batch) == 1:
+                    got["params"] = [p.detach().clone() for p in state.model.parameters()]
+                    opt_state = state.optimizers[0].state.values()
+                    got["moments"] = [v.clone() for s in opt_state for v in s.values() if torch.is_tensor(v)]
+
+        trainer.state.callbacks.append(AtBatchEnd())
+        trainer.fit()
+        trainer.close()
+        return got, trainer
+
+    ahead, trainer = after_step_0(tmp_path / "ahead", AHEAD)
+    now, _ = after_step_0(tmp_path / "now")
+    assert _series(trainer, "selection/made_ahead") == {0: 0.0, 1: 1.0}  # step 1's selection was made in step 0
+    assert len(ahead["params"]) == len(now["params"]) > 0 and len(ahead["moments"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(ahead["params"], now["params"]))
+    assert all(torch.equal(a, b) for a, b in zip(ahead["moments"], now["moments"]))
+
+
+def test_a_batch_transform_turns_select_ahead_off_and_the_run_selects_at_the_step(dolma_shards, tmp_path, caplog):
+    """A DataSpec whose batch_transforms makes a new batch: the subset made from the untransformed pool would bypass
+    it, so the step selects anew and select_ahead turns off: the run then trains exactly as one without it."""
+    runs = {}
+    for mode, extra in (("ahead", [AHEAD]), ("now", [])):
+        trainer, _ = _ahead_trainer(dolma_shards, tmp_path / mode, "max_duration=4ba", *extra)
+        trainer._train_data_spec.batch_transforms = lambda batch: dict(batch)
+        with caplog.at_level("WARNING"):
+            trainer.fit()
+        trainer.close()
+        runs[mode] = trainer
+    assert "select_ahead turned off for the rest of the run" in caplog.text
+    for key in ("selection/selected_hash", "loss/train/total"):
+        assert _series(runs["ahead"], key) == _series(runs["now"], key) and len(_series(runs["now"], key)) == 4
