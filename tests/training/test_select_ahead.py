@@ -78,6 +78,49 @@ def test_select_ahead_is_refused_under_fsdp_on_several_ranks(monkeypatch):
         algo._wrap_loader(SimpleNamespace(fsdp_enabled=True, dataloader=[]))
 
 
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"dataloader_len": None}, "needs a train loader with a length"),
+        ({"auto_microbatching": True}, "not supported with device_train_microbatch_size: auto on several ranks"),
+    ],
+    ids=["unsized-loader", "auto-microbatching"],
+)
+def test_select_ahead_on_several_ranks_refuses_what_it_cannot_coordinate(monkeypatch, state, message):
+    from types import SimpleNamespace
+
+    from composer.utils import dist
+
+    from composer_algos.data_selection import DataSelection
+
+    algo = DataSelection(strategy="random", select_ahead=True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    fields = {"fsdp_enabled": False, "dataloader": [], "dataloader_len": 3, "auto_microbatching": False, **state}
+    with pytest.raises(ValueError, match=message):
+        algo._wrap_loader(SimpleNamespace(**fields))
+
+
+def test_a_distributed_batch_sampler_gets_the_epoch_and_release_ends_the_pass():
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+    class DistributedBatches(DistributedSampler):  # a batch sampler that is a DistributedSampler
+        def __iter__(self):
+            return (batches[i] for i in super().__iter__())
+
+    sampler = DistributedBatches(batches, num_replicas=1, rank=0, shuffle=True, seed=5)
+    epoch = [3]
+    loader = PeekableLoader(DataLoader(list(range(8)), batch_sampler=sampler), epoch=lambda: epoch[0])
+    it = iter(loader)
+    assert sampler.epoch == 3  # Composer's _get_distributed_sampler looks at the batch sampler first, as here
+    next(it)
+    assert loader.peek() is not None
+    loader.release()
+    assert loader.peek() is None and list(it) == []
+
+
 def test_a_non_bool_select_ahead_is_refused_with_its_key():
     from composer_algos.data_selection import DataSelection
 
