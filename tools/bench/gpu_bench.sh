@@ -33,17 +33,18 @@
 #             (set_sync_debug_mode) for every strategy against the CPU emulation's budget
 #   4 optim   bench_optimizer.py: Composer's DecoupledAdamW against torch's fused AdamW, the same
 #             update, on Llama-3.2-1B's 146 tensors
-#   5 profile profile_gpu_step.py: stage tables of random, partitionsel and compiled at step 1's shape,
+#   5 profile profile_gpu_step.py: stage tables of random, partitionsel, compiled and select_ahead at step 1's
+#             shape (each arm's steps in one fit(), as a run steps),
 #             and their Chrome traces (where the GPU idles) in $OUT/traces.tgz; dynamo's
 #             perf hints and recompiles logged (TORCH_LOGS): why compile_forward might not replay a graph
 #   6 features  bench_features.py: the scoring pass eager (feat_sketch) and compiled (feat_compiled;
 #             mode reduce-overhead): times, aten ops and kernel launches, llama1b_cpu's structure and small
-# Measured on an H200 (seconds): step 1 about 130, step 2 about 30 each before the compiled rounds (their
-# Triton compilation not yet timed: capped at 160 and 120), step 3 about 55 (the compiled rounds' test
-# added since), step 4 about 20, step 5 about 160: the caps of steps 1-3 (200 + 160 + 120 + 160) exceed
-# the default deadline, so when the compilations run long, steps 4 and 5 are cut (GPU_BUDGET_S=720 runs
-# all); step 6 compiles for minutes and runs last, so with the default deadline it is cut short: give it
-# GPU_BUDGET_S=600 alone when its figures are wanted.
+# Measured on an H200 on 2026-11-27 (seconds): step 1 91-136, step 2 43 (compiled rounds and kernel tables
+# included), step 3 146, step 5 149 with three arms (about 200 with four); step 4 about 20 (2026-11-26). A lent
+# machine's 15 minutes hold about two of steps 1, 2, 3, 5 beside the start: pick them with GPU_STEPS (the
+# default deadline, 540 s, cuts the later steps otherwise; GPU_BUDGET_S=720 runs all); step 6 compiles for
+# minutes and runs last: give it GPU_BUDGET_S=600 alone when its figures are wanted. The machine returns few
+# files from $OUT (8 did): archive the logs (tar) before they come back.
 set -u
 
 T_START=$(date +%s)
@@ -132,7 +133,7 @@ run_step "6 features (compiled forward)" 180 6_features.log \
   echo "### 4. Optimizer step"
   echo '```'; grep -E "hidden|adamw|relative difference" "$OUT/4_optimizer.log"; echo '```'
   echo "### 5. Profile (host ms a step by stage, the GPU's busy and idle time within each; Chrome traces in traces.tgz)"
-  echo '```'; grep -E "^=====|^GPU:|^host wait|^  (selection|train|rest)|^    selection/(features|solve)|^stage \(host range\)|^(step|selection|selection/features|selection/solve|train) +[0-9]" "$OUT/5_profile.log"; echo '```'
+  echo '```'; grep -E "^=====|^GPU:|^host wait|^  (selection|train|rest)|^    selection/(features|solve|ahead)|^stage \(host range\)|^(step|selection|selection/features|selection/solve|train) +[0-9]" "$OUT/5_profile.log"; echo '```'
   echo "### 6. The scoring pass, eager and with the blocks below the cut compiled"
   echo '```'; grep -E "^\| (model|llama1b_cpu|small) \||feat_compiled /" "$OUT/6_features.log"; echo '```'
 } > "$OUT/bench_gpu_figures.md"

@@ -4,10 +4,12 @@
     python tools/bench/profile_gpu_step.py --trace-dir /tmp/tr # also a Chrome trace of each arm's profiled steps
     python tools/bench/profile_gpu_step.py --smoke             # a CPU run of the path at S = 256 (not a measurement)
 
-Three arms, built and profiled one after the other (each 4 warm-up steps, then `--steps` profiled):
-random, partitionsel with 64-token windows at random positions (eager scoring pass), and the same with
-`features.compile_forward: true`; amp_bf16, the 1B recipe's optimizer (torch's AdamW) and 4 loader
-workers in all three.
+Four arms, built and profiled one after the other (each one `fit()` of 4 warm-up steps, `--steps`
+profiled and one more, so that every profiled step is a steady one): random, partitionsel with 64-token
+windows at random positions (eager scoring pass), the same with `features.compile_forward: true`, and
+the same with `select_ahead: true` (its selection for the next step runs inside the training stage,
+under `selection/ahead`); amp_bf16, the 1B recipe's optimizer (torch's AdamW) and 4 loader workers in
+all four.
 For each: wall milliseconds a step under the profiler, the GPU time and count of its kernels, the
 stage table of `tools/bench/profile_step.py` (host milliseconds a step: selection, features, solve, train,
 the rest), on CUDA how long the GPU was busy and idle within the host ranges of the step, the selection,
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         "random": [f"{sel}.strategy=random"],
         "partitionsel": [f"{sel}.strategy=partitionsel"],
         "partitionsel+compiled": [f"{sel}.strategy=partitionsel", f"{sel}.features.compile_forward=true"],
+        "partitionsel+ahead": [f"{sel}.strategy=partitionsel", f"{sel}.select_ahead=true"],
     }
     window = [f"{sel}.features.score_window=64", f"{sel}.features.score_window_position=random"]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -78,25 +81,64 @@ def main(argv: list[str] | None = None) -> int:
         trainer = train.build_trainer(load_config(wc.LONG_YAML, overrides))
         prepare_for_stepping(trainer)
         ps._instrument(trainer)
-        for _ in range(4 if cuda else 1):
-            trainer.fit(duration="1ba")
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                with record_function("step"):
-                    trainer.fit(duration="1ba")
-            if cuda:
-                torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / steps * 1000
-        _print_profile(name, prof, wall, steps, cuda)
+        prof = profile(activities=activities)
+        profiled = _ProfiledSteps(prof, first=4 if cuda else 1, steps=steps, cuda=cuda, record_function=record_function)
+        trainer.state.callbacks.append(profiled.callback)
+        trainer.fit(duration=f"{profiled.first + steps + 1}ba")  # the last step makes the profiled last one's ahead
+        _print_profile(name, prof, profiled.wall_ms / steps, steps, cuda)
         if args.trace_dir is not None:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(args.trace_dir / f"{name}.json"))
         trainer.close()
         del trainer
     return 0
+
+
+class _ProfiledSteps:
+    """A Composer callback: the profiler runs over batches `first` to `first + steps - 1` of one fit, each in a
+    `step` range from asking the loader for it to its end, and `wall_ms` is their wall time."""
+
+    def __init__(self, prof, *, first: int, steps: int, cuda: bool, record_function) -> None:
+        from composer.core import Callback
+
+        self.prof, self.first, self.steps, self.cuda = prof, first, steps, cuda
+        self.wall_ms, self._t0, self._range = 0.0, 0.0, None
+        outer = self
+
+        class Window(Callback):  # a Callback subclass built here: Composer loads only when the tool runs
+            def before_dataloader(self, state, logger) -> None:
+                outer._begin(int(state.timestamp.batch), record_function)
+
+            def batch_end(self, state, logger) -> None:
+                outer._end(int(state.timestamp.batch))
+
+        self.callback = Window()
+
+    def _begin(self, batch: int, record_function) -> None:
+        if not self.first <= batch < self.first + self.steps:
+            return
+        if batch == self.first:
+            self._sync()
+            self.prof.start()
+            self._t0 = time.perf_counter()
+        self._range = record_function("step")
+        self._range.__enter__()
+
+    def _end(self, batch: int) -> None:  # the timestamp has counted the batch by BATCH_END
+        if self._range is None:
+            return
+        self._range.__exit__(None, None, None)
+        self._range = None
+        if batch == self.first + self.steps:
+            self._sync()
+            self.wall_ms = (time.perf_counter() - self._t0) * 1000
+            self.prof.stop()
+
+    def _sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
 
 
 def _print_profile(name: str, prof, wall: float, steps: int, cuda: bool) -> None:

@@ -68,6 +68,7 @@ STAGES = [
     ("train/model/below_cut", 3),
     ("train/model/target_blocks", 3),
     ("train/model/lm_head", 3),
+    ("selection/ahead", 2),  # select_ahead: the next step's selection, inside the training stage (its parts above)
 ]
 
 
@@ -185,6 +186,7 @@ def _instrument(trainer) -> None:
     for name, label in (("build_objective", "solve/gram"), ("omp_select", "solve/omp")):
         setattr(ps_mod, name, _ranged(getattr(ps_mod, name), label))
     alg_mod.DataSelection._select = _ranged(alg_mod.DataSelection._select, "selection")
+    alg_mod.DataSelection._select_ahead = _ranged(alg_mod.DataSelection._select_ahead, "selection/ahead")
     alg_mod.DataSelection._features = _ranged(alg_mod.DataSelection._features, "selection/features")
     ValidationSource.batch_for_step = _ranged(ValidationSource.batch_for_step, "selection/validation_draw")
     features = GradFeatureExtractor._features_of
@@ -277,7 +279,7 @@ def _stage_totals(events) -> dict[str, float]:
 
 # The stages whose GPU occupancy `gpu_busy_by_stage` reports: the selection and its two costly parts, the
 # training (forward, backward, optimizer) and the whole step.
-OCCUPANCY_STAGES = ("step", "selection", "selection/features", "selection/solve", "train")
+OCCUPANCY_STAGES = ("step", "selection", "selection/features", "selection/solve", "train", "selection/ahead")
 
 
 def gpu_busy_by_stage(events, stages=OCCUPANCY_STAGES) -> dict[str, tuple[float, float]]:
