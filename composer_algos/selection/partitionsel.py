@@ -87,12 +87,13 @@ class PartitionSelOptions:
             end; a round that needs a Lawson-Hanson drop or a KKT re-entry is repaired with reads
             of its own, one that needs a slow refit or a float64 promotion sets a flag and the host
             loop then runs from the start; about 60 launches a pick. On an H200 at n = 2048,
-            kappa = 512, before the repairs: host 122 ms, device 168 ms (a drop handed it back), cpu
-            86 ms, the same picks (docs/results/bench_gpu.md); the default stays the host loop until the
-            recipes' shape tells them apart. ``"device_compiled"``: the device loop with each round
-            compiled (``torch.compile``, static shapes, one compilation per pool size and kappa): the
-            same picks but among near-ties, in a few fused kernels a round instead of about 60 (on
-            CUDA still recorded as one CUDA graph); not yet timed on a GPU
+            kappa = 512, seed 0 (2 drops, repaired on the device): host 96.6 ms, device 68.5 ms,
+            cpu 71.0 ms, the same picks (docs/results/bench_gpu.md, 2026-11-27); the default stays the
+            host loop until the recipes' shape tells them apart (at 8 rows a rank a solve is a few
+            picks). ``"device_compiled"``: the device loop with each round compiled
+            (``torch.compile``, static shapes, one compilation per pool size and kappa): the same
+            picks but among near-ties, 12 fused kernels a round on CUDA (3 on a CPU) instead of
+            about 60, recorded as one CUDA graph: 28.6 ms on the same H200 instance
             (``tools/bench/bench_selection.py --compiled``: "exact, compiled rounds"). Other settings than
             those named always use the host loop.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
