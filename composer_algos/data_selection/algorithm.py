@@ -167,11 +167,14 @@ class DataSelection(Algorithm):
             selection is the same function of its inputs, three of which are one step older: the
             features are computed with this step's weights and optimizer state (before its optimizer
             step; with `normalization: adam_optimizer` the second step's selection finds no second
-            moments yet), and eta is this step's learning rate. The first step, a step whose pool was not fetched early (the
-            epoch's or the run's last batch), and a resumed run's first step on several ranks
-            select as usual. The pending selection is in the checkpoint, so a single-rank run
-            resumes bitwise. Not under FSDP on several ranks (refused at the start of fit; not
-            verified); under FSDP on one rank it selects what it selects without FSDP.
+            moments yet), and eta is this step's learning rate. The first step, a step whose pool
+            was not fetched early (the epoch's or the run's last batch), and a resumed run's first
+            step on several ranks select as usual; a selection made ahead and not used is undone
+            (the state it changed is put back). The pending selection is in the checkpoint, so a
+            single-rank run resumes bitwise. Refused at the start of fit on several ranks under
+            FSDP (not verified; on one rank it selects what it selects without FSDP), with
+            automatic microbatching, or with an unsized loader. A `DataSpec` whose
+            `batch_transforms` build a new batch turns it off (with a warning).
             docs/results/bench_gpu.md measures what it saves.
 
     Raises:
