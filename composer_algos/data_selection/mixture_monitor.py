@@ -33,6 +33,7 @@ SELECTION_LOG_COLUMNS = (
     "kept_tokens",
     "fallback",
     "selected_hash",
+    "made_ahead",  # select_ahead: 1 when the step trained on a selection made at the previous step
 )
 
 
@@ -253,9 +254,9 @@ class MixtureMonitor(LoggerDestination):
             header += [f"capacity/{n}" for n in self.domain_names]
             rows: list[list[str]] = []
             if self._resumed and path.exists():
-                with open(path, newline="") as f:
-                    rows = [r for r in csv.reader(f)][1:]
-                rows = [r for r in rows if r and int(r[0]) < step]
+                with open(path, newline="") as f:  # by column name: a log written with fewer columns keeps its values
+                    rows = [[r.get(col) or "" for col in header] for r in csv.DictReader(f)]
+                rows = [r for r in rows if r[0] and int(r[0]) < step]
             self._sel_csv = open(path, "w", newline="")
             self._sel_writer = csv.writer(self._sel_csv)
             self._sel_writer.writerow(header)

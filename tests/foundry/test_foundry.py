@@ -277,3 +277,31 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(foundry_run, dolma_shards, tm
     full, resumed = _hashes(run_dir), _hashes(resumed_dir)
     assert sorted(resumed) == list(range(10, STEPS))
     assert resumed == {step: full[step] for step in resumed}
+
+
+def _column(run_dir: Path, name: str) -> dict[int, str]:
+    with open(run_dir / "selection_log.csv", newline="") as f:
+        return {int(row["step"]): row[name] for row in csv.DictReader(f)}
+
+
+@pytest.mark.timeout(900)
+def test_select_ahead_under_llmfoundry_selects_as_under_train_py(dolma_shards, tmp_path):
+    """`select_ahead: true` through llm-foundry's trainer: the next step's selection is made ahead from the second
+    step on, and every step selects the rows train.py's run with select_ahead selects (same shards, seed, settings)."""
+    import train
+
+    ahead, steps = "algorithms.data_selection.select_ahead=true", 6
+    run_dir = tmp_path / "foundry"
+    _llmfoundry_train(dolma_shards, run_dir, ahead, f"max_duration={steps}ba")
+    cfg = load_run_config(
+        TINY_TRAIN_PY,
+        [f"variables.shard_dir={dolma_shards}", f"variables.max_seq_len={SEQ_LEN}", f"save_folder={tmp_path / 'train_py'}",
+         "eval_loader=null", f"max_duration={steps}ba", "python_log_level=warning", ahead],
+    )
+    trainer = train.build_trainer(cfg)
+    trainer.fit()
+    trainer.close()
+    made = {step: float(v) for step, v in _column(run_dir, "made_ahead").items()}
+    assert made == {0: 0.0, **{s: 1.0 for s in range(1, steps)}}
+    ours, theirs = _hashes(tmp_path / "train_py"), _hashes(run_dir)
+    assert len(ours) == steps and theirs == ours

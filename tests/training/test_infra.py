@@ -290,3 +290,37 @@ def test_datasets_of_two_jobs_starting_together_register_distinct_prefixes(monke
         t.join(timeout=120)
     assert not errors, errors
     assert made[0]._shm_prefix_int != made[1]._shm_prefix_int
+
+
+def test_an_autoresumed_run_keeps_a_selection_log_written_with_fewer_columns(dolma_shards, tmp_path):
+    """A run resumed under a version whose selection_log.csv has a column more (`made_ahead`) keeps the first
+    run's rows by column name: their values stay under their own headers."""
+    import csv
+
+    run = tmp_path / "auto"
+    args = tiny_overrides(
+        dolma_shards, run, "eval_loader=null", "autoresume=true", "max_duration=4ba", "save_interval=2ba",
+        "run_name=autoresume-columns",
+    )
+    first = train.build_trainer(load_config(TINY, args))
+    first.fit(duration="2ba")
+    first.close()
+    path = run / "selection_log.csv"
+    with open(path, newline="") as f:
+        old = [row for row in csv.DictReader(f)]
+    header = [c for c in old[0] if c != "made_ahead"]  # the log as the version before the column wrote it
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(old)
+    second = train.build_trainer(load_config(TINY, args))
+    second.fit()
+    second.close()
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    for before, after in zip(old, rows[:2]):
+        assert {k: after[k] for k in header} == {k: before[k] for k in header}
+        assert after["made_ahead"] == ""
+    mixture = [k for k in header if k.startswith("mixture/")]
+    assert all(abs(sum(float(r[k]) for k in mixture) - 1.0) < 1e-6 for r in rows)
