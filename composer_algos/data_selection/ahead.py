@@ -131,29 +131,16 @@ class PendingSelection:
         if number != self.number:
             return False
         key = pool_key(batch, domain_key)
-        return key.keys() == self.key.keys() and all(
-            key[k].shape == self.key[k].shape and torch.equal(key[k], self.key[k]) for k in key
-        )
+        return key.keys() == self.key.keys() and all(torch.equal(key[k], self.key[k]) for k in key)
 
     def state_dict(self) -> dict[str, Any]:
         """Host copies of everything (one read of the device at checkpoint time)."""
-        return {
-            "number": self.number,
-            "key": self.key,
-            "batch": _to_cpu(self.batch),
-            "record": _to_cpu(self.record),
-        }
+        from composer.devices import DeviceCPU
+
+        host = DeviceCPU().batch_to_device  # every tensor in nested mappings and sequences, the rest as it is
+        return {"number": self.number, "key": self.key, "batch": host(self.batch), "record": host(self.record)}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> PendingSelection:
         return cls(int(state["number"]), dict(state["key"]), dict(state["batch"]), dict(state["record"]), restored=True)
 
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, Mapping):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value

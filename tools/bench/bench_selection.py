@@ -354,7 +354,7 @@ def _print_kernel_tables(args: argparse.Namespace, common: dict, loops: list[str
     read latency; the table, which kernels the rest is (on a CPU: the busiest ops, not a GPU's figure).
     """
     import torch
-    from step_audit import device_work
+    from step_audit import device_busy_intervals, device_work
     from torch.profiler import ProfilerActivity, profile
 
     from composer_algos.selection import select_partitionsel
@@ -372,14 +372,10 @@ def _print_kernel_tables(args: argparse.Namespace, common: dict, loops: list[str
         with profile(activities=activities) as prof:
             solve()
         wall_ms = (time.perf_counter() - t0) * 1e3
-        work = sorted((e.time_range.start, e.time_range.end) for e in device_work(prof.events()))
-        busy, reach = 0.0, float("-inf")
-        for start, end in work:  # the union of the device intervals
-            busy += max(0.0, end - max(start, reach))
-            reach = max(reach, end)
+        busy = sum(end - start for start, end in device_busy_intervals(prof.events()))
         print(
             f"\n  kernels of one solve, solver_loop {loop}: {wall_ms:.1f} ms wall (profiled), device busy"
-            f" {busy / 1e3:.1f} ms, {len(work)} device events"
+            f" {busy / 1e3:.1f} ms, {len(device_work(prof.events()))} device events"
         )
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60))

@@ -292,15 +292,9 @@ def gpu_busy_by_stage(events, stages=OCCUPANCY_STAGES) -> dict[str, tuple[float,
     device as a user annotation spanning its first kernel's start to its last kernel's end, idle gaps
     included: those are not device work, and counting them made every annotated stage look fully busy.
     """
-    from step_audit import device_work
+    from step_audit import device_busy_intervals
 
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in device_work(events) if e.time_range.end > e.time_range.start)
-    merged: list[list[float]] = []
-    for start, end in kernels:  # the union of the device intervals, in order
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
+    merged = device_busy_intervals(events)
     out: dict[str, tuple[float, float]] = {}
     for e in events:
         if e.name not in stages or e.device_type.name == "CUDA":

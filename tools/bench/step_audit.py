@@ -63,7 +63,7 @@ _TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
 _HERE = str(Path(__file__).resolve())
 
 __all__ = [
-    "OpCount", "StepAuditor", "StepCounts", "SyncAudit", "cuda_sync_count", "device_tensors_of", "device_work",
+    "OpCount", "StepAuditor", "StepCounts", "SyncAudit", "cuda_sync_count", "device_busy_intervals", "device_tensors_of", "device_work",
     "format_counts", "first_read", "format_op_sites", "op_site",
 ]
 
@@ -595,3 +595,16 @@ def first_read(counts: StepCounts) -> str:
 def device_work(events) -> list:
     """The device events that are work (kernels, copies, memsets), not `record_function` ranges mirrored on the device."""
     return [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)]
+
+
+def device_busy_intervals(events) -> list[tuple[float, float]]:
+    """The union of `device_work(events)`'s time ranges, as disjoint (start, end) intervals in order."""
+    merged: list[list[float]] = []
+    for start, end in sorted((e.time_range.start, e.time_range.end) for e in device_work(events)):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
