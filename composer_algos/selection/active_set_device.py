@@ -25,30 +25,37 @@ The arithmetic of a round is the host loop's (the same products over every slot:
 `full_width` form), so the picks are the host loop's up to the rounding of the final refactorisation,
 which may decide among near-ties (tests/selection/test_active_set_device.py compares them). Every
 round has the same shapes and no host read, and updates its state in place: on CUDA (from
-`GRAPH_MIN_ROUNDS` picks) the first round runs eagerly, the second is recorded as a CUDA graph and the
-rest replay it, one launch a round instead of about 60 (issue 31.3's 10 ms at n = 2048, kappa = 512
-needs that, and the round's kernels fused, `compile`; on an H200 the graphed rounds equal the eager ones
-bit for bit, docs/results/bench_gpu.md). After a repair the rounds also check the elements at weight
-zero (one reduction more), recorded as a second graph.
+`GRAPH_MIN_ROUNDS` picks) the first round runs eagerly, then `ROUNDS_PER_GRAPH` rounds are recorded as
+one CUDA graph and replayed (a one-round graph takes a batch's remainder): one launch for 16 rounds of
+about 60 kernels each (on an H200 the graphed rounds equal the eager ones bit for bit,
+docs/results/bench_gpu.md). Issue 31.3's 10 ms at n = 2048, kappa = 512 also needs fewer kernels a round:
+`compile` fuses them into 12 on CUDA, `triton` runs three hand-written ones (`omp_triton`). After a
+repair the rounds also check the elements at weight zero (one reduction more), recorded as other graphs.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from composer_algos.selection.active_set import drop_slot, first_to_zero
+from composer_algos.selection.omp_triton import TritonRound, kernels_available
 
-__all__ = ["GRAPH_MIN_ROUNDS", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
+__all__ = ["GRAPH_MIN_ROUNDS", "ROUNDS_PER_GRAPH", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
 
-# From this many rounds the CUDA rounds are recorded once as a CUDA graph and replayed: recording costs
-# about what a few eager rounds launch, and every replayed round saves about 60 launches.
+# From this many rounds the CUDA rounds are recorded as CUDA graphs and replayed: recording costs about what
+# a few eager rounds launch, and every replayed round saves about 60 launches.
 GRAPH_MIN_ROUNDS = 16
 # Rounds between two host reads: a round frozen for a repair wastes at most this many rounds of device
 # work, and a solve without one reads ceil(k / ROUNDS_PER_READ) times (once at the recipes' 8 picks a rank).
 ROUNDS_PER_READ = 64
+# Rounds one CUDA graph holds: a replay costs the host about 10 us whatever it holds, which at a few kernels a
+# round is more than the round's GPU time, so a graph holds this many rounds (a batch's remainder replays a
+# one-round graph). Recording is one more capture of a few launches a round.
+ROUNDS_PER_GRAPH = 16
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ def omp_exact_on_device(
     *,
     graph: bool | None = None,
     compile: bool = False,
+    triton: bool = False,
     rounds_per_read: int = ROUNDS_PER_READ,
 ) -> DeviceOMPResult:
     """Greedy OMP over the partition matroid with the exact NNLS refit, rounds without a host read (module docstring).
@@ -129,32 +137,40 @@ def omp_exact_on_device(
         k: rounds, ``1 <= k <= N``.
         ridge_abs: the absolute ridge (a float, or a device scalar to avoid reading it).
         grad_tol: 0-dim tensor; gradients at or below it count as zero.
-        graph: run the rounds as a CUDA graph replayed after an eager first round (`_Rounds`: one
-            launch a round instead of about 60); None: on CUDA from `GRAPH_MIN_ROUNDS` rounds. The same
-            kernels as the eager rounds, so the same result.
+        graph: run the rounds as CUDA graphs of `ROUNDS_PER_GRAPH` rounds replayed after an eager first
+            round (`_Rounds`: one launch for 16 rounds instead of about 60 a round); None: on CUDA from
+            `GRAPH_MIN_ROUNDS` rounds. The same kernels as the eager rounds, so the same result.
         compile: run each round as `_round` compiled (`torch.compile`, one graph, static shapes): the
             same arithmetic in a few fused kernels instead of about 60 ops (the picks are the eager
             rounds' but among near-ties, and the weights may differ in the last bits: fused
             reductions round in their own order). Dynamo compiles at most 8 shapes of the round
             per process (its recompile limit); past that the rounds run eagerly. With `graph`, the
-            compiled round is what the CUDA graph records. Repairs run eagerly.
+            compiled round is what the CUDA graphs record. Repairs run eagerly.
+        triton: run each round as three Triton kernels (`omp_triton`: the same arithmetic, the picks the
+            eager rounds' but among near-ties, like `compile`, without a compilation per shape). Where
+            Triton cannot run the rounds (a CPU outside Triton's interpreter) the eager rounds run.
         rounds_per_read: rounds between two host reads (`ROUNDS_PER_READ`).
 
     Raises:
-        ValueError: `graph=True` off CUDA, or `rounds_per_read` below 1.
+        ValueError: `graph=True` off CUDA, `rounds_per_read` below 1, or both `compile` and `triton`.
     """
     dev, dt = mu_N.device, mu_N.dtype
     if graph and dev.type != "cuda":
         raise ValueError(f"omp_exact_on_device: graph=True needs CUDA tensors, got {dev.type}")
     if rounds_per_read < 1:
         raise ValueError(f"omp_exact_on_device: rounds_per_read must be at least 1, got {rounds_per_read}")
+    if compile and triton:
+        raise ValueError("omp_exact_on_device: compile and triton are two ways to run a round; choose one")
     st = _initial_state(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol)
     # The host loop's tolerances: a Schur complement at or below pivot_tol K_jj is a dependent column
     # (a slow refit there); below promote_tol K_jj a float32 state moves to float64 (a refit too).
     tols = (64.0 * torch.finfo(dt).eps, 1e4 * torch.finfo(dt).eps if dt == torch.float32 else 0.0)
     if graph is None:
         graph = dev.type == "cuda" and k >= GRAPH_MIN_ROUNDS
-    rounds = _Rounds(st, tols, compiled=compile, graph=graph)
+    if triton and dev.type == "cuda" and not kernels_available(dev):
+        warnings.warn("omp_exact_on_device: triton=True but Triton is not installed; the rounds run eagerly", stacklevel=2)
+    kind = "compiled" if compile else "triton" if triton and kernels_available(dev) else "eager"
+    rounds = _Rounds(st, tols, kind=kind, graph=graph)
     done = drops = reentries = reads = 0
     while True:
         batch = min(rounds_per_read, k - done)  # 0 after a repair of the last round: only the final check
@@ -349,35 +365,47 @@ def _compiled_round():
 
 
 class _Rounds:
-    """Runs batches of rounds of one variant (`kkt` or not), eagerly or as a CUDA graph per variant.
+    """Runs batches of rounds of one variant (`kkt` or not), eagerly or as CUDA graphs per variant.
 
-    As a graph: the variant's first round runs eagerly on a side stream (the warm-up capture needs, which
-    also initialises the libraries' handles and compiles), then, if a round is left to run, it is recorded
-    (recording runs nothing) and replayed once a round. Every tensor the round writes is allocated before,
-    so replays update them, and `_repair` writes the same tensors in place.
+    ``kind``: ``"eager"`` (`_round`), ``"compiled"`` (`_compiled_round`) or ``"triton"`` (`omp_triton`).
+    As graphs: the variant's first round runs eagerly on a side stream (the warm-up capture needs, which
+    also initialises the libraries' handles and compiles), then graphs of `ROUNDS_PER_GRAPH` rounds, and of
+    one round for a batch's remainder, are recorded when first needed (recording runs nothing) and
+    replayed. Every tensor the round writes is allocated before, so replays update them, and `_repair`
+    writes the same tensors in place.
     """
 
-    def __init__(self, st: _State, tols: tuple[float, float], *, compiled: bool, graph: bool) -> None:
-        fn = _compiled_round() if compiled else _round
-        args = st.round_args()
-        self._round = lambda kkt: fn(*args, *tols, kkt)
+    def __init__(self, st: _State, tols: tuple[float, float], *, kind: str, graph: bool) -> None:
+        if kind == "triton":
+            self._round = TritonRound(st, tols)
+        else:
+            fn = _compiled_round() if kind == "compiled" else _round
+            args = st.round_args()
+            self._round = lambda kkt: fn(*args, *tols, kkt)
         self._graph = graph
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self._warm: set[bool] = set()
+        self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+
+    def _rounds(self, kkt: bool, count: int) -> None:
+        for _ in range(count):
+            self._round(kkt)
 
     def run(self, count: int, *, kkt: bool) -> None:
         if not self._graph:
-            for _ in range(count):
-                self._round(kkt)
+            self._rounds(kkt, count)
             return
-        g = self._graphs.get(kkt)
-        if g is None and count > 0:
+        if count > 0 and kkt not in self._warm:
             _on_side_stream(lambda: self._round(kkt))
+            self._warm.add(kkt)
             count -= 1
-            if count == 0:
-                return  # nothing to replay yet: record when a batch needs it
-            g = self._graphs[kkt] = _recorded(lambda: self._round(kkt))
-        for _ in range(count):
-            g.replay()
+        while count > 0:
+            per = ROUNDS_PER_GRAPH if count >= ROUNDS_PER_GRAPH else 1
+            g = self._graphs.get((kkt, per))
+            if g is None:
+                g = self._graphs[(kkt, per)] = _recorded(functools.partial(self._rounds, kkt, per))
+            for _ in range(count // per):
+                g.replay()
+            count %= per
 
 
 def _on_side_stream(fn) -> None:

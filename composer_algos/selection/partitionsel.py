@@ -35,7 +35,7 @@ _PICKS = ("greedy", "randomized")
 _REFITS = ("exact", "apga", "apga_pool")
 _REFINES = (None, "swap")
 _GRAM_ROWS = ("auto", "full", "lazy")
-_SOLVER_LOOPS = ("host", "cpu", "device", "device_compiled")
+_SOLVER_LOOPS = ("host", "cpu", "device", "device_compiled", "device_triton")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,9 +93,14 @@ class PartitionSelOptions:
             picks). ``"device_compiled"``: the device loop with each round compiled
             (``torch.compile``, static shapes, one compilation per pool size and kappa): the same
             picks but among near-ties, 12 fused kernels a round on CUDA (3 on a CPU) instead of
-            about 60, recorded as one CUDA graph: 28.6 ms on the same H200 instance
-            (``tools/bench/bench_selection.py --compiled``: "exact, compiled rounds"). Other settings than
-            those named always use the host loop.
+            about 60, then one CUDA graph a round: 28.6 ms on the same H200 instance
+            (``tools/bench/bench_selection.py --compiled``: "exact, compiled rounds"; the graphs now hold
+            16 rounds each, not yet timed).
+            ``"device_triton"``: the device loop with each round as three hand-written Triton kernels
+            (``omp_triton``: the same picks but among near-ties, no compilation per shape), recorded 16 rounds
+            to a CUDA graph; not yet timed on a GPU. On a CPU it runs the device loop's eager rounds (Triton
+            runs there only in its interpreter, ``TRITON_INTERPRET=1``, as the tests run it). Other settings
+            than those named always use the host loop.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
             on CPU (default True; no effect on CUDA). Chosen from measurements (issue 15,
             `tools/bench/bench_step.py --solver-threads`, exact refit, kappa = n / 2, 2 intra-op
@@ -782,7 +787,7 @@ def _device_loop(opts: PartitionSelOptions, inputs: SelectionInputs, gram: GramR
     """Whether the OMP rounds run on the device (``PartitionSelOptions.solver_loop``)."""
     if opts.refit != "exact" or opts.pick != "greedy" or opts.refine is not None or gram.lazy:
         return False
-    return opts.solver_loop in ("device", "device_compiled")
+    return opts.solver_loop in ("device", "device_compiled", "device_triton")
 
 
 def _cpu_solve(opts: PartitionSelOptions, inputs: SelectionInputs) -> bool:
@@ -848,7 +853,7 @@ def _solve_on_device(
     with single_thread_on_cpu(mu_N.device, opts.cpu_single_thread):
         res = omp_exact_on_device(
             gram.gram_NN, mu_N, inputs.domain_ids, caps_C, inputs.k, ridge_abs, grad_tol,
-            compile=opts.solver_loop == "device_compiled",
+            compile=opts.solver_loop == "device_compiled", triton=opts.solver_loop == "device_triton",
         )
     if not res.clean:  # read with the last batch of rounds
         return None

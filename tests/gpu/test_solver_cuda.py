@@ -106,6 +106,28 @@ def test_the_compiled_rounds_replayed_as_a_cuda_graph_pick_what_the_eager_rounds
         torch.testing.assert_close(compiled.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))
 
 
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("n,k", [(64, 20), (2048, 512)])
+def test_the_triton_rounds_pick_what_the_eager_rounds_pick_on_cuda(cuda, n, k, graph):
+    """`solver_loop: device_triton` on CUDA: each round three Triton kernels, launched one by one or recorded
+    16 rounds to a CUDA graph; the repairs as the eager rounds make them, the same picks, the weights up to
+    rounding (the CPU checks ran them only in Triton's interpreter: tests/selection/test_omp_triton.py)."""
+    from composer_algos.selection.active_set_device import omp_exact_on_device
+    from composer_algos.selection.objective import build_objective
+    from composer_algos.selection.refit import default_grad_tol
+
+    features, val, dom = make_instance(5, n, dim=256, num_domains=8)
+    gram, mu, _ = build_objective(features.to(cuda), val.to(cuda), 0.3)
+    caps = torch.full((8,), k // 8 + 1, device=cuda)
+    args = (gram, mu, dom.to(cuda), caps, k, 1e-6, default_grad_tol(mu))
+    eager = omp_exact_on_device(*args, graph=False)
+    tri = omp_exact_on_device(*args, graph=graph, triton=True)
+    assert eager.clean and tri.clean
+    assert (tri.drops, tri.reentries) == (eager.drops, eager.reentries)
+    assert torch.equal(tri.sel_K, eager.sel_K)
+    torch.testing.assert_close(tri.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_features_raise_on_cuda(cuda, name, bad_value):

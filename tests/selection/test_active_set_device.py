@@ -139,10 +139,12 @@ def test_every_prefix_of_the_picks_is_the_host_loops():
     assert all(seen.values()), seen
 
 
-def test_the_cuda_graph_rounds_control_flow_on_the_cpu(monkeypatch):
-    """The graph path with CUDA's two calls faked (a side stream runs in place; a recorded graph replays the round):
-    each variant is recorded once, after its eager warm-up, only when a round is left to replay; warm-ups and
-    replays run exactly the rounds the eager path runs, and the result is the eager path's bit for bit."""
+@pytest.mark.parametrize("per_graph", [16, 3])
+def test_the_cuda_graph_rounds_control_flow_on_the_cpu(monkeypatch, per_graph):
+    """The graph path with CUDA's two calls faked (a side stream runs in place; a recorded graph replays its
+    rounds): each variant warms up once, eagerly; a graph of `ROUNDS_PER_GRAPH` rounds and one of a single
+    round are each recorded once a variant, when a batch first needs them; warm-ups and replays run exactly
+    the rounds the eager path runs, and the result is the eager path's bit for bit."""
     from composer_algos.selection import active_set_device as asd
 
     features, val, dom, _ = _drop_instance()
@@ -152,23 +154,27 @@ def test_the_cuda_graph_rounds_control_flow_on_the_cpu(monkeypatch):
     real_round = asd._round
 
     def counted_round(*args):
-        calls["graph" if recorded and recorded[-1].replaying else "eager"] += 1
+        calls["graph" if any(g.replaying for g in recorded) else "eager"] += 1
         return real_round(*args)
 
     class FakeGraph:
         def __init__(self, fn):
-            self.fn, self.replaying = fn, False
+            self.fn, self.replaying, self.rounds = fn, False, None
             recorded.append(self)
 
         def replay(self):
             self.replaying = True
+            before = calls["graph"]
             self.fn()
             self.replaying = False
+            assert self.rounds in (None, calls["graph"] - before)  # a graph replays the same rounds each time
+            self.rounds = calls["graph"] - before
 
     class GraphOnCpu(asd._Rounds):
-        def __init__(self, st, tols, *, compiled, graph):
-            super().__init__(st, tols, compiled=compiled, graph=True)
+        def __init__(self, st, tols, *, kind, graph):
+            super().__init__(st, tols, kind=kind, graph=True)
 
+    monkeypatch.setattr(asd, "ROUNDS_PER_GRAPH", per_graph)
     monkeypatch.setattr(asd, "_round", counted_round)
     monkeypatch.setattr(asd, "_Rounds", GraphOnCpu)
     monkeypatch.setattr(asd, "_on_side_stream", lambda fn: fn())
@@ -176,7 +182,10 @@ def test_the_cuda_graph_rounds_control_flow_on_the_cpu(monkeypatch):
     graphed = _device_solve(features, val, dom, 20, rounds_per_read=4)
     assert torch.equal(graphed.sel_K, eager.sel_K) and torch.equal(graphed.v_K, eager.v_K)
     assert (graphed.drops, graphed.reentries, graphed.reads) == (eager.drops, eager.reentries, eager.reads)
-    assert len(recorded) == 2  # the rounds before the first drop, and those after it
+    # Batches of at most 4 rounds: with 16 rounds a graph, only one-round graphs (one a variant: before the
+    # first drop, and after it); with 3, a three-round graph and a one-round graph a variant.
+    sizes = sorted(g.rounds for g in recorded if g.rounds is not None)
+    assert sizes == ([1, 1] if per_graph == 16 else [1, 1, 3, 3]), sizes
     # Every round the eager path ran: 20 picks, plus the rounds that froze and were run again by the repairs.
     monkeypatch.setattr(asd, "_Rounds", GraphOnCpu.__mro__[1])
     calls_graph = dict(calls)

@@ -73,12 +73,13 @@ def test_bench_selection_seed_picks_another_instance():
 def test_bench_selection_quick_table(tmp_path):
     code = tmp_path / "round.py"
     proc = run_tool(
-        "bench/bench_selection.py", "--quick", "--threads", "1", "--compiled", "--kernel-table", "--round-code", str(code)
+        "bench/bench_selection.py", "--quick", "--threads", "1", "--compiled", "--triton", "--kernel-table", "--round-code", str(code)
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "[small] n=256 kappa=64 C=8 D=1024" in out, out
-    for label in ("gram alone", "exact", "exact, device loop", "exact, compiled rounds", "exact, on the CPU", "apga (support) x128",
+    for label in ("gram alone", "exact", "exact, device loop", "exact, compiled rounds", "exact, Triton rounds", "exact, on the CPU",
+                  "apga (support) x128",
                   "apga_pool (paper) x128", "exact + swap"):
         line = next((x for x in out.splitlines() if x.strip().startswith(label + " ")), None)
         assert line is not None, (label, out)
@@ -88,7 +89,7 @@ def test_bench_selection_quick_table(tmp_path):
             f_s = float(re.search(rf"f\(S\) = ({NUMBER})", line).group(1))
             assert finite([f_s]) and f_s > 0, line
     # The device loop and the CPU solve pick what the host loop picks, with their launches and syncs counted.
-    for prefix in ("device loop / host loop", "compiled rounds / host loop", "cpu solve / host loop"):
+    for prefix in ("device loop / host loop", "compiled rounds / host loop", "Triton rounds / host loop", "cpu solve / host loop"):
         line = next(x for x in out.splitlines() if x.strip().startswith(prefix))
         assert "the same picks: True" in line, line
     kernels = next(x for x in out.splitlines() if x.strip().startswith("one compiled round:"))
@@ -96,7 +97,7 @@ def test_bench_selection_quick_table(tmp_path):
     for loop in ("host", "device", "cpu"):
         assert any(x.strip().startswith(f"exact ({loop} loop), one solve:") for x in out.splitlines()), out
     # --kernel-table: one profiled solve of each device-side loop; --round-code: inductor's code of a round.
-    for loop in ("host", "device", "device_compiled"):
+    for loop in ("host", "device", "device_compiled", "device_triton"):
         line = next(x for x in out.splitlines() if x.strip().startswith(f"kernels of one solve, solver_loop {loop}:"))
         assert float(re.search(rf"({NUMBER}) ms wall", line).group(1)) > 0 and "device busy 0.0 ms" in line, line
     assert "def " in code.read_text() and "kernel" in code.read_text(), code.read_text()[:500]

@@ -10,8 +10,10 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
   ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed), with
   ``--compiled`` ``exact, compiled rounds`` with ``solver_loop: device_compiled`` (each round
   compiled into a few fused kernels; the count is printed from inductor's code) and ``exact, on
-  the CPU`` with ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there); which is fastest on a
-  GPU is what this measures there;
+  the CPU`` with ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there), and with ``--triton``
+  ``exact, Triton rounds`` with ``solver_loop: device_triton`` (each round three hand-written Triton kernels,
+  16 rounds to a CUDA graph; on a CPU that setting runs the eager rounds, so the arm times nothing new there);
+  which is fastest on a GPU is what this measures there;
 - ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
 - ``apga_pool``: the paper's Alg. 3 verbatim on the full pool vector (full ``N x N`` Gram in
   every iteration, step from ``||K||`` once per call), 128 iterations per refit: the reference
@@ -149,6 +151,56 @@ def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int, code_path: str 
     return sum(1 for src in sources for line in src.splitlines() if call.match(line) and "async_compile" not in line)
 
 
+def sweep_triton_blocks(gram_NN, mu_N, dom_N, caps_C, k: int, repeats: int, wrap=lambda fn: fn) -> list[tuple[dict, float, bool]]:
+    """The Triton rounds' solve under `omp_triton.BLOCKS` and under each of `omp_triton.SWEEP`, timed interleaved:
+    ``(the override, median wall ms, the eager rounds' picks)`` for each, the default first. ``wrap`` brackets a
+    solve (with a synchronize on CUDA). The block sizes are read when a solve starts; they are restored after each."""
+    import torch
+
+    from composer_algos.selection import omp_triton
+    from composer_algos.selection.active_set_device import omp_exact_on_device
+    from composer_algos.selection.refit import default_grad_tol
+
+    args = (gram_NN, mu_N, dom_N, caps_C, k, 1e-6, default_grad_tol(mu_N))
+    eager = omp_exact_on_device(*args)
+    base = dict(omp_triton.BLOCKS)
+    configs = [{}, *omp_triton.SWEEP]
+
+    def solve_with(override: dict):
+        def solve():
+            omp_triton.BLOCKS.update(override)
+            try:
+                return omp_exact_on_device(*args, triton=True)
+            finally:
+                omp_triton.BLOCKS.clear()
+                omp_triton.BLOCKS.update(base)
+
+        return wrap(solve)
+
+    fns = {i: solve_with(cfg) for i, cfg in enumerate(configs)}
+    timed = time_interleaved(fns, dict.fromkeys(fns, repeats), dict.fromkeys(fns, True))
+    return [(cfg, timed[i][0] * 1e3, bool(torch.equal(timed[i][2].sel_K, eager.sel_K))) for i, cfg in enumerate(configs)]
+
+
+def _print_triton_sweep(args: argparse.Namespace, case: dict, features, val_feature, domain_ids) -> None:
+    """`--triton-sweep`: the Triton rounds' solve under each block-size setting, against the default's time."""
+    import torch
+
+    from composer_algos.selection import omp_triton
+    from composer_algos.selection.objective import build_objective
+
+    gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
+    k = case["kappa"]
+    caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
+    wrap = _synchronized if args.device == "cuda" else (lambda fn: fn)
+    rows = sweep_triton_blocks(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, k, args.repeats, wrap)
+    default_ms = rows[0][1]
+    print(f"\n  Triton block sizes (omp_triton.BLOCKS = {omp_triton.BLOCKS}), one solve each, median of {args.repeats}:")
+    for override, ms, same in rows:
+        label = "default" if not override else ", ".join(f"{key}={val}" for key, val in override.items())
+        print(f"    {label:<32} {ms:9.2f} ms  {ms / default_ms:5.2f}x the default; the eager rounds' picks: {same}")
+
+
 def main() -> int:
     parser = _build_parser()
     args = parser.parse_args()
@@ -158,6 +210,11 @@ def main() -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    if args.triton_sweep:
+        from composer_algos.selection.omp_triton import kernels_available
+
+        if not kernels_available(torch.device(args.device)):
+            parser.error(f"--triton-sweep: Triton's kernels do not run on {args.device} (use --device cuda, or TRITON_INTERPRET=1)")
     torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"threads {torch.get_num_threads()}"
     print(
@@ -202,6 +259,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="add the compiled rounds (solver_loop: device_compiled): compiles twice, tens of seconds on a CPU",
     )
     parser.add_argument(
+        "--triton", action="store_true",
+        help="add the Triton rounds (solver_loop: device_triton); on a CPU they are the eager rounds",
+    )
+    parser.add_argument(
+        "--triton-sweep", action="store_true",
+        help="time the Triton rounds under each block-size setting of omp_triton.SWEEP (CUDA, or TRITON_INTERPRET=1)",
+    )
+    parser.add_argument(
         "--kernel-table", action="store_true",
         help="profile one solve of each device-side loop: device busy time against the wall, the busiest kernels",
     )
@@ -215,10 +280,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _bench_case(args: argparse.Namespace, name: str) -> None:
     """Time every variant on one case, then print their times, objectives, op counts and ratios to exact."""
-    import torch
-
-    from composer_algos.selection.objective import build_objective
-
     case = CASES[name]
     features, val_feature, domain_ids = make_instance(case["n"], case["dim"], case["num_domains"], seed=args.seed)
     # The selection step hands the solver device features and host domain ids (the loader's).
@@ -242,9 +303,9 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
     w_cp, c_cp, res_cp = timed["cpu"]
     w_ap, c_ap, res_ap = timed["apga"]
     rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
-    if args.compiled:
-        w_dc, c_dc, res_dc = timed["compiled"]
-        rows.insert(2, ("exact, compiled rounds", w_dc, c_dc, res_dc))
+    for key, label in (("triton", "exact, Triton rounds"), ("compiled", "exact, compiled rounds")):
+        if key in timed:
+            rows.insert(2, (label, *timed[key]))
     if not args.skip_pool:
         w_po, c_po, res_po = timed["pool"]
         rows.append(("apga_pool (paper) x128", w_po, c_po, res_po))
@@ -261,20 +322,12 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
         f" {0 if fallback else int(res_dv.info['weight_drops'])} drops, {0 if fallback else int(res_dv.info['weight_reentries'])}"
         f" re-entries (the host loop: {int(res_ex.info['weight_drops'])}, {int(res_ex.info['weight_reentries'])})"
     )
-    if args.compiled:
-        print(
-            f"  compiled rounds / host loop {w_dc / w_ex:6.2f}x wall, {c_dc / c_ex:6.2f}x cpu; the same picks:"
-            f" {res_dc.indices.tolist() == res_ex.indices.tolist()}; handed over:"
-            f" {bool(res_dc.info.get('device_loop_fallback', 0))}"
-        )
-        gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
-        caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
-        calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16), args.round_code)
-        print(f"  one compiled round: {calls} kernels (inductor's generated code, {args.device}); the eager round about 60 ops")
-        if args.round_code:
-            print(f"  the compiled round's code: {args.round_code}")
+    _print_fused_rounds(args, case, timed, (features, val_feature, domain_ids))
+    if args.triton_sweep:
+        _print_triton_sweep(args, case, features, val_feature, domain_ids)
     if args.kernel_table:
-        _print_kernel_tables(args, common, ["host", "device"] + (["device_compiled"] if args.compiled else []))
+        loops = ["host", "device"] + (["device_compiled"] if args.compiled else []) + (["device_triton"] if args.triton else [])
+        _print_kernel_tables(args, common, loops)
     print(
         f"  cpu solve / host loop   {w_cp / w_ex:6.2f}x wall, {c_cp / c_ex:6.2f}x cpu; the same picks:"
         f" {res_cp.indices.tolist() == res_ex.indices.tolist()}"
@@ -287,6 +340,38 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
             f"  exact vs {label:<22}: {wall / w_ex:6.1f}x wall, {cpu / c_ex:6.1f}x cpu faster;"
             f" solve only (Gram subtracted) {(wall - w_gram) / (w_ex - w_gram):6.1f}x wall,"
             f" {(cpu - c_gram) / (c_ex - c_gram):6.1f}x cpu; objective at least as high (1e-6): {ok}"
+        )
+
+
+def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, instance: tuple) -> None:
+    """``--compiled`` and ``--triton``: each one's time against the host loop's, and the kernels a round."""
+    import torch
+
+    from composer_algos.selection.objective import build_objective
+
+    features, val_feature, domain_ids = instance
+    w_ex, c_ex, res_ex = timed["exact"]
+    k = case["kappa"]
+    if args.compiled:
+        w_dc, c_dc, res_dc = timed["compiled"]
+        print(
+            f"  compiled rounds / host loop {w_dc / w_ex:6.2f}x wall, {c_dc / c_ex:6.2f}x cpu; the same picks:"
+            f" {res_dc.indices.tolist() == res_ex.indices.tolist()}; handed over:"
+            f" {bool(res_dc.info.get('device_loop_fallback', 0))}"
+        )
+        gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
+        caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
+        calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16), args.round_code)
+        print(f"  one compiled round: {calls} kernels (inductor's generated code, {args.device}); the eager round about 60 ops")
+        if args.round_code:
+            print(f"  the compiled round's code: {args.round_code}")
+    if args.triton:
+        w_dt, c_dt, res_dt = timed["triton"]
+        where = "" if args.device == "cuda" else " (on a CPU: the eager rounds, Triton's kernels run on GPUs)"
+        print(
+            f"  Triton rounds / host loop {w_dt / w_ex:6.2f}x wall, {c_dt / c_ex:6.2f}x cpu; the same picks:"
+            f" {res_dt.indices.tolist() == res_ex.indices.tolist()}; handed over:"
+            f" {bool(res_dt.info.get('device_loop_fallback', 0))}; 3 kernels a round{where}"
         )
 
 
@@ -315,6 +400,9 @@ def _case_variants(args: argparse.Namespace, case: dict, common: dict, features)
     if args.compiled:
         fns["compiled"] = lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled")
         repeats["compiled"] = args.repeats
+    if args.triton:
+        fns["triton"] = lambda: select_partitionsel(**common, refit="exact", solver_loop="device_triton")
+        repeats["triton"] = args.repeats
     warmup = dict.fromkeys(fns, True)
     if not args.skip_pool:
         fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)
@@ -400,6 +488,11 @@ def _print_solve_counts(args: argparse.Namespace, common: dict, device_tensors: 
 
         syncs = cuda_sync_count(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"))
         print(f"  exact (compiled rounds), one solve: {syncs} host syncs (torch)")
+    if args.triton and args.device == "cuda":
+        from step_audit import cuda_sync_count
+
+        syncs = cuda_sync_count(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_triton"))
+        print(f"  exact (Triton rounds), one solve: {syncs} host syncs (torch)")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@
 #             kernel table (one profiled solve a loop: device busy time, the busiest kernels; inductor's
 #             code of a compiled round in $OUT/2_round_code.py) and ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms): host loop,
 #             device loop (eager rounds, one CUDA graph), compiled rounds (solver_loop: device_compiled,
-#             Triton kernels in the graph; its kernels a round counted: 12 on the H200), cpu. Seed 0
+#             Triton kernels in the graph; its kernels a round counted: 12 on the H200), Triton rounds
+#             (solver_loop: device_triton, 3 hand-written kernels a round, 16 rounds a graph; never run on a
+#             GPU before), cpu. Seed 0
 #             drops weights: the device loops repair those rounds on the device (a read every 64 rounds
 #             and a few a repair) where they handed the solve to the host loop before; seed 1 drops none
 #   3 tests   pytest -m gpu tests/gpu but the bench's own test: features, solver (the CUDA-graph rounds
@@ -101,10 +103,10 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "1 step (llama1b, S=20
   --long-override train_loader.num_workers=4 --long-override train_loader.persistent_workers=true \
   --long-fit-batches 5 --ps-variant "la:$PS.select_ahead=true"
 run_step "2 solver (n=2048, kappa=512, D=4096)" 160 2_solver.log \
-  "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --compiled \
+  "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --compiled --triton \
   --kernel-table --round-code "$OUT/2_round_code.py"
 run_step "2' solver, an instance without drops (seed 1)" 120 2_solver.log \
-  "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --seed 1 --compiled
+  "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --seed 1 --compiled --triton
 run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 160 3_tests.log \
   "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu --deselect tests/gpu/test_bench_cuda.py
 run_step "4 optimizer (146 tensors)" 45 4_optimizer.log "$PY" tools/bench/bench_optimizer.py --device cuda

@@ -1,0 +1,289 @@
+"""The device loop's round as three Triton kernels (`solver_loop: device_triton`, issue 31.3).
+
+# Shape legend: N pool size, M slots (kappa + 1), C domains.
+
+`active_set_device._round` is one common round of the exact greedy OMP: about 60 eager ops, and 12
+kernels once inductor has fused them on CUDA, each 1-3 us, so 16.4 ms of kernel time for 512 rounds on
+an H200 before any launch gap (docs/results/bench_gpu.md, 2026-11-27): over the 10 ms the issue asks
+for the whole solve. The round's data dependencies need only three passes, one kernel each, because a
+program may recompute a small value (a reduction over N or M elements) that another program also
+computes, instead of waiting for it:
+
+1. `_pick_kernel`, programs over blocks of slots. Every program finds the pick
+   ``j = argmax(grad + penalty)`` itself (N loads, first index on ties, as ``torch.max`` on a CPU), then
+   its block of ``qext = P k_Aj`` (``P`` symmetric, zero on free slots), ``-1`` at the free slot ``h``.
+   Program 0 records ``j``, its score ``g`` and ``sel[r] = j``.
+2. `_direction_kernel`, programs over blocks of the pool. Its block of ``t = K_A'^T qext``, where A' is
+   the active slots with ``K[j]`` at slot ``h`` (a substitution in the load, so the write of
+   ``rows[h] = K[j]`` at the end races with nothing), the Schur complement ``ridge - t_j`` (every program
+   computes ``t_j`` itself), the new gradient ``grad + t z_j`` into a scratch row, and, after a weight
+   has dropped (``kkt``), the block's largest new gradient at weight zero. Program 0 writes
+   ``z = v - qext z_j``, whether any entry is negative, and copies of ``live`` and the capacities, which
+   the third kernel writes.
+3. `_apply_kernel`, programs over blocks of the pool, then over row blocks of ``P``. Every program
+   decides the round from those scalars, as `_round` does (a positive pick enters unless it needs the
+   host loop or a repair; a round that needs either freezes the state) and applies its own part: the
+   gradient and the penalty (the pick, and every element of a domain now full) of its block, or
+   ``P += qext qext^T / s`` on its rows. Program 0 updates the slots and the counters.
+
+No program reads what another program of the same kernel writes, so no kernel needs a grid-wide
+barrier. The arithmetic is `_round`'s; the reductions run in their own order (as inductor's do), so the
+picks are the eager rounds' but among near-ties, and the weights may differ in the last bits.
+
+Triton runs on GPUs. On a CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1``, the
+tests); `kernels_available` says whether they run on a device, and `active_set_device` falls back to
+the eager rounds where they do not. The kernels are wrapped by ``triton.jit`` on first use, not at
+import, so the interpreter setting is read then.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheels of torch come without Triton; the eager rounds run then
+    triton = None
+    tl = None
+
+__all__ = ["BLOCKS", "SWEEP", "TritonRound", "kernels_available"]
+
+# Block sizes: slots per program of the pick kernel, pool elements per program of the other two, the slots
+# reduced per step of their loops, P rows per program of the apply kernel, pool elements per step of the argmax.
+# At n = 2048, kappa = 512 the grids are 17, 64 and 64 + 33 programs, and each loop over the slots takes 5
+# steps (each waits for its loads: few steps, each loading more, hide more of that latency). Chosen on paper,
+# not yet on a GPU: `tools/bench/bench_selection.py --triton-sweep` times the alternatives in `SWEEP`.
+BLOCKS = {"slots": 32, "pool": 32, "reduce": 128, "p_rows": 16, "argmax": 2048}
+# What the sweep tries beside `BLOCKS` (each entry overrides some of them).
+SWEEP = (
+    {"slots": 64, "pool": 64, "reduce": 32},
+    {"reduce": 64},
+    {"reduce": 256},
+    {"pool": 64},
+    {"pool": 16, "slots": 16},
+    {"p_rows": 32},
+)
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Whether the Triton round runs on ``device``: CUDA with Triton installed, or any device in its interpreter."""
+    return triton is not None and (device.type == "cuda" or _interpreting())
+
+
+def _pick_kernel(
+    grad, penalty, rows, p, qext, jbuf, gbuf, sel, r_1, h_1,
+    N, M, K, stride_r,
+    BLOCK_ARGMAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    best = tl.full([], float("-inf"), grad.dtype.element_ty)
+    bidx = tl.zeros([], tl.int32)
+    for start in range(0, N, BLOCK_ARGMAX):
+        offs = start + tl.arange(0, BLOCK_ARGMAX)
+        mask = offs < N
+        score = tl.load(grad + offs, mask=mask, other=float("-inf")) + tl.load(penalty + offs, mask=mask, other=0.0)
+        m, i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
+        take = m > best  # strictly: an equal score later in the pool does not replace the first
+        best = tl.where(take, m, best)
+        bidx = tl.where(take, start + i, bidx)
+    j = bidx.to(tl.int64)
+    h = tl.load(h_1)
+    cols = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+    cmask = cols < M
+    acc = tl.zeros([BLOCK_S], dtype=qext.dtype.element_ty)
+    for m0 in range(0, M, BLOCK_K):
+        ms = m0 + tl.arange(0, BLOCK_K)
+        mmask = ms < M
+        # Slot h's row is stale, but P's row h is zero (a free slot), so it adds nothing.
+        rj = tl.load(rows + ms.to(tl.int64) * stride_r + j, mask=mmask, other=0.0)
+        tile = tl.load(p + ms[:, None] * M + cols[None, :], mask=mmask[:, None] & cmask[None, :], other=0.0)
+        acc += tl.sum(rj[:, None] * tile, 0)
+    acc = tl.where(cols == h, -1.0, acc)
+    tl.store(qext + cols, acc, mask=cmask)
+    if pid == 0:
+        tl.store(jbuf, j)
+        tl.store(gbuf, best)
+        r = tl.load(r_1)
+        tl.store(sel + r, j, mask=r < K)
+
+
+def _direction_kernel(
+    gram, rows, qext, grad, inactive, v, ridge_1, jbuf, gbuf, h_1, live_1, rem_C,
+    gnew, kkt_part, zbuf, scal, flags, rem_snap,
+    N, M, C, stride_r, stride_g0, stride_g1,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, KKT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = tl.load(jbuf)
+    h = tl.load(h_1)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    krow = tl.load(gram + j * stride_g0 + cols.to(tl.int64) * stride_g1, mask=cmask, other=0.0)
+    kjj = tl.load(gram + j * stride_g0 + j * stride_g1)
+    acc = tl.zeros([BLOCK_N], dtype=gnew.dtype.element_ty)
+    tj = tl.zeros([BLOCK_K], dtype=gnew.dtype.element_ty)
+    for m0 in range(0, M, BLOCK_K):
+        ms = m0 + tl.arange(0, BLOCK_K)
+        mmask = ms < M
+        q = tl.load(qext + ms, mask=mmask, other=0.0)
+        base = ms.to(tl.int64) * stride_r
+        tile = tl.load(rows + base[:, None] + cols[None, :], mask=mmask[:, None] & cmask[None, :], other=0.0)
+        tile = tl.where(ms[:, None] == h, krow[None, :], tile)
+        acc += tl.sum(tile * q[:, None], 0)
+        rj = tl.where(ms == h, kjj, tl.load(rows + base + j, mask=mmask, other=0.0))
+        tj += rj * q
+    schur = tl.load(ridge_1) - tl.sum(tj, 0)
+    zj = tl.load(gbuf) / schur
+    gn = tl.load(grad + cols, mask=cmask, other=0.0) + acc * zj
+    tl.store(gnew + cols, gn, mask=cmask)
+    if KKT:
+        at_zero = (tl.load(inactive + cols, mask=cmask, other=0) != 0) & cmask
+        tl.store(kkt_part + pid, tl.max(tl.where(at_zero, gn, float("-inf")), 0))
+    tl.store(rows + h * stride_r + cols, krow, mask=cmask)
+    if pid == 0:
+        neg = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for m0 in range(0, M, BLOCK_K):
+            ms = m0 + tl.arange(0, BLOCK_K)
+            mmask = ms < M
+            z = tl.load(v + ms, mask=mmask, other=0.0) - tl.load(qext + ms, mask=mmask, other=0.0) * zj
+            tl.store(zbuf + ms, z, mask=mmask)
+            neg = tl.maximum(neg, ((z < 0) & mmask).to(tl.int32))
+        tl.store(scal, schur)
+        tl.store(scal + 1, kjj)
+        tl.store(flags, tl.max(neg, 0))
+        tl.store(flags + 1, tl.load(live_1).to(tl.int32))
+        for c0 in range(0, C, BLOCK_C):
+            cs = c0 + tl.arange(0, BLOCK_C)
+            tl.store(rem_snap + cs, tl.load(rem_C + cs, mask=cs < C, other=0), mask=cs < C)
+
+
+def _apply_kernel(
+    grad, gnew, penalty, inactive, dom, rem_snap, rem_C, p, qext, v, zbuf, elem, used,
+    h_1, r_1, live_1, bad_1, jbuf, gbuf, scal, flags, kkt_part, tol_1,
+    N, M, pool_programs, pivot_tol, promote_tol,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, KKT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    g = tl.load(gbuf)
+    j = tl.load(jbuf)
+    schur = tl.load(scal)
+    kjj = tl.load(scal + 1)
+    tol = tl.load(tol_1)
+    positive = g > tol
+    # The host loop's branches that end the device solve: a dependent column, an ill-conditioned float32 one.
+    # (With promote_tol 0, the second test is schur < 0, which the first already holds: K_jj >= 0.)
+    host_only = ((schur > pivot_tol * kjj) == 0) | (schur < promote_tol * kjj)
+    # And those a repair makes: a Lawson-Hanson drop, a KKT re-entry.
+    repair = tl.load(flags) != 0
+    if KKT:
+        parts = tl.load(kkt_part + tl.arange(0, BLOCK_T), mask=tl.arange(0, BLOCK_T) < pool_programs, other=float("-inf"))
+        repair = repair | (tl.max(parts, 0) > tol)
+    stop = positive & (host_only | repair)
+    live = (tl.load(flags + 1) != 0) & (stop == 0)
+    enter = live & positive
+    if pid < pool_programs:
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        tl.store(grad + cols, tl.load(gnew + cols, mask=cmask, other=0.0), mask=cmask & enter)
+        dm = tl.load(dom + cols, mask=cmask, other=0)
+        dom_j = tl.load(dom + j)
+        rem = tl.load(rem_snap + dm, mask=cmask, other=1) - ((dm == dom_j) & live).to(tl.int64)
+        pen = tl.load(penalty + cols, mask=cmask, other=0.0)
+        pen = tl.where(((cols == j) & live) | (rem <= 0), float("-inf"), pen)
+        tl.store(penalty + cols, pen, mask=cmask)
+        if pid == 0:
+            h = tl.load(h_1)
+            tl.store(bad_1, (tl.load(bad_1) != 0) | (stop & host_only))
+            tl.store(live_1, live)
+            tl.store(elem + h, j)
+            tl.store(used + h, enter)
+            tl.store(h_1, h + enter.to(tl.int64))
+            tl.store(r_1, tl.load(r_1) + live.to(tl.int64))
+            tl.store(inactive + j, live & (positive == 0))  # a pick at a gradient not above zero stays at weight 0
+            tl.store(rem_C + dom_j, tl.load(rem_snap + dom_j) - live.to(tl.int64))
+            for m0 in range(0, M, BLOCK_K):
+                ms = m0 + tl.arange(0, BLOCK_K)
+                tl.store(v + ms, tl.load(zbuf + ms, mask=ms < M, other=0.0), mask=(ms < M) & enter)
+    else:
+        rs = (pid - pool_programs) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = (rs < M) & enter
+        qa = tl.load(qext + rs, mask=rmask, other=0.0) / schur
+        for c0 in range(0, M, BLOCK_K):
+            cs = c0 + tl.arange(0, BLOCK_K)
+            mask = rmask[:, None] & (cs < M)[None, :]
+            ptr = p + rs[:, None] * M + cs[None, :]
+            qb = tl.load(qext + cs, mask=cs < M, other=0.0)
+            tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + qa[:, None] * qb[None, :], mask=mask)
+
+
+KERNELS = (_pick_kernel, _direction_kernel, _apply_kernel)
+
+
+@functools.cache
+def _jitted(interpret: bool) -> tuple:
+    """The three kernels through ``triton.jit`` (which reads ``TRITON_INTERPRET`` when it wraps them)."""
+    del interpret  # the cache key: wrapped apart in and out of the interpreter
+    return tuple(triton.jit(fn) for fn in KERNELS)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+class TritonRound:
+    """One round of `active_set_device` on the state ``st`` (its `_State`), as three kernel launches.
+
+    Its scratch buffers are allocated here, once a solve, so the launches can be recorded as a CUDA graph.
+    """
+
+    def __init__(self, st, tols: tuple[float, float], blocks: dict[str, int] | None = None) -> None:
+        if triton is None:
+            raise RuntimeError("solver_loop device_triton needs Triton (installed with the CUDA wheels of torch)")
+        b = {**BLOCKS, **(blocks or {})}
+        self.st, self.pivot_tol, self.promote_tol = st, float(tols[0]), float(tols[1])
+        n, m, c = st.grad_N.shape[0], st.p_MM.shape[0], st.rem_C.shape[0]
+        dev, dt = st.grad_N.device, st.grad_N.dtype
+        self.n, self.m, self.c = n, m, c
+        self.b = b
+        self.grids = (triton.cdiv(m, b["slots"]), triton.cdiv(n, b["pool"]))
+        self.grids += (self.grids[1] + triton.cdiv(m, b["p_rows"]),)
+        self.j_1 = torch.zeros(1, dtype=torch.long, device=dev)
+        self.g_1 = torch.zeros(1, dtype=dt, device=dev)
+        self.qext_M = torch.zeros(m, dtype=dt, device=dev)
+        self.gnew_N = torch.zeros(n, dtype=dt, device=dev)
+        self.kkt_P = torch.full((self.grids[1],), float("-inf"), dtype=dt, device=dev)
+        self.z_M = torch.zeros(m, dtype=dt, device=dev)
+        self.scal_2 = torch.zeros(2, dtype=dt, device=dev)  # the Schur complement, K_jj
+        self.flags_2 = torch.zeros(2, dtype=torch.int32, device=dev)  # a weight would turn negative, live before
+        self.rem_snap_C = torch.zeros_like(st.rem_C)
+        self.kernels = _jitted(_interpreting())
+
+    def __call__(self, kkt: bool) -> None:
+        st, b, (g1, g2, g3) = self.st, self.b, self.grids
+        pick, direction, apply = self.kernels
+        n, m, c = self.n, self.m, self.c
+        pick[(g1,)](
+            st.grad_N, st.penalty_N, st.rows_MN, st.p_MM, self.qext_M, self.j_1, self.g_1, st.sel_K, st.r_1, st.h_1,
+            n, m, st.sel_K.shape[0], st.rows_MN.stride(0),
+            BLOCK_ARGMAX=min(b["argmax"], _next_pow2(n)), BLOCK_S=b["slots"], BLOCK_K=b["reduce"],
+        )
+        direction[(g2,)](
+            st.gram_NN, st.rows_MN, self.qext_M, st.grad_N, st.inactive_N, st.v_M, st.ridge_1, self.j_1, self.g_1,
+            st.h_1, st.live_1, st.rem_C, self.gnew_N, self.kkt_P, self.z_M, self.scal_2, self.flags_2, self.rem_snap_C,
+            n, m, c, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1),
+            BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_C=_next_pow2(min(c, 1024)), KKT=kkt,
+        )
+        apply[(g3,)](
+            st.grad_N, self.gnew_N, st.penalty_N, st.inactive_N, st.dom_N, self.rem_snap_C, st.rem_C, st.p_MM,
+            self.qext_M, st.v_M, self.z_M, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, self.j_1,
+            self.g_1, self.scal_2, self.flags_2, self.kkt_P, st.tol_1,
+            n, m, g2, self.pivot_tol, self.promote_tol,
+            BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_T=_next_pow2(g2), KKT=kkt,
+        )

@@ -1,0 +1,122 @@
+"""The Triton round's checks that run its kernels in Triton's interpreter (`test_omp_triton.py` runs this file
+in a child process with ``TRITON_INTERPRET=1``: the interpreter must be chosen before Triton is first imported,
+and Composer imports it). Skipped when run without that setting."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from composer_algos.selection import select_partitionsel
+from composer_algos.selection.active_set_device import omp_exact_on_device
+from composer_algos.selection.objective import build_objective
+from composer_algos.selection.refit import default_grad_tol
+from tests.selection.reference import make_instance
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 from the start")
+omp_triton = pytest.importorskip("composer_algos.selection.omp_triton")
+
+ETA = 0.5
+
+
+def _solve(features, val, dom, kappa, **kw):
+    gram, mu, _ = build_objective(features, val, ETA)
+    caps = torch.tensor([kappa // 2] * 3)
+    return omp_exact_on_device(gram, mu, dom, caps, kappa, 1e-6, default_grad_tol(mu), **kw)
+
+
+def _select(features, val, dom, kappa, loop):
+    return select_partitionsel(
+        features=features, val_feature=val, domain_ids=dom, num_domains=3, kappa=kappa, eta=ETA, generator=None,
+        solver_loop=loop,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_triton_rounds_pick_what_the_eager_rounds_pick():
+    """Well-posed float32 pools (more feature dimensions than picks; as the compiled rounds' test): the same
+    picks, the same repairs (some pools drop weights: the KKT variant of the kernels runs after the first), the
+    weights up to rounding; and through `select_partitionsel`, `device_triton` selects what `device` selects."""
+    seen = {"common": 0, "repaired": 0}
+    for seed in range(4):
+        for n, dim, kappa in ((64, 64, 16), (96, 128, 32)):
+            features, val, dom = make_instance(seed, n, dim=dim, dtype=torch.float32)
+            eager = _solve(features, val, dom, kappa)
+            tri = _solve(features, val, dom, kappa, triton=True)
+            assert tri.clean and eager.clean, (seed, n)
+            assert (tri.drops, tri.reentries) == (eager.drops, eager.reentries), (seed, n)
+            seen["repaired" if eager.drops else "common"] += 1
+            assert tri.sel_K.tolist() == eager.sel_K.tolist(), (seed, n)
+            torch.testing.assert_close(tri.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))
+            torch.testing.assert_close(tri.phi, eager.phi, rtol=2e-4, atol=0.0)
+    assert seen["common"] and seen["repaired"], seen
+    features, val, dom = make_instance(1, 64, dim=64, dtype=torch.float32)
+    via, plain = (_select(features, val, dom, 16, loop) for loop in ("device_triton", "device"))
+    assert via.indices.tolist() == plain.indices.tolist()
+    assert via.info["device_loop_fallback"] == plain.info["device_loop_fallback"] == 0
+
+
+def test_the_triton_rounds_repair_drops_and_hand_over_as_the_eager_rounds():
+    """float64, 8-dimensional features, kappa 20: the pool where the host loop drops weights without a refit is
+    repaired with the host loop's picks and counts; a float32 pool that the host loop promotes to float64 is
+    handed back (not clean), as the eager rounds hand it back."""
+    for seed in range(20):
+        features, val, dom = make_instance(seed, 40, dim=8, dtype=torch.float64)
+        eager = _solve(features, val, dom, 20)
+        if eager.drops and eager.clean:
+            break
+    else:
+        pytest.fail("no instance dropped a weight")
+    tri = _solve(features, val, dom, 20, triton=True)
+    assert tri.clean and (tri.drops, tri.reentries) == (eager.drops, eager.reentries)
+    assert tri.sel_K.tolist() == eager.sel_K.tolist()
+    torch.testing.assert_close(tri.v_K, eager.v_K, rtol=1e-9, atol=1e-9 * float(eager.v_K.abs().max()))
+    features, val, dom = make_instance(2, 40, dim=8, dtype=torch.float32)
+    eager, tri = _solve(features, val, dom, 20), _solve(features, val, dom, 20, triton=True)
+    assert not eager.clean and not tri.clean
+
+
+def test_a_pool_with_full_domains_and_picks_at_zero_gradient():
+    """Tight capacities close domains (the penalty of every element of a full domain), and more picks than
+    elements with a positive gradient leave picks at weight zero: the kernels' penalty, inactive and counter
+    updates against the eager round's, every state tensor compared after each round."""
+    from composer_algos.selection import active_set_device as asd
+
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.randn(48, 96, generator=gen, dtype=torch.float64) / 96**0.5  # well-conditioned: 96 > 48 dimensions
+    gram = feats @ feats.T
+    mu = torch.full((48,), -1.0, dtype=torch.float64)
+    mu[[0, 4, 8, 13, 21]] = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0], dtype=torch.float64)  # 5 positive gradients
+    dom = torch.arange(48) % 3
+    caps = torch.tensor([3, 9, 30])  # domains 0 and 1 close within the 24 picks
+    tols = (64.0 * torch.finfo(torch.float64).eps, 0.0)
+    eager, tri = (asd._initial_state(gram, mu, dom, caps, 24, 1e-6, default_grad_tol(mu)) for _ in range(2))
+    step = omp_triton.TritonRound(tri, tols)
+    for r in range(24):
+        asd._round(*eager.round_args(), *tols, False)
+        step(False)
+        for name in ("sel_K", "elem_M", "used_M", "inactive_N", "h_1", "r_1", "rem_C", "live_1", "bad_1", "penalty_N"):
+            assert torch.equal(getattr(tri, name), getattr(eager, name)), (r, name)
+        for name in ("grad_N", "v_M", "p_MM", "rows_MN"):
+            torch.testing.assert_close(getattr(tri, name), getattr(eager, name), rtol=1e-10, atol=1e-10)
+    # Both paths ran: picks at weight zero, and a domain closed. No round froze: every pick entered or stayed at 0.
+    assert int(eager.inactive_N.sum()) > 0 and bool((eager.rem_C == 0).any()), (eager.inactive_N, eager.rem_C)
+    assert bool(eager.live_1) and int(eager.h_1) + int(eager.inactive_N.sum()) == 24
+
+
+
+
+def test_the_block_size_sweep_times_every_setting_and_restores_the_default():
+    """`bench_selection.py --triton-sweep`'s function: the default and each of `SWEEP`, every one picking the
+    eager rounds' picks (the block sizes change only how the work is cut), and `BLOCKS` as it was afterwards."""
+    from bench_selection import sweep_triton_blocks  # tools/bench/bench_selection.py
+
+    features, val, dom = make_instance(2, 40, dim=64, dtype=torch.float32)
+    gram, mu, _ = build_objective(features, val, ETA)
+    before = dict(omp_triton.BLOCKS)
+    rows = sweep_triton_blocks(gram, mu, dom, torch.tensor([6, 6, 6]), 12, repeats=1)
+    assert [override for override, _, _ in rows] == [{}, *omp_triton.SWEEP]
+    assert all(ms > 0 and same for _, ms, same in rows), rows
+    assert omp_triton.BLOCKS == before

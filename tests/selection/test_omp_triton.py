@@ -1,0 +1,119 @@
+"""The device loop's round as three Triton kernels (`solver_loop: device_triton`, issue 31.3), checked without a GPU:
+the kernels run in Triton's interpreter on CPU tensors, and compile for an H100 (sm_90) ahead of time."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from composer_algos.selection import select_partitionsel
+from composer_algos.selection.active_set_device import omp_exact_on_device
+from composer_algos.selection.objective import build_objective
+from composer_algos.selection.refit import default_grad_tol
+from tests.common.paths import REPO_ROOT
+from tests.selection.reference import make_instance
+
+triton = pytest.importorskip("triton")
+omp_triton = pytest.importorskip("composer_algos.selection.omp_triton")
+
+ETA = 0.5
+
+
+def _solve(features, val, dom, kappa, **kw):
+    gram, mu, _ = build_objective(features, val, ETA)
+    caps = torch.tensor([kappa // 2] * 3)
+    return omp_exact_on_device(gram, mu, dom, caps, kappa, 1e-6, default_grad_tol(mu), **kw)
+
+
+def _select(features, val, dom, kappa, loop):
+    return select_partitionsel(
+        features=features, val_feature=val, domain_ids=dom, num_domains=3, kappa=kappa, eta=ETA, generator=None,
+        solver_loop=loop,
+    )
+
+
+# A minute or two on the 2-core VM: the interpreter runs each program of each launch in Python.
+@pytest.mark.timeout(600)
+def test_the_kernels_in_tritons_interpreter():
+    """`omp_triton_interpreted.py` in a child process with ``TRITON_INTERPRET=1``: the kernels on CPU tensors
+    pick what the eager rounds pick, repair and hand over as they do, and update every state tensor as they do."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(Path(__file__).parent / "omp_triton_interpreted.py")]
+    done = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=580)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert re.search(r"\b4 passed\b", done.stdout) and "skipped" not in done.stdout, done.stdout[-3000:]
+
+
+def test_off_the_interpreter_a_cpu_runs_the_eager_rounds(monkeypatch):
+    """Triton runs on GPUs: on CPU tensors outside its interpreter, `device_triton` is the device loop's eager
+    rounds, bit for bit."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not omp_triton.kernels_available(torch.device("cpu"))
+    features, val, dom = make_instance(3, 64, dim=64)
+    a, b = (_select(features, val, dom, 16, loop) for loop in ("device_triton", "device"))
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.weights, b.weights)
+
+
+def test_compile_and_triton_are_exclusive():
+    features, val, dom = make_instance(3, 24, dim=8)
+    with pytest.raises(ValueError, match="compile and triton are two ways to run a round"):
+        _solve(features, val, dom, 8, compile=True, triton=True)
+
+
+_TYPES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int64: "*i64", torch.int32: "*i32", torch.bool: "*i1"}
+
+
+def _launches(dtype: torch.dtype, kkt: bool, blocks: dict | None = None) -> list[tuple]:
+    """The three launches of one round, recorded (kernel, positional args, constexprs) instead of run."""
+    from composer_algos.selection import active_set_device as asd
+
+    features, val, dom = make_instance(0, 200, dim=32, dtype=dtype)
+    gram, mu, _ = build_objective(features, val, ETA)
+    st = asd._initial_state(gram, mu, dom, torch.tensor([40, 40, 40]), 100, 1e-6, default_grad_tol(mu))
+    step = omp_triton.TritonRound(st, (1e-12, 0.0), blocks)
+    calls = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: calls.append((self.fn, args, constexprs))
+
+    step.kernels = tuple(Recorder(fn) for fn in omp_triton.KERNELS)
+    step(kkt)
+    return calls
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "dtype,kkt,blocks",
+    [(torch.float32, False, None), (torch.float32, True, None), (torch.float64, True, None)]
+    + [(torch.float32, True, override) for override in omp_triton.SWEEP],
+)
+def test_the_kernels_compile_for_an_h100(dtype, kkt, blocks):
+    """Triton's interpreter is not its compiler: it does not check that a loop keeps its variables' types, or
+    that an operation has a GPU lowering. Each kernel, with the arguments a round passes (and the block sizes
+    the benchmark's sweep tries), compiles for sm_90 (ahead of time: Triton's front end, its LLVM lowering and
+    the bundled ptxas, with no GPU) to a cubin."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for fn, args, constexprs in _launches(dtype, kkt, blocks):
+        jitted = triton.jit(fn)
+        names = [p.name for p in jitted.params]
+        signature, values = {}, dict(constexprs)
+        for name, arg in zip(names, args):
+            if isinstance(arg, torch.Tensor):
+                signature[name] = _TYPES[arg.dtype]
+            else:
+                signature[name] = "fp32" if isinstance(arg, float) else "i32"
+        signature.update({name: "constexpr" for name in constexprs})
+        compiled = triton.compile(ASTSource(jitted, signature=signature, constexprs=values), target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"] and f".entry {fn.__name__}" in compiled.asm["ptx"], fn.__name__
