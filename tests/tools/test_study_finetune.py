@@ -52,6 +52,7 @@ def test_full_profile_names_every_arm_and_the_variants_their_settings(tmp_path):
     assert variants["ps_r4"] == "ps_r4=partitionsel,algorithms.data_selection.oversampling=4"
     assert variants["full_pool"] == "full_pool=none"
     assert variants["ps_reuse"] == "ps_reuse=partitionsel,model.reuse_scoring_prefix=true"  # after the tail: it wins
+    assert variants["ps_ahead"] == "ps_ahead=partitionsel,algorithms.data_selection.select_ahead=true"
 
 
 def _comparison(losses, accuracies):
@@ -87,6 +88,27 @@ def test_help_is_fast_and_bad_arms_are_refused(capsys):
     with pytest.raises(SystemExit):
         study.main(["--arms", "partitionsel"])
     assert "random is the budget's reference" in capsys.readouterr().err
+
+
+def test_budgets_choose_which_commands_the_study_part_runs(tmp_path, monkeypatch, capsys):
+    """--budgets steps trains only the equal-steps runs, compute only the equal-compute ones; a budget outside
+    the two is refused before anything runs."""
+    (tmp_path / "dm_math").mkdir()
+    (tmp_path / "dm_math" / "train.json").write_text("[]")
+    (tmp_path / "model.gguf").write_text("")
+    monkeypatch.setattr(study, "DATA", tmp_path)
+    monkeypatch.setattr(study, "MODEL", tmp_path / "model.gguf")
+    ran = []
+    monkeypatch.setattr(study, "_run", lambda cmd, env: ran.append(cmd))
+    for budgets, outs in (("steps", ["equal_steps"]), ("compute", ["equal_compute"]), ("steps,compute", ["equal_steps", "equal_compute"])):
+        ran.clear()
+        study.main(["--parts", "study", "--budgets", budgets, "--out", str(tmp_path / "out")])
+        assert [_arg(cmd, "--out") for cmd in ran] == [str(tmp_path / "out" / out) for out in outs], budgets
+    ran.clear()
+    with pytest.raises(SystemExit):
+        study.main(["--parts", "study", "--budgets", "steps,flops", "--out", str(tmp_path / "out")])
+    assert "--budgets: a comma-separated subset of steps,compute, got 'steps,flops'" in capsys.readouterr().err
+    assert not ran
 
 
 def test_report_also_pairs_every_arm_against_partitionsel_and_the_whole_pool(tmp_path):

@@ -49,7 +49,8 @@ SEL = "algorithms.data_selection"
 # label -> (strategy, overrides). `partitionsel` is the library's defaults; `ps_r4` the setting the dm_math
 # study found best at equal steps (pools of 4 x kappa: docs/results/study_dm_math.md, "Larger oversampling
 # helps"); `ps_reuse` the defaults at a cheaper step; `full_pool` trains on the whole pool of 2 x kappa
-# every step (strategy none).
+# every step (strategy none); `ps_ahead` the defaults with each step's selection made during the step before
+# (select_ahead: from weights one step older; issue 31's cheaper step on a GPU, its quality measured here).
 ARMS: dict[str, tuple[str, list[str]]] = {
     "random": ("random", []),
     "random_stratified": ("random_stratified", []),
@@ -58,6 +59,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # The library's defaults with the training forward taking the frozen blocks' output from the scoring pass
     # (model.reuse_scoring_prefix): the same selections up to rounding, a cheaper step.
     "ps_reuse": ("partitionsel", ["model.reuse_scoring_prefix=true"]),
+    "ps_ahead": ("partitionsel", [f"{SEL}.select_ahead=true"]),
     "id": ("id", []),
     "greats": ("greats", []),
     "colm": ("colm", []),
@@ -97,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="equal steps, and the equal-compute budget in random steps (default 20; --gpu 100)")
     p.add_argument("--jobs", type=int, default=None, help="training processes at once (default 2; --gpu 1)")
     p.add_argument("--arms", default=None, help=f"instead of the profile's arms, a subset of {','.join(ARMS)}")
+    p.add_argument(
+        "--budgets", default="steps,compute",
+        help="comma-separated subset of steps,compute: the budgets the study part trains (default both; compute "
+        "prices its arms from the steps runs, so it needs them)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (a test of the pipeline, not a study)")
     p.add_argument(
         "--gpu", action="store_true",
@@ -108,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in parts if x not in PARTS]
     if bad:
         p.error(f"--parts: unknown {bad}; allowed: {', '.join(PARTS)}")
+    budgets = [x for x in args.budgets.split(",") if x]
+    if not budgets or any(b not in ("steps", "compute") for b in budgets):
+        p.error(f"--budgets: a comma-separated subset of steps,compute, got {args.budgets!r}")
     arms = [a for a in (args.arms or ",".join(QUICK_ARMS if args.profile == "quick" else ARMS)).split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -136,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         floor(out, shards, dict(env, OMP_NUM_THREADS=str(args.jobs)), smoke=args.smoke,
               per_domain=GPU["per_domain"] if args.gpu else None)
     if "study" in parts:
-        for cmd in study_commands(out, shards=shards, arms=arms, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
-                                  smoke=args.smoke, gpu=args.gpu):
-            _run(cmd, env)
+        cmds = study_commands(out, shards=shards, arms=arms, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
+                              smoke=args.smoke, gpu=args.gpu)
+        for budget, cmd in zip(("steps", "compute"), cmds):
+            if budget in budgets:
+                _run(cmd, env)
     if "report" in parts:
         print(study_report(out))
     print(f"study_finetune: {', '.join(parts)} took {time.perf_counter() - t0:.0f} s of wall time in this invocation "
