@@ -35,6 +35,7 @@ repair the rounds also check the elements at weight zero (one reduction more), r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -383,6 +384,7 @@ class _Rounds:
             args = st.round_args()
             self._round = lambda kkt: fn(*args, *tols, kkt)
         self._graph = graph
+        self._device = st.grad_N.device
         self._warm: set[bool] = set()
         self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
 
@@ -391,13 +393,21 @@ class _Rounds:
             self._round(kkt)
 
     def run(self, count: int, *, kkt: bool) -> None:
-        if not self._graph:
-            self._rounds(kkt, count)
-            return
+        # Side streams, captures and Triton's launches use the current device, not the tensors': the state's.
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+            if self._graph:
+                self._graphed(count, kkt)
+            else:
+                self._rounds(kkt, count)
+
+    def _graphed(self, count: int, kkt: bool) -> None:
         if count > 0 and kkt not in self._warm:
             _on_side_stream(lambda: self._round(kkt))
             self._warm.add(kkt)
             count -= 1
+        # A remainder replays a one-round graph rather than graphs of 8, 4, 2 and 1: the graphs are recorded again
+        # every solve (new state tensors), and recording a round costs its launches' host time, more than the
+        # replays that finer graphs would save.
         while count > 0:
             per = ROUNDS_PER_GRAPH if count >= ROUNDS_PER_GRAPH else 1
             g = self._graphs.get((kkt, per))
@@ -427,7 +437,9 @@ def _recorded(fn) -> torch.cuda.CUDAGraph:
     g = torch.cuda.CUDAGraph()
 
     def capture() -> None:
-        g.capture_begin()
+        # Thread-local: a possibly unsafe CUDA call that another thread makes meanwhile (an allocation by a
+        # loader's pinned-memory thread, say) must not invalidate the capture, as the default global mode lets it.
+        g.capture_begin(capture_error_mode="thread_local")
         try:
             fn()
         finally:

@@ -97,15 +97,17 @@ def _pick_kernel(
     h = tl.load(h_1)
     cols = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     cmask = cols < M
-    acc = tl.zeros([BLOCK_S], dtype=qext.dtype.element_ty)
+    # The products accumulate in a tile, reduced over the slots once after the loop (a reduction across warps
+    # at every step would wait for a barrier each time).
+    acc = tl.zeros([BLOCK_K, BLOCK_S], dtype=qext.dtype.element_ty)
     for m0 in range(0, M, BLOCK_K):
-        ms = m0 + tl.arange(0, BLOCK_K)
+        ms = (m0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         mmask = ms < M
         # Slot h's row is stale, but P's row h is zero (a free slot), so it adds nothing.
-        rj = tl.load(rows + ms.to(tl.int64) * stride_r + j, mask=mmask, other=0.0)
+        rj = tl.load(rows + ms * stride_r + j, mask=mmask, other=0.0)
         tile = tl.load(p + ms[:, None] * M + cols[None, :], mask=mmask[:, None] & cmask[None, :], other=0.0)
-        acc += tl.sum(rj[:, None] * tile, 0)
-    acc = tl.where(cols == h, -1.0, acc)
+        acc += rj[:, None] * tile
+    acc = tl.where(cols == h, -1.0, tl.sum(acc, 0))
     tl.store(qext + cols, acc, mask=cmask)
     if pid == 0:
         tl.store(jbuf, j)
@@ -127,18 +129,19 @@ def _direction_kernel(
     cmask = cols < N
     krow = tl.load(gram + j * stride_g0 + cols.to(tl.int64) * stride_g1, mask=cmask, other=0.0)
     kjj = tl.load(gram + j * stride_g0 + j * stride_g1)
-    acc = tl.zeros([BLOCK_N], dtype=gnew.dtype.element_ty)
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=gnew.dtype.element_ty)
     tj = tl.zeros([BLOCK_K], dtype=gnew.dtype.element_ty)
     for m0 in range(0, M, BLOCK_K):
-        ms = m0 + tl.arange(0, BLOCK_K)
+        ms = (m0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         mmask = ms < M
         q = tl.load(qext + ms, mask=mmask, other=0.0)
-        base = ms.to(tl.int64) * stride_r
-        tile = tl.load(rows + base[:, None] + cols[None, :], mask=mmask[:, None] & cmask[None, :], other=0.0)
-        tile = tl.where(ms[:, None] == h, krow[None, :], tile)
-        acc += tl.sum(tile * q[:, None], 0)
-        rj = tl.where(ms == h, kjj, tl.load(rows + base + j, mask=mmask, other=0.0))
-        tj += rj * q
+        # Row h is K[j] this round, substituted rather than loaded: this kernel writes it (below, and the
+        # program owning column j writes rows[h, j]), so no load may touch it.
+        live_row = mmask & (ms != h)
+        tile = tl.load(rows + ms[:, None] * stride_r + cols[None, :], mask=live_row[:, None] & cmask[None, :], other=0.0)
+        acc += tl.where(ms[:, None] == h, krow[None, :], tile) * q[:, None]
+        tj += tl.where(ms == h, kjj, tl.load(rows + ms * stride_r + j, mask=live_row, other=0.0)) * q
+    acc = tl.sum(acc, 0)
     schur = tl.load(ridge_1) - tl.sum(tj, 0)
     zj = tl.load(gbuf) / schur
     gn = tl.load(grad + cols, mask=cmask, other=0.0) + acc * zj
@@ -169,6 +172,7 @@ def _apply_kernel(
     h_1, r_1, live_1, bad_1, jbuf, gbuf, scal, flags, kkt_part, tol_1,
     N, M, pool_programs, pivot_tol, promote_tol,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, KKT: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     g = tl.load(gbuf)
@@ -178,8 +182,9 @@ def _apply_kernel(
     tol = tl.load(tol_1)
     positive = g > tol
     # The host loop's branches that end the device solve: a dependent column, an ill-conditioned float32 one.
-    # (With promote_tol 0, the second test is schur < 0, which the first already holds: K_jj >= 0.)
-    host_only = ((schur > pivot_tol * kjj) == 0) | (schur < promote_tol * kjj)
+    host_only = (schur > pivot_tol * kjj) == 0
+    if PROMOTE:
+        host_only = host_only | (schur < promote_tol * kjj)
     # And those a repair makes: a Lawson-Hanson drop, a KKT re-entry.
     repair = tl.load(flags) != 0
     if KKT:
@@ -212,7 +217,7 @@ def _apply_kernel(
                 ms = m0 + tl.arange(0, BLOCK_K)
                 tl.store(v + ms, tl.load(zbuf + ms, mask=ms < M, other=0.0), mask=(ms < M) & enter)
     else:
-        rs = (pid - pool_programs) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rs = ((pid - pool_programs) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         rmask = (rs < M) & enter
         qa = tl.load(qext + rs, mask=rmask, other=0.0) / schur
         for c0 in range(0, M, BLOCK_K):
@@ -263,6 +268,8 @@ class TritonRound:
         self.scal_2 = torch.zeros(2, dtype=dt, device=dev)  # the Schur complement, K_jj
         self.flags_2 = torch.zeros(2, dtype=torch.int32, device=dev)  # a weight would turn negative, live before
         self.rem_snap_C = torch.zeros_like(st.rem_C)
+        # The kernels index the pool's vectors with unit stride; the state's own are allocated so, the ids are the caller's.
+        self.dom_N = st.dom_N.contiguous()
         self.kernels = _jitted(_interpreting())
 
     def __call__(self, kkt: bool) -> None:
@@ -281,9 +288,10 @@ class TritonRound:
             BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_C=_next_pow2(min(c, 1024)), KKT=kkt,
         )
         apply[(g3,)](
-            st.grad_N, self.gnew_N, st.penalty_N, st.inactive_N, st.dom_N, self.rem_snap_C, st.rem_C, st.p_MM,
+            st.grad_N, self.gnew_N, st.penalty_N, st.inactive_N, self.dom_N, self.rem_snap_C, st.rem_C, st.p_MM,
             self.qext_M, st.v_M, self.z_M, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, self.j_1,
             self.g_1, self.scal_2, self.flags_2, self.kkt_P, st.tol_1,
             n, m, g2, self.pivot_tol, self.promote_tol,
             BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_T=_next_pow2(g2), KKT=kkt,
+            PROMOTE=self.promote_tol > 0,
         )
