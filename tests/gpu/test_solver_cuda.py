@@ -81,11 +81,15 @@ def test_the_device_loop_replayed_as_a_cuda_graph_is_the_eager_loop(cuda, n, k):
     assert torch.equal(graphed.phi, eager.phi) and bool(graphed.clean) == bool(eager.clean)
 
 
+@pytest.mark.parametrize("rounds", ["compiled", "triton", "triton_eager"])
 @pytest.mark.parametrize("n,k", [(64, 20), (2048, 512)])
-def test_the_compiled_rounds_replayed_as_a_cuda_graph_pick_what_the_eager_rounds_pick(cuda, n, k):
-    """`solver_loop: device_compiled` on CUDA: the compiled round (Triton kernels) recorded as one CUDA graph
-    and replayed (a second one after the first drop); the rounds needing a drop are repaired as the eager
-    rounds repair them, the same picks, the weights up to rounding (fused reductions round in their own order)."""
+def test_the_fused_rounds_pick_what_the_eager_rounds_pick(cuda, n, k, rounds):
+    """The device loop's rounds fused on CUDA: `solver_loop: device_compiled` (the compiled round, inductor's
+    Triton kernels) and `device_triton` (three hand-written Triton kernels; their CPU checks ran only in Triton's
+    interpreter, tests/selection/test_omp_triton.py), recorded as CUDA graphs and replayed (others after the
+    first drop), and the Triton kernels also launched one by one. The rounds needing a drop are repaired as the
+    eager rounds repair them: the same picks, the weights up to rounding (fused reductions round in their own
+    order)."""
     from composer_algos.selection.active_set_device import omp_exact_on_device
     from composer_algos.selection.objective import build_objective
     from composer_algos.selection.refit import default_grad_tol
@@ -95,37 +99,14 @@ def test_the_compiled_rounds_replayed_as_a_cuda_graph_pick_what_the_eager_rounds
     caps = torch.full((8,), k // 8 + 1, device=cuda)
     args = (gram, mu, dom.to(cuda), caps, k, 1e-6, default_grad_tol(mu))
     eager = omp_exact_on_device(*args, graph=False)
-    compiled = omp_exact_on_device(*args, graph=True, compile=True)
-    assert compiled.clean == eager.clean
-    assert (compiled.drops, compiled.reentries) == (eager.drops, eager.reentries)
+    how = {"compiled": dict(compile=True), "triton": dict(triton=True), "triton_eager": dict(triton=True, graph=False)}
+    fused = omp_exact_on_device(*args, **{"graph": True, **how[rounds]})
     # On the CPU the n = 64 instance stays on the common path and the n = 2048 one is repaired: both must
     # compare picks here, or the test compared nothing but flags.
-    assert eager.clean
-    if eager.clean:
-        assert torch.equal(compiled.sel_K, eager.sel_K)
-        torch.testing.assert_close(compiled.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))
-
-
-@pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("n,k", [(64, 20), (2048, 512)])
-def test_the_triton_rounds_pick_what_the_eager_rounds_pick_on_cuda(cuda, n, k, graph):
-    """`solver_loop: device_triton` on CUDA: each round three Triton kernels, launched one by one or recorded
-    16 rounds to a CUDA graph; the repairs as the eager rounds make them, the same picks, the weights up to
-    rounding (the CPU checks ran them only in Triton's interpreter: tests/selection/test_omp_triton.py)."""
-    from composer_algos.selection.active_set_device import omp_exact_on_device
-    from composer_algos.selection.objective import build_objective
-    from composer_algos.selection.refit import default_grad_tol
-
-    features, val, dom = make_instance(5, n, dim=256, num_domains=8)
-    gram, mu, _ = build_objective(features.to(cuda), val.to(cuda), 0.3)
-    caps = torch.full((8,), k // 8 + 1, device=cuda)
-    args = (gram, mu, dom.to(cuda), caps, k, 1e-6, default_grad_tol(mu))
-    eager = omp_exact_on_device(*args, graph=False)
-    tri = omp_exact_on_device(*args, graph=graph, triton=True)
-    assert eager.clean and tri.clean
-    assert (tri.drops, tri.reentries) == (eager.drops, eager.reentries)
-    assert torch.equal(tri.sel_K, eager.sel_K)
-    torch.testing.assert_close(tri.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))
+    assert eager.clean and fused.clean
+    assert (fused.drops, fused.reentries) == (eager.drops, eager.reentries)
+    assert torch.equal(fused.sel_K, eager.sel_K)
+    torch.testing.assert_close(fused.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -9,29 +9,17 @@ import os
 import pytest
 import torch
 
-from composer_algos.selection import select_partitionsel
 from composer_algos.selection.active_set_device import omp_exact_on_device
 from composer_algos.selection.objective import build_objective
 from composer_algos.selection.refit import default_grad_tol
 from tests.selection.reference import make_instance
+from tests.selection.test_active_set_device import _device_solve as _solve
+from tests.selection.test_active_set_device import _select
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 from the start")
 omp_triton = pytest.importorskip("composer_algos.selection.omp_triton")
 
 ETA = 0.5
-
-
-def _solve(features, val, dom, kappa, **kw):
-    gram, mu, _ = build_objective(features, val, ETA)
-    caps = torch.tensor([kappa // 2] * 3)
-    return omp_exact_on_device(gram, mu, dom, caps, kappa, 1e-6, default_grad_tol(mu), **kw)
-
-
-def _select(features, val, dom, kappa, loop):
-    return select_partitionsel(
-        features=features, val_feature=val, domain_ids=dom, num_domains=3, kappa=kappa, eta=ETA, generator=None,
-        solver_loop=loop,
-    )
 
 
 @pytest.mark.timeout(300)

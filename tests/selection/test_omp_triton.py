@@ -12,30 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_algos.selection import select_partitionsel
-from composer_algos.selection.active_set_device import omp_exact_on_device
 from composer_algos.selection.objective import build_objective
 from composer_algos.selection.refit import default_grad_tol
 from tests.common.paths import REPO_ROOT
 from tests.selection.reference import make_instance
+from tests.selection.test_active_set_device import _device_solve as _solve
+from tests.selection.test_active_set_device import _select
 
 triton = pytest.importorskip("triton")
 omp_triton = pytest.importorskip("composer_algos.selection.omp_triton")
 
 ETA = 0.5
-
-
-def _solve(features, val, dom, kappa, **kw):
-    gram, mu, _ = build_objective(features, val, ETA)
-    caps = torch.tensor([kappa // 2] * 3)
-    return omp_exact_on_device(gram, mu, dom, caps, kappa, 1e-6, default_grad_tol(mu), **kw)
-
-
-def _select(features, val, dom, kappa, loop):
-    return select_partitionsel(
-        features=features, val_feature=val, domain_ids=dom, num_domains=3, kappa=kappa, eta=ETA, generator=None,
-        solver_loop=loop,
-    )
 
 
 # A minute or two on the 2-core VM: the interpreter runs each program of each launch in Python.

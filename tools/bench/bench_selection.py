@@ -248,7 +248,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=0,
         help="the instance's seed (default 0). At n = 2048, kappa = 512 seed 0's exact solve has 2 Lawson-Hanson "
-        "drops and 2 re-entries (the device loop hands it to the host loop), seeds 1 and 2 none",
+        "drops and 2 re-entries (the device loops repair those rounds on the device), seeds 1 and 2 none",
     )
     parser.add_argument(
         "--quick", action="store_true",
@@ -352,13 +352,17 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
     features, val_feature, domain_ids = instance
     w_ex, c_ex, res_ex = timed["exact"]
     k = case["kappa"]
-    if args.compiled:
-        w_dc, c_dc, res_dc = timed["compiled"]
+
+    def ratio(label: str, key: str, note: str = "") -> None:
+        wall, cpu, res = timed[key]
         print(
-            f"  compiled rounds / host loop {w_dc / w_ex:6.2f}x wall, {c_dc / c_ex:6.2f}x cpu; the same picks:"
-            f" {res_dc.indices.tolist() == res_ex.indices.tolist()}; handed over:"
-            f" {bool(res_dc.info.get('device_loop_fallback', 0))}"
+            f"  {label} / host loop {wall / w_ex:6.2f}x wall, {cpu / c_ex:6.2f}x cpu; the same picks:"
+            f" {res.indices.tolist() == res_ex.indices.tolist()}; handed over:"
+            f" {bool(res.info.get('device_loop_fallback', 0))}{note}"
         )
+
+    if args.compiled:
+        ratio("compiled rounds", "compiled")
         gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
         caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
         calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16), args.round_code)
@@ -366,13 +370,8 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
         if args.round_code:
             print(f"  the compiled round's code: {args.round_code}")
     if args.triton:
-        w_dt, c_dt, res_dt = timed["triton"]
         where = "" if args.device == "cuda" else " (on a CPU: the eager rounds, Triton's kernels run on GPUs)"
-        print(
-            f"  Triton rounds / host loop {w_dt / w_ex:6.2f}x wall, {c_dt / c_ex:6.2f}x cpu; the same picks:"
-            f" {res_dt.indices.tolist() == res_ex.indices.tolist()}; handed over:"
-            f" {bool(res_dt.info.get('device_loop_fallback', 0))}; 3 kernels a round{where}"
-        )
+        ratio("Triton rounds", "triton", f"; 3 kernels a round{where}")
 
 
 def _case_variants(args: argparse.Namespace, case: dict, common: dict, features) -> tuple[dict, dict, dict]:
