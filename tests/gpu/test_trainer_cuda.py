@@ -27,8 +27,12 @@ def _series(trainer, key: str) -> list[float]:
     return [float(v) for _, v in mem.data.get(key, [])]
 
 
-def test_twenty_steps_amp_bf16_with_partitionsel(cuda, dolma_shards, tmp_path):
-    cfg = load_config(TINY, tiny_overrides(dolma_shards, tmp_path, "loggers.in_memory={}", *GPU_RUN))
+@pytest.mark.parametrize("solver_loop", ["host", "device_triton"])
+def test_twenty_steps_amp_bf16_with_partitionsel(cuda, dolma_shards, tmp_path, solver_loop):
+    """The default host loop, and the Triton rounds (issue 31.3) in a training run: launched one by one at these
+    4 picks a step (graphs from 16)."""
+    loop = f"algorithms.data_selection.strategy_options.partitionsel.solver_loop={solver_loop}"
+    cfg = load_config(TINY, tiny_overrides(dolma_shards, tmp_path, "loggers.in_memory={}", *GPU_RUN, loop))
     trainer = train.build_trainer(cfg)
     trainer.fit()
     algo = find_data_selection(trainer.state)

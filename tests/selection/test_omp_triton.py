@@ -56,13 +56,13 @@ def test_compile_and_triton_are_exclusive():
 _TYPES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int64: "*i64", torch.int32: "*i32", torch.bool: "*i1"}
 
 
-def _launches(dtype: torch.dtype, kkt: bool, blocks: dict | None = None) -> list[tuple]:
+def _launches(dtype: torch.dtype, kkt: bool, blocks: dict | None = None, n: int = 200) -> list[tuple]:
     """The three launches of one round, recorded (kernel, positional args, constexprs) instead of run."""
     from composer_algos.selection import active_set_device as asd
 
-    features, val, dom = make_instance(0, 200, dim=32, dtype=dtype)
+    features, val, dom = make_instance(0, n, dim=32, dtype=dtype)
     gram, mu, _ = build_objective(features, val, ETA)
-    st = asd._initial_state(gram, mu, dom, torch.tensor([40, 40, 40]), 100, 1e-6, default_grad_tol(mu))
+    st = asd._initial_state(gram, mu, dom, torch.tensor([n // 5] * 3), n // 2, 1e-6, default_grad_tol(mu))
     step = omp_triton.TritonRound(st, (1e-12, 0.0), blocks)
     calls = []
 
@@ -80,11 +80,12 @@ def _launches(dtype: torch.dtype, kkt: bool, blocks: dict | None = None) -> list
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "dtype,kkt,blocks",
-    [(torch.float32, False, None), (torch.float32, True, None), (torch.float64, True, None)]
-    + [(torch.float32, True, override) for override in omp_triton.SWEEP],
+    "dtype,kkt,blocks,n",
+    [(torch.float32, False, None, 200), (torch.float32, True, None, 200), (torch.float64, True, None, 200)]
+    + [(torch.float32, True, override, 200) for override in omp_triton.SWEEP]
+    + [(torch.float32, True, None, 8)],  # a training step's pool: blocks of one program's partials, 8 elements
 )
-def test_the_kernels_compile_for_an_h100(dtype, kkt, blocks):
+def test_the_kernels_compile_for_an_h100(dtype, kkt, blocks, n):
     """Triton's interpreter is not its compiler: it does not check that a loop keeps its variables' types, or
     that an operation has a GPU lowering. Each kernel, with the arguments a round passes (and the block sizes
     the benchmark's sweep tries), compiles for sm_90 (ahead of time: Triton's front end, its LLVM lowering and
@@ -92,7 +93,7 @@ def test_the_kernels_compile_for_an_h100(dtype, kkt, blocks):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    for fn, args, constexprs in _launches(dtype, kkt, blocks):
+    for fn, args, constexprs in _launches(dtype, kkt, blocks, n):
         jitted = triton.jit(fn)
         names = [p.name for p in jitted.params]
         signature, values = {}, dict(constexprs)

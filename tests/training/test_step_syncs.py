@@ -66,10 +66,11 @@ def test_one_selection_step_syncs_at_most_its_budget(strategy, dolma_shards, tmp
     assert ("first host read after" in report) == bool(timeline)
 
 
-@pytest.mark.parametrize("loop", ["device", "cpu"])
+@pytest.mark.parametrize("loop", ["device", "device_triton", "cpu"])
 def test_the_device_and_cpu_loops_read_the_device_twice_a_step(loop, dolma_shards, tmp_path):
-    """partitionsel with `solver_loop: device` (the solver's one flag) or `cpu` (K and mu in one read): the
-    step's transfer and one more, against 1 + kappa + 2 with the host loop (issue 31.3)."""
+    """partitionsel with `solver_loop: device` (the solver's one flag; `device_triton` runs its eager rounds on a
+    CPU) or `cpu` (K and mu in one read): the step's transfer and one more, against 1 + kappa + 2 with the host
+    loop (issue 31.3)."""
     counts, report = _count_third_step(dolma_shards, tmp_path / "run", "algorithms.data_selection.strategy=partitionsel",
                                        f"algorithms.data_selection.strategy_options.partitionsel.solver_loop={loop}")
     assert counts["mixed"] == 0, report
