@@ -27,8 +27,8 @@ which may decide among near-ties (tests/selection/test_active_set_device.py comp
 round has the same shapes and no host read, and updates its state in place: on CUDA (from
 `GRAPH_MIN_ROUNDS` picks) the first round runs eagerly, then `ROUNDS_PER_GRAPH` rounds are recorded as
 one CUDA graph and replayed (a one-round graph takes a batch's remainder): one launch for 16 rounds of
-about 60 kernels each (on an H200 the graphed rounds equal the eager ones bit for bit,
-docs/results/bench_gpu.md). Issue 31.3's 10 ms at n = 2048, kappa = 512 also needs fewer kernels a round:
+about 60 kernels each (on an H200 the graphed rounds equal the eager ones bit for bit, with one round a
+graph, docs/results/bench_gpu.md; graphs of 16 rounds are not yet run on a GPU). Issue 31.3's 10 ms at n = 2048, kappa = 512 also needs fewer kernels a round:
 `compile` fuses them into 12 on CUDA, `triton` runs three hand-written ones (`omp_triton`). After a
 repair the rounds also check the elements at weight zero (one reduction more), recorded as other graphs.
 """
@@ -53,9 +53,9 @@ GRAPH_MIN_ROUNDS = 16
 # Rounds between two host reads: a round frozen for a repair wastes at most this many rounds of device
 # work, and a solve without one reads ceil(k / ROUNDS_PER_READ) times (once at the recipes' 8 picks a rank).
 ROUNDS_PER_READ = 64
-# Rounds one CUDA graph holds: a replay costs the host about 10 us whatever it holds, which at a few kernels a
-# round is more than the round's GPU time, so a graph holds this many rounds (a batch's remainder replays a
-# one-round graph). Recording is one more capture of a few launches a round.
+# Rounds one CUDA graph holds: a replay costs the host some microseconds whatever it holds (not measured here),
+# comparable to a fused round's GPU time, so a graph holds this many rounds (a batch's remainder replays a
+# one-round graph: the first batch of a solve, 63 rounds after the warm-up, replays 3 of 16 and 15 of one).
 ROUNDS_PER_GRAPH = 16
 
 
@@ -148,7 +148,8 @@ def omp_exact_on_device(
             per process (its recompile limit); past that the rounds run eagerly. With `graph`, the
             compiled round is what the CUDA graphs record. Repairs run eagerly.
         triton: run each round as three Triton kernels (`omp_triton`: the same arithmetic, the picks the
-            eager rounds' but among near-ties, like `compile`, without a compilation per shape). Where
+            eager rounds' but among near-ties, like `compile`, without torch.compile: Triton compiles its
+            three kernels once per dtype, variant and size bucket, cached on disk). Where
             Triton cannot run the rounds (a CPU outside Triton's interpreter) the eager rounds run.
         rounds_per_read: rounds between two host reads (`ROUNDS_PER_READ`).
 

@@ -72,8 +72,8 @@ class PartitionSelOptions:
             Gram GEMM is cheap and syncs are not. The result is the same either way up to
             floating-point rounding.
         gram_batch_rows: rows per speculative batch of the lazy Gram (default 32).
-        solver_loop: where the rounds run when the features are on an accelerator (on a CPU the three
-            are the same computation). ``"host"`` (default): beside the features, each exact round
+        solver_loop: where the rounds run when the features are on an accelerator (on a CPU they are
+            the same computation, in three forms: the host loop, the device loop's rounds, the CPU solve). ``"host"`` (default): beside the features, each exact round
             deciding on the host (``ActiveSetState``: one host sync a pick, and about 13 launches, all
             of its aten ops, for a pick that enters the active set, 2 for a pick after the gradient
             stopped being positive; counted on the CPU at n = 16, kappa = 8. Before issue 31 it was
@@ -97,8 +97,8 @@ class PartitionSelOptions:
             (``tools/bench/bench_selection.py --compiled``: "exact, compiled rounds"; the graphs now hold
             16 rounds each, not yet timed).
             ``"device_triton"``: the device loop with each round as three hand-written Triton kernels
-            (``omp_triton``: the same picks but among near-ties, no compilation per shape), recorded 16 rounds
-            to a CUDA graph; not yet timed on a GPU. On a CPU it runs the device loop's eager rounds (Triton
+            (``omp_triton``: the same picks but among near-ties; no torch.compile, Triton compiles its kernels
+            once per dtype and size bucket, cached on disk), recorded 16 rounds to a CUDA graph; not yet timed on a GPU. On a CPU it runs the device loop's eager rounds (Triton
             runs there only in its interpreter, ``TRITON_INTERPRET=1``, as the tests run it). Other settings
             than those named always use the host loop.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread

@@ -65,8 +65,9 @@ def test_cuda_generator_is_deterministic(cuda, name):
 
 @pytest.mark.parametrize("n,k", [(64, 20), (2048, 512)])
 def test_the_device_loop_replayed_as_a_cuda_graph_is_the_eager_loop(cuda, n, k):
-    """`omp_exact_on_device(graph=True)`: one eager round, one recorded, k - 1 replays; the same kernels as
-    the eager rounds, so the same picks, weights and objective bit for bit (issue 31.3)."""
+    """`omp_exact_on_device(graph=True)`: one eager round, then graphs of 16 rounds (and of one for a batch's
+    remainder) recorded and replayed; the same kernels as the eager rounds, so the same picks, weights and
+    objective bit for bit (issue 31.3)."""
     from composer_algos.selection.active_set_device import omp_exact_on_device
     from composer_algos.selection.objective import build_objective
     from composer_algos.selection.refit import default_grad_tol

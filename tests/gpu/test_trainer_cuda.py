@@ -28,9 +28,14 @@ def _series(trainer, key: str) -> list[float]:
 
 
 @pytest.mark.parametrize("solver_loop", ["host", "device_triton"])
-def test_twenty_steps_amp_bf16_with_partitionsel(cuda, dolma_shards, tmp_path, solver_loop):
+def test_twenty_steps_amp_bf16_with_partitionsel(cuda, dolma_shards, tmp_path, solver_loop, monkeypatch):
     """The default host loop, and the Triton rounds (issue 31.3) in a training run: launched one by one at these
-    4 picks a step (graphs from 16)."""
+    4 picks a step (graphs from 16), counted so that a run falling back to the eager rounds fails."""
+    from composer_algos.selection import omp_triton
+
+    launches = []
+    real_call = omp_triton.TritonRound.__call__
+    monkeypatch.setattr(omp_triton.TritonRound, "__call__", lambda self, kkt: launches.append(kkt) or real_call(self, kkt))
     loop = f"algorithms.data_selection.strategy_options.partitionsel.solver_loop={solver_loop}"
     cfg = load_config(TINY, tiny_overrides(dolma_shards, tmp_path, "loggers.in_memory={}", *GPU_RUN, loop))
     trainer = train.build_trainer(cfg)
@@ -44,6 +49,8 @@ def test_twenty_steps_amp_bf16_with_partitionsel(cuda, dolma_shards, tmp_path, s
     # chunk_size auto: the run's microbatch (the 4 examples trained per step), unless an OOM halved it.
     assert set(_series(trainer, "selection/score_chunk_size")) <= {4.0, 2.0, 1.0}
     assert algo is not None and algo.extractor.normalization_in_use.startswith("adam_optimizer")
+    # Every step's 4 picks in Triton's kernels (repaired rounds run again), and none with the host loop.
+    assert len(launches) >= 80 if solver_loop == "device_triton" else not launches, len(launches)
     trainer.close()
 
 

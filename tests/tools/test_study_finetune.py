@@ -90,16 +90,22 @@ def test_help_is_fast_and_bad_arms_are_refused(capsys):
     assert "random is the budget's reference" in capsys.readouterr().err
 
 
-def test_budgets_choose_which_commands_the_study_part_runs(tmp_path, monkeypatch, capsys):
-    """--budgets steps trains only the equal-steps runs, compute only the equal-compute ones; a budget outside
-    the two is refused before anything runs."""
+@pytest.fixture
+def ran(tmp_path, monkeypatch):
+    """The commands `study.main` would run (recorded, not run), with stand-ins for the corpus and the model."""
     (tmp_path / "dm_math").mkdir()
     (tmp_path / "dm_math" / "train.json").write_text("[]")
     (tmp_path / "model.gguf").write_text("")
     monkeypatch.setattr(study, "DATA", tmp_path)
     monkeypatch.setattr(study, "MODEL", tmp_path / "model.gguf")
-    ran = []
-    monkeypatch.setattr(study, "_run", lambda cmd, env: ran.append(cmd))
+    commands = []
+    monkeypatch.setattr(study, "_run", lambda cmd, env: commands.append(cmd))
+    return commands
+
+
+def test_budgets_choose_which_commands_the_study_part_runs(tmp_path, ran, capsys):
+    """--budgets steps trains only the equal-steps runs, compute only the equal-compute ones; a budget outside
+    the two is refused before anything runs."""
     for budgets, outs in (("steps", ["equal_steps"]), ("compute", ["equal_compute"]), ("steps,compute", ["equal_steps", "equal_compute"])):
         ran.clear()
         study.main(["--parts", "study", "--budgets", budgets, "--out", str(tmp_path / "out")])
@@ -143,3 +149,11 @@ def test_the_gpu_profile_runs_the_larger_shape_in_bf16_priced_on_the_wall_clock(
     assert "device=gpu" not in cpu[0] and _arg(cpu[1], "--cost-clock") == "cpu"
     with pytest.raises(SystemExit):
         study.main(["--gpu", "--smoke"])
+
+
+def test_the_full_profile_keeps_the_tables_ten_arms(tmp_path, ran):
+    """ps_ahead came after the ten-arm tables and ran in its own directory: the full profile, whose command the
+    docs give as resumable, must not add it (it would re-plan equal compute with eleven arms)."""
+    study.main(["--parts", "study", "--budgets", "steps", "--profile", "full", "--out", str(tmp_path / "out")])
+    arms = set(_arg(ran[0], "--strategies").split(",")) | set(_variants(ran[0]))
+    assert len(arms) == 10 and "ps_ahead" not in arms and "ps_reuse" in arms and "full_pool" in arms

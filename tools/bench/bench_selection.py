@@ -7,7 +7,7 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
 - ``exact``: the default refit (incremental active-set NNLS), its rounds decided on the host;
 - ``exact, device loop``: the same with ``solver_loop: device`` (no host sync in the rounds, one read
   every 64 rounds, a few more for each round repaired with a Lawson-Hanson drop; about twice the
-  ops a pick; on CUDA from 16 picks the rounds are one CUDA graph, replayed), with
+  ops a pick; on CUDA from 16 picks the rounds are recorded as CUDA graphs of 16 rounds and replayed), with
   ``--compiled`` ``exact, compiled rounds`` with ``solver_loop: device_compiled`` (each round
   compiled into a few fused kernels; the count is printed from inductor's code) and ``exact, on
   the CPU`` with ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there), and with ``--triton``
@@ -370,8 +370,8 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
         if args.round_code:
             print(f"  the compiled round's code: {args.round_code}")
     if args.triton:
-        where = "" if args.device == "cuda" else " (on a CPU: the eager rounds, Triton's kernels run on GPUs)"
-        ratio("Triton rounds", "triton", f"; 3 kernels a round{where}")
+        note = "; 3 kernels a round" if args.device == "cuda" else " (on a CPU: the eager rounds; Triton's kernels run on GPUs)"
+        ratio("Triton rounds", "triton", note)
 
 
 def _case_variants(args: argparse.Namespace, case: dict, common: dict, features) -> tuple[dict, dict, dict]:

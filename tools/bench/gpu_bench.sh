@@ -9,7 +9,7 @@
 # .gpu/whl (git-ignored; `run` it along with `carry: [".gpu"]`): this script installs it into
 # /tmp/site and puts it first on PYTHONPATH. Without .gpu/whl it uses the python it finds.
 #
-# GPU_STEPS="1 2 3 5" runs only those steps (their first word: 1, 2, 2', 3, ...); all run without it.
+# GPU_STEPS="1 2 3 5" runs only those steps (their first word: 1, 2, 2', 2'', 3, ...); all run without it.
 # Steps, each under its own timeout and within a global deadline (GPU_BUDGET_S, default 540 s),
 # each logged to $OUT; a failed step does not stop the next; ordered by what the acceptance needs first:
 #   1 step    bench_step.py: Llama-3.2-1B shape (random weights), S = 2048, 8 rows a step, r = 2,
@@ -24,8 +24,8 @@
 #   2 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
 #             kernel table (one profiled solve a loop: device busy time, the busiest kernels; inductor's
 #             code of a compiled round in $OUT/2_round_code.py) and ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms): host loop,
-#             device loop (eager rounds, one CUDA graph), compiled rounds (solver_loop: device_compiled,
-#             Triton kernels in the graph; its kernels a round counted: 12 on the H200), Triton rounds
+#             device loop (eager rounds, CUDA graphs of 16 rounds), compiled rounds (solver_loop:
+#             device_compiled, inductor's Triton kernels in the graphs; its kernels a round counted: 12 on the H200), Triton rounds
 #             (solver_loop: device_triton, 3 hand-written kernels a round, 16 rounds a graph; never run on a
 #             GPU before), cpu. Seed 0
 #             drops weights: the device loops repair those rounds on the device (a read every 64 rounds
