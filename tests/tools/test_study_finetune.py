@@ -157,3 +157,19 @@ def test_the_full_profile_keeps_the_tables_ten_arms(tmp_path, ran):
     study.main(["--parts", "study", "--budgets", "steps", "--profile", "full", "--out", str(tmp_path / "out")])
     arms = set(_arg(ran[0], "--strategies").split(",")) | set(_variants(ran[0]))
     assert len(arms) == 10 and "ps_ahead" not in arms and "ps_reuse" in arms and "full_pool" in arms
+
+
+def test_overrides_reach_every_run_after_the_studys_own_settings(tmp_path, ran, capsys):
+    """--override KEY=VALUE goes to both budgets' runs, last, so it wins over the study's settings; a malformed one
+    is refused before anything runs."""
+    study.main(["--parts", "study", "--out", str(tmp_path / "out"), "--override", "optimizer.lr=3e-3",
+                "--override", "model.reuse_scoring_prefix=true"])
+    assert len(ran) == 2
+    for cmd in ran:
+        tail = cmd[cmd.index("--") :]
+        assert tail[-2:] == ["optimizer.lr=3e-3", "model.reuse_scoring_prefix=true"], tail
+    ran.clear()
+    with pytest.raises(SystemExit):
+        study.main(["--parts", "study", "--out", str(tmp_path / "out"), "--override", "optimizer.lr"])
+    assert "--override: KEY=VALUE expected, got ['optimizer.lr']" in capsys.readouterr().err
+    assert not ran

@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated subset of steps,compute: the budgets the study part trains (default both; compute "
         "prices its arms from the equal-steps runs already in --out, so it needs them)",
     )
+    p.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE",
+        help="a recipe setting for every run of the study part, after the study's own (repeatable; e.g. "
+        "optimizer.lr=3e-3). Give each setting its own --out: runs are reused by name",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (a test of the pipeline, not a study)")
     p.add_argument(
         "--gpu", action="store_true",
@@ -118,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in parts if x not in PARTS]
     if bad:
         p.error(f"--parts: unknown {bad}; allowed: {', '.join(PARTS)}")
+    bad_overrides = [o for o in args.override if "=" not in o or o.startswith("=")]
+    if bad_overrides:
+        p.error(f"--override: KEY=VALUE expected, got {bad_overrides}")
     budgets = [x for x in args.budgets.split(",") if x]
     if not budgets or any(b not in ("steps", "compute") for b in budgets):
         p.error(f"--budgets: a comma-separated subset of steps,compute, got {args.budgets!r}")
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
               per_domain=GPU["per_domain"] if args.gpu else None)
     if "study" in parts:
         cmds = study_commands(out, shards=shards, arms=arms, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
-                              smoke=args.smoke, gpu=args.gpu)
+                              smoke=args.smoke, gpu=args.gpu, overrides=tuple(args.override))
         for budget, cmd in zip(("steps", "compute"), cmds):
             if budget in budgets:
                 _run(cmd, env)
@@ -199,7 +207,8 @@ def floor(out: Path, shards: Path, env: dict[str, str], *, smoke: bool = False, 
 
 
 def study_commands(
-    out: Path, *, shards: Path, arms: list[str], seeds: str, steps: int, jobs: int, smoke: bool = False, gpu: bool = False
+    out: Path, *, shards: Path, arms: list[str], seeds: str, steps: int, jobs: int, smoke: bool = False, gpu: bool = False,
+    overrides: tuple[str, ...] = (),
 ) -> list[list[str]]:
     """run_experiment's command lines: equal steps, then equal compute (the cost of `steps` random steps)."""
     plain = [a for a in arms if ARMS[a][0] == a and not ARMS[a][1]]
@@ -218,6 +227,7 @@ def study_commands(
     tail = ["--", *EVAL_OVERRIDES, f"model.eval_prefix_cache={out / 'prefix_cache'}", *STUDY_LOADER, *STUDY_MODEL]
     tail += ["callbacks.answer_accuracy.per_domain=2"] if smoke else []
     tail += [*GPU["overrides"], f"callbacks.answer_accuracy.per_domain={GPU['per_domain']}"] if gpu else []
+    tail += list(overrides)  # last: the user's settings win over the study's
     # The step costs come from the equal-steps runs just trained (each run's timed steps are one calibration
     # round, measured on this machine at the same --jobs), not from rounds of their own: 8 minutes saved in the
     # quick profile. An arm the calibration file already prices keeps its samples (the committed tables' plans).
