@@ -160,14 +160,17 @@ def test_the_full_profile_keeps_the_tables_ten_arms(tmp_path, ran):
 
 
 def test_overrides_reach_every_run_after_the_studys_own_settings(tmp_path, ran, capsys):
-    """--override KEY=VALUE goes to both budgets' runs, last, so it wins over the study's settings; a malformed one
+    """--override KEY=VALUE goes to both budgets' runs, last, so it wins over the study's settings, and no arm's own
+    settings leak into the other arms' (ps_ahead's select_ahead is its variant's, not every run's); a malformed one
     is refused before anything runs."""
-    study.main(["--parts", "study", "--out", str(tmp_path / "out"), "--override", "optimizer.lr=3e-3",
-                "--override", "model.reuse_scoring_prefix=true"])
+    study.main(["--parts", "study", "--out", str(tmp_path / "out"), "--arms", "random,partitionsel,ps_ahead",
+                "--override", "optimizer.lr=3e-3", "--override", "model.reuse_scoring_prefix=true"])
     assert len(ran) == 2
     for cmd in ran:
         tail = cmd[cmd.index("--") :]
         assert tail[-2:] == ["optimizer.lr=3e-3", "model.reuse_scoring_prefix=true"], tail
+        assert not any("select_ahead" in setting for setting in tail), tail
+        assert _variants(cmd)["ps_ahead"] == "ps_ahead=partitionsel,algorithms.data_selection.select_ahead=true"
     ran.clear()
     with pytest.raises(SystemExit):
         study.main(["--parts", "study", "--out", str(tmp_path / "out"), "--override", "optimizer.lr"])

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
               per_domain=GPU["per_domain"] if args.gpu else None)
     if "study" in parts:
         cmds = study_commands(out, shards=shards, arms=arms, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
-                              smoke=args.smoke, gpu=args.gpu, overrides=tuple(args.override))
+                              smoke=args.smoke, gpu=args.gpu, settings=tuple(args.override))
         for budget, cmd in zip(("steps", "compute"), cmds):
             if budget in budgets:
                 _run(cmd, env)
@@ -208,7 +208,7 @@ def floor(out: Path, shards: Path, env: dict[str, str], *, smoke: bool = False, 
 
 def study_commands(
     out: Path, *, shards: Path, arms: list[str], seeds: str, steps: int, jobs: int, smoke: bool = False, gpu: bool = False,
-    overrides: tuple[str, ...] = (),
+    settings: tuple[str, ...] = (),
 ) -> list[list[str]]:
     """run_experiment's command lines: equal steps, then equal compute (the cost of `steps` random steps)."""
     plain = [a for a in arms if ARMS[a][0] == a and not ARMS[a][1]]
@@ -227,7 +227,7 @@ def study_commands(
     tail = ["--", *EVAL_OVERRIDES, f"model.eval_prefix_cache={out / 'prefix_cache'}", *STUDY_LOADER, *STUDY_MODEL]
     tail += ["callbacks.answer_accuracy.per_domain=2"] if smoke else []
     tail += [*GPU["overrides"], f"callbacks.answer_accuracy.per_domain={GPU['per_domain']}"] if gpu else []
-    tail += list(overrides)  # last: the user's settings win over the study's
+    tail += list(settings)  # last: the user's settings win over the study's
     # The step costs come from the equal-steps runs just trained (each run's timed steps are one calibration
     # round, measured on this machine at the same --jobs), not from rounds of their own: 8 minutes saved in the
     # quick profile. An arm the calibration file already prices keeps its samples (the committed tables' plans).
