@@ -664,7 +664,15 @@ def _ordered_window(submit: Callable, chunks: Iterable[tuple[int, tuple]], windo
     """Like Pool.imap, but with at most `window` chunks in flight (imap reads its input eagerly)."""
     pending: collections.deque = collections.deque()
     for file_idx, chunk in chunks:
-        pending.append((file_idx, chunk, submit(_process_chunk, chunk)))
+        try:
+            future = submit(_process_chunk, chunk)
+        except BrokenProcessPool as exc:
+            # A worker died and the pool noticed before any result showed it: report it as the chunks in flight
+            # would (their results in order, the first broken one raising), else at this chunk.
+            while pending:
+                yield _chunk_result(*pending.popleft())
+            raise _worker_died(chunk) from exc
+        pending.append((file_idx, chunk, future))
         if len(pending) >= window:
             yield _chunk_result(*pending.popleft())
     while pending:
@@ -675,11 +683,15 @@ def _chunk_result(file_idx: int, chunk: tuple, future: Future) -> tuple[int, int
     try:
         return file_idx, len(chunk[2]), future.result()
     except BrokenProcessPool as exc:
-        display, _, raws, _ = chunk
-        raise ShardError(
-            f"a worker process ended abruptly (killed, perhaps for lack of memory) while records up to {display}:"
-            f"{raws[-1].line} were being tokenized; nothing was kept; rerun, with fewer workers if memory is short"
-        ) from exc
+        raise _worker_died(chunk) from exc
+
+
+def _worker_died(chunk: tuple) -> ShardError:
+    display, _, raws, _ = chunk
+    return ShardError(
+        f"a worker process ended abruptly (killed, perhaps for lack of memory) while records up to {display}:"
+        f"{raws[-1].line} were being tokenized; nothing was kept; rerun, with fewer workers if memory is short"
+    )
 
 
 @dataclass

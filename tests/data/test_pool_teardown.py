@@ -90,3 +90,50 @@ def test_an_error_stops_the_pool_and_leaves_no_worker_or_staging(tmp_path):
 def test_start_method_must_be_one_multiprocessing_has(tmp_path):
     with pytest.raises(ValueError, match=r"`start_method` must be None or one of \[.*'spawn'.*\], got 'thread'"):
         ShardOptions(out=tmp_path / "out", tokenizer=DEMO_TOKENIZER, max_seq_len=16, start_method="thread")
+
+
+def _broken_pool_at_third_submit(first_results_broken: bool):
+    """A stand-in for `ProcessPoolExecutor.submit` whose pool breaks before the third chunk is handed over: the
+    futures already handed out either fail with the break or finished."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    calls = []
+
+    def submit(fn, chunk):
+        calls.append(chunk)
+        if len(calls) == 3:
+            raise BrokenProcessPool("A child process terminated abruptly")
+        future = Future()
+        if first_results_broken:
+            future.set_exception(BrokenProcessPool("A child process terminated abruptly"))
+        else:
+            future.set_result([len(calls)])
+        return future
+
+    return submit
+
+
+def _chunk(name: str, line: int):
+    from types import SimpleNamespace
+
+    return (name, None, [SimpleNamespace(line=line)], False)
+
+
+@pytest.mark.parametrize("first_results_broken", [True, False])
+def test_a_pool_that_breaks_before_a_submit_ends_with_the_shard_error(first_results_broken):
+    """A worker's death may reach `submit` before any result shows it (the race that made the subprocess test above
+    flaky): the run must still end with the ShardError that names where the input stopped, not with
+    concurrent.futures' BrokenProcessPool."""
+    from pipeline import sharding
+
+    chunks = [(i, _chunk(f"docs{i}.jsonl", 10 * (i + 1))) for i in range(5)]
+    window = sharding._ordered_window(_broken_pool_at_third_submit(first_results_broken), chunks, window=8)
+    done = []
+    with pytest.raises(sharding.ShardError, match="a worker process ended abruptly") as err:
+        for item in window:
+            done.append(item[0])
+    # Broken results: the first chunk in flight reports it. Finished ones are kept in order, then the chunk the
+    # pool refused is named.
+    assert done == ([] if first_results_broken else [0, 1])
+    assert ("docs0.jsonl:10" if first_results_broken else "docs2.jsonl:30") in str(err.value)
