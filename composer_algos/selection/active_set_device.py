@@ -169,9 +169,10 @@ def omp_exact_on_device(
     tols = (64.0 * torch.finfo(dt).eps, 1e4 * torch.finfo(dt).eps if dt == torch.float32 else 0.0)
     if graph is None:
         graph = dev.type == "cuda" and k >= GRAPH_MIN_ROUNDS
-    if triton and dev.type == "cuda" and not kernels_available(dev):
+    use_triton = triton and kernels_available(dev)
+    if triton and not use_triton and dev.type == "cuda":
         warnings.warn("omp_exact_on_device: triton=True but Triton is not installed; the rounds run eagerly", stacklevel=2)
-    kind = "compiled" if compile else "triton" if triton and kernels_available(dev) else "eager"
+    kind = "compiled" if compile else "triton" if use_triton else "eager"
     rounds = _Rounds(st, tols, kind=kind, graph=graph)
     done = drops = reentries = reads = 0
     while True:

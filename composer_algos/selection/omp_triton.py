@@ -252,46 +252,42 @@ class TritonRound:
         if triton is None:
             raise RuntimeError("solver_loop device_triton needs Triton (installed with the CUDA wheels of torch)")
         b = {**BLOCKS, **(blocks or {})}
-        self.st, self.pivot_tol, self.promote_tol = st, float(tols[0]), float(tols[1])
         n, m, c = st.grad_N.shape[0], st.p_MM.shape[0], st.rem_C.shape[0]
         dev, dt = st.grad_N.device, st.grad_N.dtype
-        self.n, self.m, self.c = n, m, c
-        self.b = b
-        self.grids = (triton.cdiv(m, b["slots"]), triton.cdiv(n, b["pool"]))
-        self.grids += (self.grids[1] + triton.cdiv(m, b["p_rows"]),)
-        self.j_1 = torch.zeros(1, dtype=torch.long, device=dev)
-        self.g_1 = torch.zeros(1, dtype=dt, device=dev)
-        self.qext_M = torch.zeros(m, dtype=dt, device=dev)
-        self.gnew_N = torch.zeros(n, dtype=dt, device=dev)
-        self.kkt_P = torch.full((self.grids[1],), float("-inf"), dtype=dt, device=dev)
-        self.z_M = torch.zeros(m, dtype=dt, device=dev)
-        self.scal_2 = torch.zeros(2, dtype=dt, device=dev)  # the Schur complement, K_jj
-        self.flags_2 = torch.zeros(2, dtype=torch.int32, device=dev)  # a weight would turn negative, live before
-        self.rem_snap_C = torch.zeros_like(st.rem_C)
+        pool = triton.cdiv(n, b["pool"])
+        self.grids = ((triton.cdiv(m, b["slots"]),), (pool,), (pool + triton.cdiv(m, b["p_rows"]),))
+        j_1 = torch.zeros(1, dtype=torch.long, device=dev)
+        g_1 = torch.zeros(1, dtype=dt, device=dev)
+        qext_M = torch.zeros(m, dtype=dt, device=dev)
+        gnew_N = torch.zeros(n, dtype=dt, device=dev)
+        kkt_P = torch.full((pool,), float("-inf"), dtype=dt, device=dev)
+        z_M = torch.zeros(m, dtype=dt, device=dev)
+        scal_2 = torch.zeros(2, dtype=dt, device=dev)  # the Schur complement, K_jj
+        flags_2 = torch.zeros(2, dtype=torch.int32, device=dev)  # a weight would turn negative, live before
+        rem_snap_C = torch.zeros_like(st.rem_C)
         # The kernels index the pool's vectors with unit stride; the state's own are allocated so, the ids are the caller's.
-        self.dom_N = st.dom_N.contiguous()
+        dom_N = st.dom_N.contiguous()
+        # Every launch's arguments, built once a solve (the same tensors every round; only the variant changes): a round
+        # launched eagerly, as at a training step's few picks, then pays only the three launches.
+        self.args = (
+            (st.grad_N, st.penalty_N, st.rows_MN, st.p_MM, qext_M, j_1, g_1, st.sel_K, st.r_1, st.h_1,
+             n, m, st.sel_K.shape[0], st.rows_MN.stride(0)),
+            (st.gram_NN, st.rows_MN, qext_M, st.grad_N, st.inactive_N, st.v_M, st.ridge_1, j_1, g_1,
+             st.h_1, st.live_1, st.rem_C, gnew_N, kkt_P, z_M, scal_2, flags_2, rem_snap_C,
+             n, m, c, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1)),
+            (st.grad_N, gnew_N, st.penalty_N, st.inactive_N, dom_N, rem_snap_C, st.rem_C, st.p_MM,
+             qext_M, st.v_M, z_M, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, j_1,
+             g_1, scal_2, flags_2, kkt_P, st.tol_1,
+             n, m, pool, float(tols[0]), float(tols[1])),
+        )
+        self.constexprs = (
+            dict(BLOCK_ARGMAX=min(b["argmax"], _next_pow2(n)), BLOCK_S=b["slots"], BLOCK_K=b["reduce"]),
+            dict(BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_C=_next_pow2(min(c, 1024))),
+            dict(BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_T=_next_pow2(pool),
+                 PROMOTE=float(tols[1]) > 0),
+        )
         self.kernels = _jitted(_interpreting())
 
     def __call__(self, kkt: bool) -> None:
-        st, b, (g1, g2, g3) = self.st, self.b, self.grids
-        pick, direction, apply = self.kernels
-        n, m, c = self.n, self.m, self.c
-        pick[(g1,)](
-            st.grad_N, st.penalty_N, st.rows_MN, st.p_MM, self.qext_M, self.j_1, self.g_1, st.sel_K, st.r_1, st.h_1,
-            n, m, st.sel_K.shape[0], st.rows_MN.stride(0),
-            BLOCK_ARGMAX=min(b["argmax"], _next_pow2(n)), BLOCK_S=b["slots"], BLOCK_K=b["reduce"],
-        )
-        direction[(g2,)](
-            st.gram_NN, st.rows_MN, self.qext_M, st.grad_N, st.inactive_N, st.v_M, st.ridge_1, self.j_1, self.g_1,
-            st.h_1, st.live_1, st.rem_C, self.gnew_N, self.kkt_P, self.z_M, self.scal_2, self.flags_2, self.rem_snap_C,
-            n, m, c, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1),
-            BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_C=_next_pow2(min(c, 1024)), KKT=kkt,
-        )
-        apply[(g3,)](
-            st.grad_N, self.gnew_N, st.penalty_N, st.inactive_N, self.dom_N, self.rem_snap_C, st.rem_C, st.p_MM,
-            self.qext_M, st.v_M, self.z_M, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, self.j_1,
-            self.g_1, self.scal_2, self.flags_2, self.kkt_P, st.tol_1,
-            n, m, g2, self.pivot_tol, self.promote_tol,
-            BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_T=_next_pow2(g2), KKT=kkt,
-            PROMOTE=self.promote_tol > 0,
-        )
+        for i, (kernel, grid, args, constexprs) in enumerate(zip(self.kernels, self.grids, self.args, self.constexprs)):
+            kernel[grid](*args, **constexprs, **({} if i == 0 else {"KKT": kkt}))

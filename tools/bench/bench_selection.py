@@ -182,18 +182,24 @@ def sweep_triton_blocks(gram_NN, mu_N, dom_N, caps_C, k: int, repeats: int, wrap
     return [(cfg, timed[i][0] * 1e3, bool(torch.equal(timed[i][2].sel_K, eager.sel_K))) for i, cfg in enumerate(configs)]
 
 
-def _print_triton_sweep(args: argparse.Namespace, case: dict, features, val_feature, domain_ids) -> None:
-    """`--triton-sweep`: the Triton rounds' solve under each block-size setting, against the default's time."""
+def _solver_inputs(case: dict, instance: tuple) -> tuple:
+    """``(K, mu, domain ids, capacities)`` of the case's instance on its features' device, for the solver alone."""
     import torch
 
-    from composer_algos.selection import omp_triton
     from composer_algos.selection.objective import build_objective
 
+    features, val_feature, domain_ids = instance
     gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
-    k = case["kappa"]
-    caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
+    caps_C = torch.full((case["num_domains"],), case["kappa"], dtype=torch.long, device=gram_NN.device)
+    return gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C
+
+
+def _print_triton_sweep(args: argparse.Namespace, case: dict, instance: tuple) -> None:
+    """`--triton-sweep`: the Triton rounds' solve under each block-size setting, against the default's time."""
+    from composer_algos.selection import omp_triton
+
     wrap = _synchronized if args.device == "cuda" else (lambda fn: fn)
-    rows = sweep_triton_blocks(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, k, args.repeats, wrap)
+    rows = sweep_triton_blocks(*_solver_inputs(case, instance), case["kappa"], args.repeats, wrap)
     default_ms = rows[0][1]
     print(f"\n  Triton block sizes (omp_triton.BLOCKS = {omp_triton.BLOCKS}), one solve each, median of {args.repeats}:")
     for override, ms, same in rows:
@@ -324,7 +330,7 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
     )
     _print_fused_rounds(args, case, timed, (features, val_feature, domain_ids))
     if args.triton_sweep:
-        _print_triton_sweep(args, case, features, val_feature, domain_ids)
+        _print_triton_sweep(args, case, (features, val_feature, domain_ids))
     if args.kernel_table:
         loops = ["host", "device"] + (["device_compiled"] if args.compiled else []) + (["device_triton"] if args.triton else [])
         _print_kernel_tables(args, common, loops)
@@ -345,13 +351,7 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
 
 def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, instance: tuple) -> None:
     """``--compiled`` and ``--triton``: each one's time against the host loop's, and the kernels a round."""
-    import torch
-
-    from composer_algos.selection.objective import build_objective
-
-    features, val_feature, domain_ids = instance
     w_ex, c_ex, res_ex = timed["exact"]
-    k = case["kappa"]
 
     def ratio(label: str, key: str, note: str = "") -> None:
         wall, cpu, res = timed[key]
@@ -363,9 +363,7 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
 
     if args.compiled:
         ratio("compiled rounds", "compiled")
-        gram_NN, mu_N, _ = build_objective(features, val_feature, ETA)
-        caps_C = torch.full((case["num_domains"],), k, dtype=torch.long, device=gram_NN.device)
-        calls = compiled_round_kernels(gram_NN, mu_N, domain_ids.to(gram_NN.device), caps_C, min(k, 16), args.round_code)
+        calls = compiled_round_kernels(*_solver_inputs(case, instance), min(case["kappa"], 16), args.round_code)
         print(f"  one compiled round: {calls} kernels (inductor's generated code, {args.device}); the eager round about 60 ops")
         if args.round_code:
             print(f"  the compiled round's code: {args.round_code}")
@@ -481,17 +479,13 @@ def _print_solve_counts(args: argparse.Namespace, common: dict, device_tensors: 
             f" ({'torch' if args.device == 'cuda' else 'emulated'}); per pick {ops / k:.1f} ops,"
             f" {kernels / k:.1f} launches, {syncs / k:.2f} syncs"
         )
-    if args.compiled and args.device == "cuda":
-        # torch's sync count only: the op count's dispatch mode would run under the compiled code's feet.
-        from step_audit import cuda_sync_count
+    # The fused rounds: torch's sync count only (the op count's dispatch mode would run under the fused code's feet).
+    from step_audit import cuda_sync_count
 
-        syncs = cuda_sync_count(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_compiled"))
-        print(f"  exact (compiled rounds), one solve: {syncs} host syncs (torch)")
-    if args.triton and args.device == "cuda":
-        from step_audit import cuda_sync_count
-
-        syncs = cuda_sync_count(lambda: select_partitionsel(**common, refit="exact", solver_loop="device_triton"))
-        print(f"  exact (Triton rounds), one solve: {syncs} host syncs (torch)")
+    for wanted, loop, label in ((args.compiled, "device_compiled", "compiled"), (args.triton, "device_triton", "Triton")):
+        if wanted and args.device == "cuda":
+            syncs = cuda_sync_count(lambda loop=loop: select_partitionsel(**common, refit="exact", solver_loop=loop))
+            print(f"  exact ({label} rounds), one solve: {syncs} host syncs (torch)")
 
 
 if __name__ == "__main__":
