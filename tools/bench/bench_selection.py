@@ -351,6 +351,8 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
 
 def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, instance: tuple) -> None:
     """``--compiled`` and ``--triton``: each one's time against the host loop's, and the kernels a round."""
+    import torch
+
     w_ex, c_ex, res_ex = timed["exact"]
 
     def ratio(label: str, key: str, note: str = "") -> None:
@@ -368,7 +370,12 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
         if args.round_code:
             print(f"  the compiled round's code: {args.round_code}")
     if args.triton:
-        note = "; 3 kernels a round" if args.device == "cuda" else " (on a CPU: the eager rounds; Triton's kernels run on GPUs)"
+        from composer_algos.selection.omp_triton import kernels_available
+
+        if not kernels_available(torch.device(args.device)):
+            note = " (on a CPU: the eager rounds; Triton's kernels run on GPUs)"
+        else:
+            note = "; 3 kernels a round" + ("" if args.device == "cuda" else ", in Triton's interpreter (not a GPU's times)")
         ratio("Triton rounds", "triton", note)
 
 
