@@ -27,16 +27,20 @@ which may decide among near-ties (tests/selection/test_active_set_device.py comp
 round has the same shapes and no host read, and updates its state in place: on CUDA (from
 `GRAPH_MIN_ROUNDS` picks) the first round runs eagerly, then `ROUNDS_PER_GRAPH` rounds are recorded as
 one CUDA graph and replayed (a one-round graph takes a batch's remainder): one launch for 16 rounds of
-about 60 kernels each (on an H200 the graphed rounds equal the eager ones bit for bit, with one round a
-graph, docs/results/bench_gpu.md; graphs of 16 rounds are not yet run on a GPU). Issue 31.3's 10 ms at n = 2048, kappa = 512 also needs fewer kernels a round:
+about 60 kernels each (the graphed rounds equal the eager ones bit for bit on an H100 and an H200,
+docs/results/bench_gpu.md). Issue 31.3's 10 ms at n = 2048, kappa = 512 also needs fewer kernels a round:
 `compile` fuses them into 12 on CUDA, `triton` runs three hand-written ones (`omp_triton`). After a
 repair the rounds also check the elements at weight zero (one reduction more), recorded as other graphs.
+Graphs replay on the memory they were recorded on, so with graphs a solve runs in its thread's workspace for
+its shapes (`_Workspace`: K copied in), and the next solve of those shapes, a training run's next step,
+replays the graphs the first recorded instead of recording its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -127,6 +131,7 @@ def omp_exact_on_device(
     compile: bool = False,
     triton: bool = False,
     rounds_per_read: int = ROUNDS_PER_READ,
+    reuse: bool | None = None,
 ) -> DeviceOMPResult:
     """Greedy OMP over the partition matroid with the exact NNLS refit, rounds without a host read (module docstring).
 
@@ -152,6 +157,9 @@ def omp_exact_on_device(
             three kernels once per dtype, variant and size bucket, cached on disk). Where
             Triton cannot run the rounds (a CPU outside Triton's interpreter) the eager rounds run.
         rounds_per_read: rounds between two host reads (`ROUNDS_PER_READ`).
+        reuse: solve in the thread's workspace for these shapes (`_Workspace`: K and the domain ids copied into
+            tensors kept from the last such solve, whose CUDA graphs replay without being recorded again);
+            None: with `graph`. The result does not alias the workspace.
 
     Raises:
         ValueError: `graph=True` off CUDA, `rounds_per_read` below 1, or both `compile` and `triton`.
@@ -163,7 +171,6 @@ def omp_exact_on_device(
         raise ValueError(f"omp_exact_on_device: rounds_per_read must be at least 1, got {rounds_per_read}")
     if compile and triton:
         raise ValueError("omp_exact_on_device: compile and triton are two ways to run a round; choose one")
-    st = _initial_state(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol)
     # The host loop's tolerances: a Schur complement at or below pivot_tol K_jj is a dependent column
     # (a slow refit there); below promote_tol K_jj a float32 state moves to float64 (a refit too).
     tols = (64.0 * torch.finfo(dt).eps, 1e4 * torch.finfo(dt).eps if dt == torch.float32 else 0.0)
@@ -173,26 +180,108 @@ def omp_exact_on_device(
     if triton and not use_triton and dev.type == "cuda":
         warnings.warn("omp_exact_on_device: triton=True but Triton is not installed; the rounds run eagerly", stacklevel=2)
     kind = "compiled" if compile else "triton" if use_triton else "eager"
-    rounds = _Rounds(st, tols, kind=kind, graph=graph)
-    done = drops = reentries = reads = 0
+    if graph if reuse is None else reuse:
+        ws = _workspace(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol, tols, kind, graph)
+        st, rounds = ws.st, ws.rounds
+    else:
+        ws = None
+        st = _initial_state(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol)
+        rounds = _Rounds(st, tols, kind=kind, graph=graph)
+    try:
+        return _solve(st, rounds, mu_N, k, tols, rounds_per_read)
+    finally:
+        if ws is not None:
+            ws.release()
+
+
+def _solve(st: _State, rounds: _Rounds, mu_N: torch.Tensor, k: int, tols: tuple[float, float], rounds_per_read: int):
+    """The batches of rounds from the state before the first round, their reads and repairs, and the final check."""
+    done = drops = reentries = reads = repairs = 0
     while True:
         batch = min(rounds_per_read, k - done)  # 0 after a repair of the last round: only the final check
         rounds.run(batch, kkt=drops > 0)
-        final = _finalized(mu_N, st) if done + batch == k else None
+        # The final refactorisation rides on the last batch's read, unless a round has been repaired: after a
+        # repair more rounds freeze (KKT re-entries, further drops), and a frozen last batch would waste the
+        # factorisation (about 0.2 ms on a GPU at kappa = 512); then it waits for the read that says the rounds are done.
+        final = _finalized(mu_N, st) if done + batch == k and not repairs else None
         r, h, live, bad, agrees = _read_status(st, final)
         reads += 1
         if bad:
             return _result(final if final is not None else _finalized(mu_N, st), False, drops, reentries, reads)
         done = r
         if live:
-            if final is not None:
-                return _result(final, agrees, drops, reentries, reads)
-            continue
+            if done < k:
+                continue
+            if final is None:
+                final = _finalized(mu_N, st)
+                agrees = bool(final[-1])
+                reads += 1
+            return _result(final, agrees, drops, reentries, reads)
         fixed = _repair(st, mu_N, tols, h)  # round `r` froze
+        repairs += 1
         drops, reentries, reads = drops + fixed.drops, reentries + fixed.reentries, reads + fixed.reads
         if not fixed.ok:
             return _result(_finalized(mu_N, st), False, drops, reentries, reads)
         done += 1
+
+
+class _Workspace:
+    """A solve's state and rounds kept for the next solve of the same shapes (`omp_exact_on_device`'s ``reuse``).
+
+    CUDA graphs replay on the memory they were recorded on, so a solve on fresh tensors records its graphs
+    afresh: a capture and an instantiation per graph, the host's time while the GPU waits (a solve at
+    kappa = 512 records four). A training run solves the same shapes every step, so its workspace, K copied
+    in, replays the graphs the first solve recorded. Kept per thread, the last `_WORKSPACES_PER_THREAD`
+    shapes; on CUDA a solve waits (on the device, not the host) for the previous solve's work on its
+    workspace, which may have run on another stream.
+    """
+
+    def __init__(self, st: _State, rounds: _Rounds) -> None:
+        self.st, self.rounds = st, rounds
+        self.done = torch.cuda.Event() if st.grad_N.device.type == "cuda" else None
+        self.recorded = False
+        self.busy = False
+
+    def acquire(self) -> None:
+        self.busy = True
+        if self.done is not None and self.recorded:
+            torch.cuda.current_stream(self.st.grad_N.device).wait_event(self.done)
+
+    def release(self) -> None:
+        self.busy = False
+        if self.done is not None:
+            self.done.record(torch.cuda.current_stream(self.st.grad_N.device))
+            self.recorded = True
+
+
+_WORKSPACES_PER_THREAD = 4
+_workspaces = threading.local()
+
+
+def _workspace(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol, tols, kind, graph) -> _Workspace:
+    """The thread's workspace for this solve's shapes, set to the state before its first round (K copied in)."""
+    from composer_algos.selection import omp_triton
+
+    n, dev, dt = mu_N.shape[0], mu_N.device, mu_N.dtype
+    blocks = tuple(sorted(omp_triton.BLOCKS.items())) if kind == "triton" else ()
+    key = (dev, dt, n, k, capacities_C.shape[0], dom_N.dtype, kind, graph, tols, blocks)
+    cache: dict = getattr(_workspaces, "by_key", None)
+    if cache is None:
+        cache = _workspaces.by_key = {}
+    ws = cache.pop(key, None)
+    if ws is not None and not ws.busy:
+        ws.acquire()
+        _reset(ws.st, gram_NN, mu_N, dom_N, capacities_C, ridge_abs, grad_tol)
+    else:
+        own_dom = torch.empty(n, dtype=dom_N.dtype, device=dev).copy_(dom_N)
+        st = _initial_state(gram_NN.clone(memory_format=torch.contiguous_format), mu_N, own_dom, capacities_C, k,
+                            ridge_abs, grad_tol)
+        ws = _Workspace(st, _Rounds(st, tols, kind=kind, graph=graph))
+        ws.acquire()
+    cache[key] = ws  # the newest last
+    while len(cache) > _WORKSPACES_PER_THREAD:
+        cache.pop(next(iter(cache)))
+    return ws
 
 
 def _initial_state(
@@ -204,28 +293,53 @@ def _initial_state(
     ridge_abs: torch.Tensor | float,
     grad_tol: torch.Tensor,
 ) -> _State:
-    """The state before the first round: no slot used, every element available whose domain has room."""
+    """The state before the first round, on the caller's K and domain ids: no slot used, every element
+    available whose domain has room."""
     n, dev, dt = mu_N.shape[0], mu_N.device, mu_N.dtype
     m = k + 1
-    if isinstance(ridge_abs, torch.Tensor):
-        ridge_1 = ridge_abs.to(dt).reshape(1)
-    else:
-        ridge_1 = torch.full((1,), float(ridge_abs), dtype=dt, device=dev)  # a fill, not a copy from the host
-    rem_C = capacities_C.to(dev, non_blocking=True).clone()  # capacities are often resolved on the host
-    penalty_N = torch.zeros(n, dtype=dt, device=dev)
-    _close_full_domains(penalty_N, rem_C, dom_N)
-    return _State(
-        gram_NN=gram_NN, diag_N=torch.diagonal(gram_NN), dom_N=dom_N, ridge_1=ridge_1,
-        tol_1=grad_tol.to(dt).reshape(1), rows_MN=torch.zeros(m, n, dtype=dt, device=dev),
-        p_MM=torch.zeros(m, m, dtype=dt, device=dev), v_M=torch.zeros(m, dtype=dt, device=dev),
-        elem_M=torch.zeros(m, dtype=torch.long, device=dev), used_M=torch.zeros(m, dtype=torch.bool, device=dev),
-        grad_N=mu_N.clone(), inactive_N=torch.zeros(n, dtype=torch.bool, device=dev),
-        sel_K=torch.zeros(k, dtype=torch.long, device=dev), bad_1=torch.zeros(1, dtype=torch.bool, device=dev),
-        h_1=torch.zeros(1, dtype=torch.long, device=dev), rem_C=rem_C, penalty_N=penalty_N,
-        r_1=torch.zeros(1, dtype=torch.long, device=dev),
-        domains_C=torch.arange(rem_C.shape[0], dtype=dom_N.dtype, device=dev),
-        live_1=torch.ones(1, dtype=torch.bool, device=dev),
+    st = _State(
+        gram_NN=gram_NN, diag_N=torch.diagonal(gram_NN), dom_N=dom_N, ridge_1=torch.empty(1, dtype=dt, device=dev),
+        tol_1=torch.empty(1, dtype=dt, device=dev), rows_MN=torch.empty(m, n, dtype=dt, device=dev),
+        p_MM=torch.empty(m, m, dtype=dt, device=dev), v_M=torch.empty(m, dtype=dt, device=dev),
+        elem_M=torch.empty(m, dtype=torch.long, device=dev), used_M=torch.empty(m, dtype=torch.bool, device=dev),
+        grad_N=torch.empty(n, dtype=dt, device=dev), inactive_N=torch.empty(n, dtype=torch.bool, device=dev),
+        sel_K=torch.empty(k, dtype=torch.long, device=dev), bad_1=torch.empty(1, dtype=torch.bool, device=dev),
+        h_1=torch.empty(1, dtype=torch.long, device=dev), rem_C=torch.empty(capacities_C.shape[0], dtype=torch.long, device=dev),
+        penalty_N=torch.empty(n, dtype=dt, device=dev), r_1=torch.empty(1, dtype=torch.long, device=dev),
+        domains_C=torch.arange(capacities_C.shape[0], dtype=dom_N.dtype, device=dev),
+        live_1=torch.empty(1, dtype=torch.bool, device=dev),
     )
+    _reset(st, None, mu_N, None, capacities_C, ridge_abs, grad_tol)
+    return st
+
+
+def _reset(
+    st: _State,
+    gram_NN: torch.Tensor | None,
+    mu_N: torch.Tensor,
+    dom_N: torch.Tensor | None,
+    capacities_C: torch.Tensor,
+    ridge_abs: torch.Tensor | float,
+    grad_tol: torch.Tensor,
+) -> None:
+    """``st`` set in place to the state before the first round of a solve; ``gram_NN`` and ``dom_N`` copied
+    into its own (a workspace's) unless None (the state holds the caller's)."""
+    if gram_NN is not None:
+        st.gram_NN.copy_(gram_NN)
+    if dom_N is not None:
+        st.dom_N.copy_(dom_N)
+    if isinstance(ridge_abs, torch.Tensor):
+        st.ridge_1.copy_(ridge_abs.reshape(1))
+    else:
+        st.ridge_1.fill_(float(ridge_abs))  # a fill, not a copy from the host
+    st.tol_1.copy_(grad_tol.reshape(1))
+    st.rem_C.copy_(capacities_C, non_blocking=True)  # capacities are often resolved on the host
+    st.grad_N.copy_(mu_N)
+    for buf in (st.rows_MN, st.p_MM, st.v_M, st.elem_M, st.used_M, st.inactive_N, st.sel_K, st.bad_1, st.h_1,
+                st.penalty_N, st.r_1):
+        buf.zero_()
+    st.live_1.fill_(True)
+    _close_full_domains(st.penalty_N, st.rem_C, st.dom_N)
 
 
 def _read_status(st: _State, final: tuple | None) -> tuple[int, int, bool, bool, bool]:
@@ -262,7 +376,7 @@ def _finalized(mu_N: torch.Tensor, st: _State) -> tuple[torch.Tensor, torch.Tens
     v_N = torch.zeros(n, dtype=dt, device=dev).index_add_(0, elem_M, v_fresh_M)
     v_K = v_N.index_select(0, st.sel_K)
     phi = 0.5 * (torch.dot(v_fresh_M, mu_N.index_select(0, elem_M)) + torch.dot(v_fresh_M, grad_N.index_select(0, elem_M)))
-    return st.sel_K, v_K, phi, agrees
+    return st.sel_K.clone(), v_K, phi, agrees  # a copy: a workspace's next solve rewrites sel_K
 
 
 def _round(

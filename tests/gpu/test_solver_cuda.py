@@ -110,6 +110,43 @@ def test_the_fused_rounds_pick_what_the_eager_rounds_pick(cuda, n, k, rounds):
     torch.testing.assert_close(fused.v_K, eager.v_K, rtol=2e-4, atol=2e-4 * float(eager.v_K.abs().max()))
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_a_workspace_replays_its_graphs_across_solves_and_streams_on_cuda(cuda, monkeypatch, triton):
+    """Solves of the same shapes replay the CUDA graphs the first one recorded, in its workspace (K copied in):
+    a pool solved again, after another pool and on another stream, gives its first result bit for bit, and the
+    first result stands after the workspace has solved the other pool (issue 31.3)."""
+    from composer_algos.selection import active_set_device as asd
+    from composer_algos.selection.objective import build_objective
+    from composer_algos.selection.refit import default_grad_tol
+
+    recorded = []
+    real = asd._recorded
+    monkeypatch.setattr(asd, "_recorded", lambda fn: recorded.append(1) or real(fn))
+    monkeypatch.setattr(asd._workspaces, "by_key", {}, raising=False)
+
+    def args(seed):
+        features, val, dom = make_instance(seed, 2048, dim=256, num_domains=8)
+        gram, mu, _ = build_objective(features.to(cuda), val.to(cuda), 0.3)
+        return (gram, mu, dom.to(cuda), torch.full((8,), 65, device=cuda), 512, 1e-6, default_grad_tol(mu))
+
+    a, b = args(5), args(6)
+    first = asd.omp_exact_on_device(*a, triton=triton)
+    kept = (first.sel_K.clone(), first.v_K.clone())
+    n_recorded = len(recorded)
+    other = asd.omp_exact_on_device(*b, triton=triton)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        again = asd.omp_exact_on_device(*a, triton=triton)
+    torch.cuda.current_stream().wait_stream(side)
+    assert n_recorded > 0 and len(recorded) == n_recorded  # the second and third solves recorded nothing
+    fresh_b = asd.omp_exact_on_device(*b, triton=triton, reuse=False)
+    assert first.clean and again.clean and other.clean
+    assert torch.equal(first.sel_K, kept[0]) and torch.equal(first.v_K, kept[1])
+    assert torch.equal(again.sel_K, first.sel_K) and torch.equal(again.v_K, first.v_K)
+    assert torch.equal(other.sel_K, fresh_b.sel_K) and torch.equal(other.v_K, fresh_b.v_K)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_features_raise_on_cuda(cuda, name, bad_value):

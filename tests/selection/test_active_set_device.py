@@ -311,3 +311,81 @@ def test_the_compiled_round_is_a_few_fused_kernels():
     features, val, dom = make_instance(5, 48, dim=16)
     gram, mu, _ = build_objective(features, val, ETA)
     assert 1 <= compiled_round_kernels(gram, mu, dom, torch.tensor([6, 6, 6]), 12) <= 6
+
+
+def test_after_a_repair_the_final_refactorisation_waits_for_the_rounds_to_finish(monkeypatch):
+    """The final refactorisation (a Cholesky factorisation of kappa + 1 slots, about 0.2 ms on a GPU) rides on
+    the last batch's read; once a round has been repaired, it waits for a read that says the last batch ran
+    through. With all 20 rounds in one batch the drop instance freezes and is repaired several times: at most
+    one factorisation is wasted (the one before the first repair), where each frozen last batch wasted one."""
+    from composer_algos.selection import active_set_device as asd
+
+    features, val, dom, _ = _drop_instance()
+    base = _device_solve(features, val, dom, 20, rounds_per_read=1)
+    calls = []
+    real = asd._finalized
+    monkeypatch.setattr(asd, "_finalized", lambda *args: calls.append(1) or real(*args))
+    res = _device_solve(features, val, dom, 20, rounds_per_read=20)
+    assert res.clean and res.drops >= 2, (res.drops, res.reentries)
+    assert torch.equal(res.sel_K, base.sel_K) and torch.equal(res.v_K, base.v_K)
+    assert len(calls) <= 2, len(calls)
+
+
+def _fake_graphs(monkeypatch):
+    """The CUDA-graph path on the CPU (as test_the_cuda_graph_rounds_control_flow_on_the_cpu): the graphs recorded."""
+    from composer_algos.selection import active_set_device as asd
+
+    recorded = []
+
+    class FakeGraph:
+        def __init__(self, fn):
+            self.fn = fn
+            recorded.append(self)
+
+        def replay(self):
+            self.fn()
+
+    class GraphOnCpu(asd._Rounds):
+        def __init__(self, st, tols, *, kind, graph):
+            super().__init__(st, tols, kind=kind, graph=True)
+
+    monkeypatch.setattr(asd, "_Rounds", GraphOnCpu)
+    monkeypatch.setattr(asd, "_on_side_stream", lambda fn: fn())
+    monkeypatch.setattr(asd, "_recorded", FakeGraph)
+    monkeypatch.setattr(asd._workspaces, "by_key", {}, raising=False)
+    return recorded
+
+
+def test_a_workspace_replays_its_graphs_in_the_next_solve_and_its_results_stand(monkeypatch):
+    """Solves of the same shapes in the thread's workspace (as a training run's steps): the second and third
+    solves record no graph and warm nothing up; each result is a fresh solve's bit for bit, also after the
+    workspace has solved another pool (the results do not alias it); a pool of other shapes gets its own."""
+    from composer_algos.selection import active_set_device as asd
+
+    drop = _drop_instance()[:3]
+    other = make_instance(7, 40, dim=8, dtype=torch.float64)
+    fresh = [_device_solve(*inst, 20, rounds_per_read=4) for inst in (drop, other)]
+    recorded = _fake_graphs(monkeypatch)
+    first = _device_solve(*drop, 20, rounds_per_read=4, reuse=True)
+    after_first = len(recorded)
+    (ws,) = asd._workspaces.by_key.values()
+    warm, rows = set(ws.rounds._warm), ws.st.rows_MN
+    second = _device_solve(*other, 20, rounds_per_read=4, reuse=True)
+    third = _device_solve(*drop, 20, rounds_per_read=4, reuse=True)
+    assert after_first > 0 and len(recorded) == after_first  # the graphs of the first solve, replayed since
+    assert list(asd._workspaces.by_key.values()) == [ws] and ws.st.rows_MN is rows and ws.rounds._warm == warm
+    for got, want in ((first, fresh[0]), (second, fresh[1]), (third, fresh[0])):
+        assert got.clean and (got.drops, got.reentries) == (want.drops, want.reentries)
+        assert torch.equal(got.sel_K, want.sel_K) and torch.equal(got.v_K, want.v_K) and torch.equal(got.phi, want.phi)
+    assert fresh[0].drops > 0  # the replayed graphs include the variant after a drop
+    smaller = _device_solve(*make_instance(1, 30, dim=8, dtype=torch.float64), 10, rounds_per_read=4, reuse=True)
+    assert smaller.clean and len(asd._workspaces.by_key) == 2
+
+
+def test_a_thread_keeps_the_workspaces_of_its_last_four_shapes(monkeypatch):
+    from composer_algos.selection import active_set_device as asd
+
+    _fake_graphs(monkeypatch)
+    for kappa in (4, 5, 6, 7, 8):
+        _device_solve(*make_instance(0, 24, dim=16, dtype=torch.float64), kappa, reuse=True)
+    assert sorted(key[3] for key in asd._workspaces.by_key) == [5, 6, 7, 8]

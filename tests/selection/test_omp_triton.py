@@ -94,6 +94,7 @@ def test_the_kernels_compile_for_an_h100(dtype, kkt, blocks, n):
     from triton.compiler import ASTSource
 
     for fn, args, constexprs in _launches(dtype, kkt, blocks, n):
+        warps = constexprs.pop("num_warps")  # a launch option, not a parameter
         jitted = triton.jit(fn)
         names = [p.name for p in jitted.params]
         signature, values = {}, dict(constexprs)
@@ -103,5 +104,8 @@ def test_the_kernels_compile_for_an_h100(dtype, kkt, blocks, n):
             else:
                 signature[name] = "fp32" if isinstance(arg, float) else "i32"
         signature.update({name: "constexpr" for name in constexprs})
-        compiled = triton.compile(ASTSource(jitted, signature=signature, constexprs=values), target=GPUTarget("cuda", 90, 32))
+        compiled = triton.compile(
+            ASTSource(jitted, signature=signature, constexprs=values), target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": warps},
+        )
         assert compiled.asm["cubin"] and f".entry {fn.__name__}" in compiled.asm["ptx"], fn.__name__
