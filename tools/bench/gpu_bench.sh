@@ -19,15 +19,16 @@
 #             selecting at the step (t=64) and with select_ahead: true (64+la: the next step's selection made
 #             while this step's backward runs; 5 batches a fit() call after the warm-up, so the median step
 #             is a steady one). Three 1B trainers are resident (a fourth ran an H200 out of
-#             memory); compile_forward (no gain on the H200) is in step 5's profile, the device loop in
+#             memory; on a card under 100 GB, an H100's 80, the third ran out: there the select_ahead arm
+#             is left out); compile_forward (no gain on the H200) is in step 5's profile, the device loop in
 #             step 2 (at 8 rows a step it picks too few to graph)
 #   2 solver  bench_selection.py: the exact OMP at n = 2048, kappa = 512, D = 4096 on the GPU, with its
 #             kernel table (one profiled solve a loop: device busy time, the busiest kernels; inductor's
 #             code of a compiled round in $OUT/2_round_code.py) and ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms): host loop,
 #             device loop (eager rounds, CUDA graphs of 16 rounds), compiled rounds (solver_loop:
 #             device_compiled, inductor's Triton kernels in the graphs; its kernels a round counted: 12 on the H200), Triton rounds
-#             (solver_loop: device_triton, 3 hand-written kernels a round, 16 rounds a graph; never run on a
-#             GPU before), cpu. Seed 0
+#             (solver_loop: device_triton, 3 hand-written kernels a round, 16 rounds a graph, replayed from the
+#             second solve on: 15.7 ms on seed 0, 9.1 on seed 1 on an H100), cpu. Seed 0
 #             drops weights: the device loops repair those rounds on the device (a read every 64 rounds
 #             and a few a repair) where they handed the solve to the host loop before; seed 1 drops none
 #   2''       bench_selection.py --triton-sweep: the Triton rounds under each block-size setting of
@@ -44,7 +45,9 @@
 #   6 features  bench_features.py: the scoring pass eager (feat_sketch) and compiled (feat_compiled;
 #             mode reduce-overhead): times, aten ops and kernel launches, llama1b_cpu's structure and small
 # Measured on an H200 on 2026-11-27 (seconds): step 1 91-136, step 2 43 (compiled rounds and kernel tables
-# included), step 3 146, step 5 149 with three arms (about 200 with four); step 4 about 20 (2026-11-26). A lent
+# included), step 3 146, step 5 149 with three arms (about 200 with four); step 4 about 20 (2026-11-26). On an
+# H100 (2026-11-27): step 2 74 with the Triton rounds, 2' 43, 2'' 47, step 3 over 160 (its cap cut the one-GPU
+# FSDP test). A lent
 # machine's 15 minutes hold about two of steps 1, 2, 3, 5 beside the start: pick them with GPU_STEPS (the
 # default deadline, 540 s, cuts the later steps otherwise; GPU_BUDGET_S=720 runs all); step 6 compiles for
 # minutes and runs last: give it GPU_BUDGET_S=600 alone when its figures are wanted. The machine returns few
@@ -98,12 +101,19 @@ run_step() {  # NAME CAP_S LOGFILE CMD...
 
 # In order of what issue 31's acceptance needs first (a step skipped at the deadline loses the least):
 PS=algorithms.data_selection
+# The select_ahead arm is a third resident 1B trainer: it fits an H200 (143 GB), not an H100 (80 GB: out of memory).
+AHEAD=(--ps-variant "la:$PS.select_ahead=true")
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 100000 ] 2>/dev/null; then
+  echo "### step 1: ${GPU_MIB} MiB of GPU memory, under 100 GB: the select_ahead arm is left out" | tee -a "$OUT/0_setup.log"
+  AHEAD=()
+fi
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run_step "1 step (llama1b, S=2048, 8 rows, t=64)" 200 1_step.log \
   "$PY" tools/bench/bench_step.py --device cuda --long only --long-model llama1b --long-seqs 2048 --long-ratios 2 \
   --windows 64 --head-windows "" --long-batch 8 --long-steps 12 \
   --long-override optimizer.name=adamw --long-override optimizer.weight_decay=0.1 \
   --long-override train_loader.num_workers=4 --long-override train_loader.persistent_workers=true \
-  --long-fit-batches 5 --ps-variant "la:$PS.select_ahead=true"
+  --long-fit-batches 5 ${AHEAD[@]+"${AHEAD[@]}"}
 run_step "2 solver (n=2048, kappa=512, D=4096)" 160 2_solver.log \
   "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --compiled --triton \
   --kernel-table --round-code "$OUT/2_round_code.py"
