@@ -16,7 +16,9 @@ rounds, and at the end together with the final refactorisation's check:
   nothing and freezes the state, so the rest of its batch of rounds changes nothing. The read finds
   it; `_repair` then runs that round on the device state with its drops and re-entries decided on the
   host (a read each: drops are rare, 2 drops and 2 re-entries in 512 picks on bench_selection's seed
-  0, none on seed 1), packs the active slots first again, and the rounds go on.
+  0, none on seed 1), packs the active slots first again, and the rounds go on. Its device work between
+  two reads is a segment that takes no host value (`_RepairSteps`), so on CUDA each segment is a CUDA
+  graph from its second use, replayed from the workspace; eager, a repair was about 115 ops.
 - A round that would need the host loop's other branches (a singular or ill-conditioned pivot: a slow
   refit there, or float32 promoted to float64), or a final refactorisation that disagrees, makes the
   result not `clean`: the caller runs the host loop from the start, and the selection is its.
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from composer_algos.selection.active_set import drop_slot, first_to_zero
+from composer_algos.selection.active_set import first_to_zero
 from composer_algos.selection.omp_triton import TritonRound, kernels_available
 
 __all__ = ["GRAPH_MIN_ROUNDS", "ROUNDS_PER_GRAPH", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
@@ -94,6 +96,7 @@ class _State:
     gram_NN: torch.Tensor
     diag_N: torch.Tensor
     dom_N: torch.Tensor
+    mu_N: torch.Tensor  # the linear term (the repairs' gradient afresh)
     ridge_1: torch.Tensor
     tol_1: torch.Tensor
     rows_MN: torch.Tensor  # K row of each slot's element (stale on free slots)
@@ -217,7 +220,7 @@ def _solve(st: _State, rounds: _Rounds, mu_N: torch.Tensor, k: int, tols: tuple[
                 agrees = bool(final[-1])
                 reads += 1
             return _result(final, agrees, drops, reentries, reads)
-        fixed = _repair(st, mu_N, tols, h)  # round `r` froze
+        fixed = _repair(st, rounds.repair_steps(), tols)  # round `r` froze
         repairs += 1
         drops, reentries, reads = drops + fixed.drops, reentries + fixed.reentries, reads + fixed.reads
         if not fixed.ok:
@@ -274,8 +277,8 @@ def _workspace(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol, tols,
         _reset(ws.st, gram_NN, mu_N, dom_N, capacities_C, ridge_abs, grad_tol)
     else:
         own_dom = torch.empty(n, dtype=dom_N.dtype, device=dev).copy_(dom_N)
-        st = _initial_state(gram_NN.clone(memory_format=torch.contiguous_format), mu_N, own_dom, capacities_C, k,
-                            ridge_abs, grad_tol)
+        st = _initial_state(gram_NN.clone(memory_format=torch.contiguous_format), mu_N.clone(), own_dom, capacities_C,
+                            k, ridge_abs, grad_tol)
         ws = _Workspace(st, _Rounds(st, tols, kind=kind, graph=graph))
         ws.acquire()
     cache[key] = ws  # the newest last
@@ -298,7 +301,7 @@ def _initial_state(
     n, dev, dt = mu_N.shape[0], mu_N.device, mu_N.dtype
     m = k + 1
     st = _State(
-        gram_NN=gram_NN, diag_N=torch.diagonal(gram_NN), dom_N=dom_N, ridge_1=torch.empty(1, dtype=dt, device=dev),
+        gram_NN=gram_NN, diag_N=torch.diagonal(gram_NN), dom_N=dom_N, mu_N=mu_N, ridge_1=torch.empty(1, dtype=dt, device=dev),
         tol_1=torch.empty(1, dtype=dt, device=dev), rows_MN=torch.empty(m, n, dtype=dt, device=dev),
         p_MM=torch.empty(m, m, dtype=dt, device=dev), v_M=torch.empty(m, dtype=dt, device=dev),
         elem_M=torch.empty(m, dtype=torch.long, device=dev), used_M=torch.empty(m, dtype=torch.bool, device=dev),
@@ -309,25 +312,24 @@ def _initial_state(
         domains_C=torch.arange(capacities_C.shape[0], dtype=dom_N.dtype, device=dev),
         live_1=torch.empty(1, dtype=torch.bool, device=dev),
     )
-    _reset(st, None, mu_N, None, capacities_C, ridge_abs, grad_tol)
+    _reset(st, gram_NN, mu_N, dom_N, capacities_C, ridge_abs, grad_tol)
     return st
 
 
 def _reset(
     st: _State,
-    gram_NN: torch.Tensor | None,
+    gram_NN: torch.Tensor,
     mu_N: torch.Tensor,
-    dom_N: torch.Tensor | None,
+    dom_N: torch.Tensor,
     capacities_C: torch.Tensor,
     ridge_abs: torch.Tensor | float,
     grad_tol: torch.Tensor,
 ) -> None:
-    """``st`` set in place to the state before the first round of a solve; ``gram_NN`` and ``dom_N`` copied
-    into its own (a workspace's) unless None (the state holds the caller's)."""
-    if gram_NN is not None:
-        st.gram_NN.copy_(gram_NN)
-    if dom_N is not None:
-        st.dom_N.copy_(dom_N)
+    """``st`` set in place to the state before the first round of a solve: ``gram_NN``, ``mu_N`` and ``dom_N``
+    copied into its own (a workspace's) unless they are its own (a fresh state holds the caller's)."""
+    for own, given in ((st.gram_NN, gram_NN), (st.mu_N, mu_N), (st.dom_N, dom_N)):
+        if own is not given:
+            own.copy_(given)
     if isinstance(ridge_abs, torch.Tensor):
         st.ridge_1.copy_(ridge_abs.reshape(1))
     else:
@@ -503,6 +505,14 @@ class _Rounds:
         self._device = st.grad_N.device
         self._warm: set[bool] = set()
         self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        self._st = st
+        self._repair_steps: _RepairSteps | None = None
+
+    def repair_steps(self) -> _RepairSteps:
+        """The repairs' segments on this state (made at the first repair, kept with the rounds' graphs)."""
+        if self._repair_steps is None:
+            self._repair_steps = _RepairSteps(self._st, graph=self._graph)
+        return self._repair_steps
 
     def _rounds(self, kkt: bool, count: int) -> None:
         for _ in range(count):
@@ -575,110 +585,203 @@ class _Repair:
     reads: int = 0
 
 
-def _repair(st: _State, mu_N: torch.Tensor, tols: tuple[float, float], h: int) -> _Repair:
+def _repair(st: _State, steps: _RepairSteps, tols: tuple[float, float]) -> _Repair:
     """The frozen round once more, its Lawson-Hanson steps decided on the host (the host loop's `_enter`,
     `_drop_until_positive` and `_restore_kkt`), then the active slots packed first so the rounds fill in order.
 
-    Its pick has a positive gradient (only such a round freezes). ``h``: the slots in use, the first ``h``
-    (the rounds fill them in order from a packed state). Not ``ok``: a pivot the host loop would refit or
-    promote (``bad_1`` set), or a loop past the host loop's caps.
+    Its pick has a positive gradient (only such a round freezes). The device work between two reads is one
+    segment of ``steps`` (a CUDA graph from its second use on CUDA); the host reads what decides the next.
+    Not ``ok``: a pivot the host loop would refit or promote (``bad_1`` set), or a loop past the host loop's caps.
     """
     out = _Repair()
-    g_1, j_1 = torch.max(st.grad_N + st.penalty_N, 0, keepdim=True)
-    st.sel_K.index_copy_(0, st.r_1, j_1)
-    st.r_1.add_(1)
-    st.penalty_N.index_fill_(0, j_1, float("-inf"))
-    _spend_capacity(st.rem_C, st.domains_C, st.dom_N.index_select(0, j_1) == st.domains_C, None)
-    _close_full_domains(st.penalty_N, st.rem_C, st.dom_N)
-    m = st.used_M.shape[0]
-    used = [True] * h + [False] * (m - h)
-    if not _enter_and_drop(st, mu_N, j_1, g_1, used, tols, out):
-        return out
-    for _ in range(3 * len(used) + 10):  # the host loop's cap
-        g_1, i_1 = torch.max(torch.where(st.inactive_N, st.grad_N, float("-inf")), 0, keepdim=True)
-        out.reads += 1
-        if not bool(g_1 > st.tol_1):
-            break
-        st.inactive_N.index_fill_(0, i_1, False)
-        out.reentries += 1
-        if not _enter_and_drop(st, mu_N, i_1, g_1, used, tols, out):
+    steps.run("pick_and_enter")
+    wants_in = _settle(st, steps, tols, out)
+    for _ in range(3 * st.used_M.shape[0] + 10):  # the host loop's cap
+        if wants_in is None:
             return out
+        if not wants_in:  # no element at weight zero whose gradient is above the tolerance
+            break
+        steps.run("reenter")
+        out.reentries += 1
+        wants_in = _settle(st, steps, tols, out)
     else:
         out.ok = False
         return out
-    # Pack the active slots first, in slot order (a stable sort of the free flags); free slots keep zero P
-    # rows, columns and weights.
-    _, perm_M = torch.sort((~st.used_M).to(torch.uint8), stable=True)
-    for buf in (st.rows_MN, st.v_M, st.elem_M, st.used_M):
-        buf.copy_(buf.index_select(0, perm_M))
-    st.p_MM.copy_(st.p_MM.index_select(0, perm_M).index_select(1, perm_M))
-    st.h_1.fill_(sum(used))
-    st.live_1.fill_(True)
+    steps.run("pack")
     return out
 
 
-def _enter_and_drop(
-    st: _State,
-    mu_N: torch.Tensor,
-    j_1: torch.Tensor,
-    g_1: torch.Tensor,
-    used: list[bool],
-    tols: tuple[float, float],
-    out: _Repair,
-) -> bool:
-    """Enter ``j`` (its gradient ``g_1`` is positive) at the first free slot, then drop weights until every
-    one is positive (`ActiveSetState._drop_until_positive`). ``used``: the slots in use (host), kept up to date.
+def _settle(st: _State, steps: _RepairSteps, tols: tuple[float, float], out: _Repair) -> bool | None:
+    """After an element entered: the pivot's tests, the drops until every weight is positive, then the
+    weights, the gradient and the KKT check (`ActiveSetState._drop_until_positive`, `_restore_kkt`).
 
-    Returns False (``out.ok`` too) where the host loop would refit or promote, or its inner loop's cap.
+    Returns whether an element at weight zero wants back in, or None (``out.ok`` False too) where the host
+    loop would refit or promote, or past its inner loop's cap.
     """
-    h = used.index(False)  # a free slot exists: at most k elements are active among k + 1 slots
-    st.h_1.fill_(h)
-    m = len(used)
-    st.rows_MN.index_copy_(0, st.h_1, st.gram_NN.index_select(0, j_1))
-    qext_M = torch.mm(st.rows_MN.index_select(1, j_1).view(1, m), st.p_MM).view(m)
-    qext_M.index_fill_(0, st.h_1, -1.0)
-    t_N = torch.mv(st.rows_MN.T, qext_M)
-    schur_1 = st.ridge_1 - t_N.index_select(0, j_1)
-    z_j = g_1 / schur_1
-    z_M = torch.addcmul(st.v_M, qext_M, z_j, value=-1.0)
-    grad_z_N = torch.addcmul(st.grad_N, t_N, z_j)
-    # Enter j at slot h before the read: a pivot the host loop would refit ends the device solve, whose
-    # state is then dropped.
-    st.p_MM.addr_(qext_M / schur_1, qext_M)
-    st.elem_M.index_copy_(0, st.h_1, j_1)
-    st.used_M.index_fill_(0, st.h_1, True)
-    used[h] = True
-    x_M = st.v_M.clone()  # the feasible point Lawson-Hanson steps from, towards z
-    drop = first_to_zero(st.p_MM, x_M, z_M)
-    # One read: the pivot's tests and the first drop's (positions are exact as floats below 2^24).
-    schur_f, diag_f, any_neg, p, p_pp = torch.cat([schur_1, st.diag_N.index_select(0, j_1), drop.flags_3]).tolist()
+    # One read: the pivot's tests and the first drop's flag.
+    schur, diag_j, any_neg = steps.read_5[:3].tolist()
     out.reads += 1
     pivot_tol, promote_tol = tols
-    if not schur_f > pivot_tol * diag_f or schur_f < promote_tol * diag_f:
+    if not schur > pivot_tol * diag_j or schur < promote_tol * diag_j:
         st.bad_1.fill_(True)
         out.ok = False
-        return False
+        return None
     dropped = False
-    for _ in range(m + 1):
+    for _ in range(st.used_M.shape[0] + 1):
         if not any_neg:
             break
-        p = int(p)
-        drop_slot(st.p_MM, x_M, z_M, drop, p, p_pp)  # the host loop's `_drop_until_positive` step
-        st.used_M[p] = False
-        used[p] = False
-        st.inactive_N.index_fill_(0, st.elem_M.index_select(0, drop.p_1), True)
+        steps.run("drop")
         out.drops += 1
         dropped = True
-        drop = first_to_zero(st.p_MM, x_M, z_M)
-        any_neg, p, p_pp = drop.flags_3.tolist()
+        (any_neg,) = steps.read_5[2:3].tolist()
         out.reads += 1
     else:
         out.ok = False
-        return False
-    st.v_M.copy_(z_M)
-    if dropped:  # the gradient afresh, as the host loop computes it after a drop
-        torch.addmv(mu_N, st.rows_MN.T, st.v_M, alpha=-1.0, out=st.grad_N)
-    else:
-        st.grad_N.copy_(grad_z_N)
-    return True
+        return None
+    steps.run("finish_after_drops" if dropped else "finish")
+    (wants_in,) = steps.read_5[:1].tolist()
+    out.reads += 1
+    return bool(wants_in)
 
+
+class _RepairSteps:
+    """A repair's device work, cut at its host reads into segments that read and write only the state and
+    the buffers here: no host value enters them (the entering slot, the dropped slot and its ``P_pp`` stay on
+    the device), so each segment is the same kernels every time and, on CUDA, runs as a CUDA graph from its
+    second use (the first runs eagerly on a side stream, as a warm-up), replayed from the solve's workspace.
+
+    Eager, a repair is about 115 ops with 3-4 reads: on an H100 the host's ~1.5 ms while the GPU waits, four
+    times on bench_selection's seed 0 (docs/results/bench_gpu.md, 2026-11-27). ``read_5``: what the host
+    reads, ``[Schur complement, K_jj, a weight would turn negative, its slot, P_pp]`` after an entry (the last
+    three after a drop), ``[an element at weight zero wants in]`` after the weights are settled.
+    """
+
+    def __init__(self, st: _State, *, graph: bool) -> None:
+        m, n, dt, dev = st.used_M.shape[0], st.grad_N.shape[0], st.grad_N.dtype, st.grad_N.device
+        self.st, self.graph = st, graph
+        self.slots_M = torch.arange(m, device=dev)
+        self.j_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the entering element
+        self.g_1 = torch.zeros(1, dtype=dt, device=dev)  # its gradient
+        self.x_M = torch.zeros(m, dtype=dt, device=dev)  # the feasible point Lawson-Hanson steps from, towards z
+        self.z_M = torch.zeros(m, dtype=dt, device=dev)
+        self.grad_z_N = torch.zeros(n, dtype=dt, device=dev)  # the gradient at z (kept when nothing drops)
+        self.alpha_1 = torch.zeros(1, dtype=dt, device=dev)  # the next drop: the step, the slot, P's column, P_pp
+        self.p_1 = torch.zeros(1, dtype=torch.long, device=dev)
+        self.p_col_M = torch.zeros(m, dtype=dt, device=dev)
+        self.p_pp_1 = torch.ones(1, dtype=dt, device=dev)
+        self.read_5 = torch.zeros(5, dtype=dt, device=dev)
+        self._segments = {
+            "pick_and_enter": self._pick_and_enter, "reenter": self._reenter, "drop": self._drop,
+            "finish": functools.partial(self._finish, False), "finish_after_drops": functools.partial(self._finish, True),
+            "pack": self._pack,
+        }
+        self._warm: set[str] = set()
+        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+
+    def run(self, name: str) -> None:
+        fn = self._segments[name]
+        if not self.graph:
+            fn()
+            return
+        dev = self.st.grad_N.device
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            if name not in self._warm:
+                _on_side_stream(fn)
+                self._warm.add(name)
+                return
+            g = self._graphs.get(name)
+            if g is None:
+                g = self._graphs[name] = _recorded(fn)
+            g.replay()
+
+    def _pick_and_enter(self) -> None:
+        """The frozen round's pick (the round's bookkeeping: the selection, the penalty, the capacities), entered."""
+        st = self.st
+        g_1, j_1 = torch.max(st.grad_N + st.penalty_N, 0, keepdim=True)
+        self.g_1.copy_(g_1)
+        self.j_1.copy_(j_1)
+        st.sel_K.index_copy_(0, st.r_1, j_1)
+        st.r_1.add_(1)
+        st.penalty_N.index_fill_(0, j_1, float("-inf"))
+        _spend_capacity(st.rem_C, st.domains_C, st.dom_N.index_select(0, j_1) == st.domains_C, None)
+        _close_full_domains(st.penalty_N, st.rem_C, st.dom_N)
+        self._enter()
+
+    def _reenter(self) -> None:
+        """The element at weight zero with the largest gradient (`_finish` found it) back in."""
+        self.st.inactive_N.index_fill_(0, self.j_1, False)
+        self._enter()
+
+    def _enter(self) -> None:
+        """``j_1`` (gradient ``g_1 > 0``) entered at the first free slot, weights ``z`` unconstrained."""
+        st, j_1 = self.st, self.j_1
+        m = st.used_M.shape[0]
+        torch.amin(torch.where(st.used_M, m, self.slots_M), 0, keepdim=True, out=st.h_1)  # the first free slot
+        st.rows_MN.index_copy_(0, st.h_1, st.gram_NN.index_select(0, j_1))
+        qext_M = torch.mm(st.rows_MN.index_select(1, j_1).view(1, m), st.p_MM).view(m)
+        qext_M.index_fill_(0, st.h_1, -1.0)
+        t_N = torch.mv(st.rows_MN.T, qext_M)
+        schur_1 = st.ridge_1 - t_N.index_select(0, j_1)
+        z_j = self.g_1 / schur_1
+        torch.addcmul(st.v_M, qext_M, z_j, value=-1.0, out=self.z_M)
+        torch.addcmul(st.grad_N, t_N, z_j, out=self.grad_z_N)
+        # Entered before the read: a pivot the host loop would refit ends the device solve, whose state is dropped.
+        st.p_MM.addr_(qext_M / schur_1, qext_M)
+        st.elem_M.index_copy_(0, st.h_1, j_1)
+        st.used_M.index_fill_(0, st.h_1, True)
+        self.x_M.copy_(st.v_M)
+        self.read_5[0:1].copy_(schur_1)
+        self.read_5[1:2].copy_(st.diag_N.index_select(0, j_1))
+        self._first_to_zero()
+
+    def _first_to_zero(self) -> None:
+        drop = first_to_zero(self.st.p_MM, self.x_M, self.z_M)
+        self.alpha_1.copy_(drop.alpha_1)
+        self.p_1.copy_(drop.p_1)
+        self.p_col_M.copy_(drop.p_col_W)
+        self.p_pp_1.copy_(drop.p_pp_1)
+        self.read_5[2:5].copy_(drop.flags_3)
+
+    def _drop(self) -> None:
+        """`active_set.drop_slot` with the slot and ``P_pp`` on the device: ``x`` steps to the first zero, slot
+        ``p`` leaves (its element stays selected at weight zero), ``z`` and ``P`` become those of the rest."""
+        st, p_1, col_M = self.st, self.p_1, self.p_col_M
+        self.x_M.lerp_(self.z_M, self.alpha_1.clamp(0.0, 1.0))
+        self.z_M.addcmul_(col_M, self.z_M.index_select(0, p_1) / self.p_pp_1, value=-1.0)
+        st.p_MM.addr_(col_M * (-1.0 / self.p_pp_1), col_M)  # drop_slot's addr_(col, col, alpha=-1 / P_pp)
+        st.p_MM.index_fill_(0, p_1, 0.0)
+        st.p_MM.index_fill_(1, p_1, 0.0)
+        self.x_M.index_fill_(0, p_1, 0.0)
+        self.z_M.index_fill_(0, p_1, 0.0)
+        st.used_M.index_fill_(0, p_1, False)
+        st.inactive_N.index_fill_(0, st.elem_M.index_select(0, p_1), True)
+        self._first_to_zero()
+
+    def _finish(self, after_drops: bool) -> None:
+        """The weights ``z``, the gradient (afresh after a drop, as the host loop computes it), and the KKT check:
+        the element at weight zero with the largest gradient, and whether that gradient is above the tolerance."""
+        st = self.st
+        st.v_M.copy_(self.z_M)
+        if after_drops:
+            torch.addmv(st.mu_N, st.rows_MN.T, st.v_M, alpha=-1.0, out=st.grad_N)
+        else:
+            st.grad_N.copy_(self.grad_z_N)
+        g_1, i_1 = torch.max(torch.where(st.inactive_N, st.grad_N, float("-inf")), 0, keepdim=True)
+        self.g_1.copy_(g_1)
+        self.j_1.copy_(i_1)
+        self.read_5[0:1].copy_(g_1 > st.tol_1)
+
+    def _pack(self) -> None:
+        """The active slots first, in slot order, then the free ones in slot order (what a stable sort of the
+        free flags gives, from two cumulative sums: a scan is plainly capturable, a sort's CUDA path was never
+        checked under capture);
+        free slots keep zero ``P`` rows, columns and weights. The rounds go on from the first free slot."""
+        st = self.st
+        used_M = st.used_M.long()
+        torch.sum(used_M, 0, keepdim=True, out=st.h_1)
+        to_M = torch.where(st.used_M, used_M.cumsum(0) - 1, st.h_1 + (1 - used_M).cumsum(0) - 1)  # each slot's place
+        perm_M = torch.empty_like(self.slots_M).scatter_(0, to_M, self.slots_M)
+        for buf in (st.rows_MN, st.v_M, st.elem_M, st.used_M):
+            buf.copy_(buf.index_select(0, perm_M))
+        st.p_MM.copy_(st.p_MM.index_select(0, perm_M).index_select(1, perm_M))
+        st.live_1.fill_(True)

@@ -159,10 +159,11 @@ def test_the_cuda_graph_rounds_control_flow_on_the_cpu(monkeypatch, per_graph):
 
     class FakeGraph:
         def __init__(self, fn):
-            self.fn, self.replaying, self.rounds = fn, False, None
+            self.fn, self.replaying, self.rounds, self.replays = fn, False, None, 0
             recorded.append(self)
 
         def replay(self):
+            self.replays += 1
             self.replaying = True
             before = calls["graph"]
             self.fn()
@@ -184,8 +185,14 @@ def test_the_cuda_graph_rounds_control_flow_on_the_cpu(monkeypatch, per_graph):
     assert (graphed.drops, graphed.reentries, graphed.reads) == (eager.drops, eager.reentries, eager.reads)
     # Batches of at most 4 rounds: with 16 rounds a graph, only one-round graphs (one a variant: before the
     # first drop, and after it); with 3, a three-round graph and a one-round graph a variant.
-    sizes = sorted(g.rounds for g in recorded if g.rounds is not None)
+    round_graphs = [g for g in recorded if getattr(getattr(g.fn, "func", None), "__name__", "") == "_rounds"]
+    sizes = sorted(g.rounds for g in round_graphs if g.rounds is not None)
     assert sizes == ([1, 1] if per_graph == 16 else [1, 1, 3, 3]), sizes
+    # The repairs' segments (3 drops and 3 re-entries here): each recorded at its second use, then replayed, and
+    # none replays a round.
+    segments = [g for g in recorded if g not in round_graphs]
+    assert segments and all(g.replays and g.rounds == 0 for g in segments), [(g.fn, g.replays, g.rounds) for g in segments]
+    assert len(segments) == len({repr(g.fn) for g in segments}) <= 6
     # Every round the eager path ran: 20 picks, plus the rounds that froze and were run again by the repairs.
     monkeypatch.setattr(asd, "_Rounds", GraphOnCpu.__mro__[1])
     calls_graph = dict(calls)
@@ -389,3 +396,23 @@ def test_a_thread_keeps_the_workspaces_of_its_last_four_shapes(monkeypatch):
     for kappa in (4, 5, 6, 7, 8):
         _device_solve(*make_instance(0, 24, dim=16, dtype=torch.float64), kappa, reuse=True)
     assert sorted(key[3] for key in asd._workspaces.by_key) == [5, 6, 7, 8]
+
+
+def test_a_repair_reads_the_device_only_where_it_decides(monkeypatch):
+    """The repairs' segments take no host value and read nothing (they are CUDA graphs from their second use): on
+    the drop instance every host sync of the solve is one of its counted reads, the batches' and the repairs'
+    (the pivot tests, each drop, each KKT check), and the graphed repairs (faked on the CPU) read the same."""
+    features, val, dom, _ = _drop_instance()
+    gram, mu, _ = build_objective(features, val, ETA)
+    caps, grad_tol = torch.tensor([10, 10, 10]), default_grad_tol(mu)
+    results = []
+    for graphed in (False, True):
+        if graphed:
+            _fake_graphs(monkeypatch)
+        with SyncAudit([gram, mu, dom, caps, grad_tol]) as audit:
+            res = omp_exact_on_device(gram, mu, dom, caps, 20, 1e-6, grad_tol, rounds_per_read=4, reuse=graphed)
+        syncs = sum(n for (kind, _s, _c), n in audit.events.items() if kind == "sync")
+        assert res.clean and res.drops >= 2 and res.reentries >= 1, (res.drops, res.reentries)
+        assert syncs == res.reads and not audit.other, (graphed, syncs, res.reads, audit.events, audit.other)
+        results.append(res)
+    assert torch.equal(results[0].sel_K, results[1].sel_K) and torch.equal(results[0].v_K, results[1].v_K)
