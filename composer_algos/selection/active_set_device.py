@@ -154,7 +154,7 @@ def omp_exact_on_device(
             rounds' but among near-ties, and the weights may differ in the last bits: fused
             reductions round in their own order). Dynamo compiles at most 8 shapes of the round
             per process (its recompile limit); past that the rounds run eagerly. With `graph`, the
-            compiled round is what the CUDA graphs record. Repairs run eagerly.
+            compiled round is what the CUDA graphs record. Repairs run as the eager rounds' (`_RepairSteps`).
         triton: run each round as three Triton kernels (`omp_triton`: the same arithmetic, the picks the
             eager rounds' but among near-ties, like `compile`, without torch.compile: Triton compiles its
             three kernels once per dtype, variant and size bucket, cached on disk). Where
@@ -233,10 +233,12 @@ class _Workspace:
 
     CUDA graphs replay on the memory they were recorded on, so a solve on fresh tensors records its graphs
     afresh: a capture and an instantiation per graph, the host's time while the GPU waits (a solve at
-    kappa = 512 records four). A training run solves the same shapes every step, so its workspace, K copied
+    kappa = 512 records up to four of rounds and six of a repair's segments). A training run solves the same
+    shapes every step, so its workspace, K copied
     in, replays the graphs the first solve recorded. Kept per thread, the last `_WORKSPACES_PER_THREAD`
     shapes; on CUDA a solve waits (on the device, not the host) for the previous solve's work on its
-    workspace, which may have run on another stream.
+    workspace, which may have run on another stream, and a workspace dropped from the cache is first waited
+    for on the host (rare: a fifth shape), since its memory returns to the stream that allocated it.
     """
 
     def __init__(self, st: _State, rounds: _Rounds) -> None:
@@ -266,8 +268,10 @@ def _workspace(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol, tols,
     from composer_algos.selection import omp_triton
 
     n, dev, dt = mu_N.shape[0], mu_N.device, mu_N.dtype
-    blocks = tuple(sorted(omp_triton.BLOCKS.items())) if kind == "triton" else ()
-    key = (dev, dt, n, k, capacities_C.shape[0], dom_N.dtype, kind, graph, tols, blocks)
+    # Everything the recorded kernels depend on: the shapes, the dtypes, the variant, the Triton block sizes and
+    # whether Triton's interpreter runs them.
+    triton_key = (tuple(sorted(omp_triton.BLOCKS.items())), omp_triton._interpreting()) if kind == "triton" else ()
+    key = (dev, dt, gram_NN.dtype, n, k, capacities_C.shape[0], dom_N.dtype, kind, graph, tols, triton_key)
     cache: dict = getattr(_workspaces, "by_key", None)
     if cache is None:
         cache = _workspaces.by_key = {}
@@ -283,7 +287,9 @@ def _workspace(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol, tols,
         ws.acquire()
     cache[key] = ws  # the newest last
     while len(cache) > _WORKSPACES_PER_THREAD:
-        cache.pop(next(iter(cache)))
+        old = cache.pop(next(iter(cache)))
+        if old.done is not None and old.recorded:
+            old.done.synchronize()  # its last solve's work may still be queued on a stream that did not allocate it
     return ws
 
 
@@ -531,9 +537,9 @@ class _Rounds:
             _on_side_stream(lambda: self._round(kkt))
             self._warm.add(kkt)
             count -= 1
-        # A remainder replays a one-round graph rather than graphs of 8, 4, 2 and 1: the graphs are recorded again
-        # every solve (new state tensors), and recording a round costs its launches' host time, more than the
-        # replays that finer graphs would save.
+        # A remainder replays a one-round graph rather than graphs of 8, 4, 2 and 1: remainders are rare once a
+        # workspace is warm (a solve's batches are whole graphs but after a repair and at the end), and a one-round
+        # replay costs the host less time than the GPU takes for the round, so the GPU does not wait for it.
         while count > 0:
             per = ROUNDS_PER_GRAPH if count >= ROUNDS_PER_GRAPH else 1
             g = self._graphs.get((kkt, per))

@@ -62,7 +62,8 @@ __all__ = ["BLOCKS", "SWEEP", "TritonRound", "kernels_available"]
 # At n = 2048, kappa = 512 the grids are 17, 64 and 64 + 33 programs, and each loop over the slots takes up to
 # 5 steps (each waits for its loads: few steps, each loading more, hide more of that latency); "warps" is the
 # launches' num_warps. Chosen on paper; on an H100 (`tools/bench/bench_selection.py --triton-sweep`,
-# docs/results/bench_gpu.md, 2026-11-27) no alternative in `SWEEP` beat them beyond the runs' noise.
+# docs/results/bench_gpu.md, 2026-11-27) no alternative beat them beyond the runs' noise, but only the warps
+# were compared in steady solves (the other settings' solves there recorded their graphs every time).
 BLOCKS = {"slots": 32, "pool": 32, "reduce": 128, "p_rows": 16, "argmax": 2048, "warps": 4}
 # What the sweep tries beside `BLOCKS` (each entry overrides some of them).
 SWEEP = (

@@ -119,10 +119,12 @@ def test_a_workspace_replays_its_graphs_across_solves_and_streams_on_cuda(cuda, 
     from composer_algos.selection.objective import build_objective
     from composer_algos.selection.refit import default_grad_tol
 
-    recorded = []
+    recorded, waits = [], []
     real = asd._recorded
     monkeypatch.setattr(asd, "_recorded", lambda fn: recorded.append(1) or real(fn))
     monkeypatch.setattr(asd._workspaces, "by_key", {}, raising=False)
+    real_wait = torch.cuda.Stream.wait_event
+    monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, event: waits.append((self, event)) or real_wait(self, event))
 
     def args(seed):
         features, val, dom = make_instance(seed, 2048, dim=256, num_domains=8)
@@ -134,12 +136,19 @@ def test_a_workspace_replays_its_graphs_across_solves_and_streams_on_cuda(cuda, 
     kept = (first.sel_K.clone(), first.v_K.clone())
     n_recorded = len(recorded)
     other = asd.omp_exact_on_device(*b, triton=triton)
+    # Before the workspace solves the first pool again (which would restore an aliased result).
+    assert torch.equal(first.sel_K, kept[0]) and torch.equal(first.v_K, kept[1])
+    (ws,) = asd._workspaces.by_key.values()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         again = asd.omp_exact_on_device(*a, triton=triton)
     torch.cuda.current_stream().wait_stream(side)
     assert n_recorded > 0 and len(recorded) == n_recorded  # the second and third solves recorded nothing
+    # On the side stream the solve first waited, on the device, for the workspace's last solve.
+    assert any(stream == side and event is ws.done for stream, event in waits), waits
+    # These pools drop many weights (256 feature dimensions, 512 picks): the repairs' segments ran as graphs too.
+    assert first.drops > 0 and ws.rounds.repair_steps()._graphs, first.drops
     fresh_b = asd.omp_exact_on_device(*b, triton=triton, reuse=False)
     assert first.clean and again.clean and other.clean
     assert torch.equal(first.sel_K, kept[0]) and torch.equal(first.v_K, kept[1])

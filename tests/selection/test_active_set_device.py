@@ -378,6 +378,8 @@ def test_a_workspace_replays_its_graphs_in_the_next_solve_and_its_results_stand(
     (ws,) = asd._workspaces.by_key.values()
     warm, rows = set(ws.rounds._warm), ws.st.rows_MN
     second = _device_solve(*other, 20, rounds_per_read=4, reuse=True)
+    # Before the workspace solves the first pool again (which would restore an aliased result).
+    assert torch.equal(first.sel_K, fresh[0].sel_K) and torch.equal(first.v_K, fresh[0].v_K)
     third = _device_solve(*drop, 20, rounds_per_read=4, reuse=True)
     assert after_first > 0 and len(recorded) == after_first  # the graphs of the first solve, replayed since
     assert list(asd._workspaces.by_key.values()) == [ws] and ws.st.rows_MN is rows and ws.rounds._warm == warm
@@ -395,7 +397,7 @@ def test_a_thread_keeps_the_workspaces_of_its_last_four_shapes(monkeypatch):
     _fake_graphs(monkeypatch)
     for kappa in (4, 5, 6, 7, 8):
         _device_solve(*make_instance(0, 24, dim=16, dtype=torch.float64), kappa, reuse=True)
-    assert sorted(key[3] for key in asd._workspaces.by_key) == [5, 6, 7, 8]
+    assert sorted(key[4] for key in asd._workspaces.by_key) == [5, 6, 7, 8]  # (device, dtypes, n, k, ...)
 
 
 def test_a_repair_reads_the_device_only_where_it_decides(monkeypatch):

@@ -109,3 +109,23 @@ def test_the_kernels_compile_for_an_h100(dtype, kkt, blocks, n):
             options={"num_warps": warps},
         )
         assert compiled.asm["cubin"] and f".entry {fn.__name__}" in compiled.asm["ptx"], fn.__name__
+
+
+def test_the_block_size_sweep_keeps_every_settings_workspace(monkeypatch):
+    """Each block-size setting solves in its own workspace (the sizes are in its key). The sweep times the
+    settings interleaved, so a thread must keep them all while it runs: with the usual four, the first H100
+    sweep's ten settings evicted each other and every timed solve recorded its graphs again."""
+    import bench_selection  # tools/bench/bench_selection.py
+
+    from composer_algos.selection import active_set_device as asd
+
+    caps_seen = []
+    real = bench_selection.time_interleaved
+    monkeypatch.setattr(
+        bench_selection, "time_interleaved", lambda *a: caps_seen.append(asd._WORKSPACES_PER_THREAD) or real(*a)
+    )
+    features, val, dom = make_instance(2, 40, dim=64, dtype=torch.float32)
+    gram, mu, _ = build_objective(features, val, ETA)
+    bench_selection.sweep_triton_blocks(gram, mu, dom, torch.tensor([6, 6, 6]), 12, repeats=1)
+    assert caps_seen == [len(omp_triton.SWEEP) + 2], caps_seen  # the default and each setting, and one more
+    assert asd._WORKSPACES_PER_THREAD == 4
