@@ -51,7 +51,7 @@ import torch
 from composer_algos.selection.active_set import first_to_zero
 from composer_algos.selection.omp_triton import TritonRound, kernels_available
 
-__all__ = ["GRAPH_MIN_ROUNDS", "ROUNDS_PER_GRAPH", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
+__all__ = ["GRAPH_MIN_ROUNDS", "REPAIR_GRAPHS", "ROUNDS_PER_GRAPH", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
 
 # From this many rounds the CUDA rounds are recorded as CUDA graphs and replayed: recording costs about what
 # a few eager rounds launch, and every replayed round saves about 60 launches.
@@ -59,6 +59,9 @@ GRAPH_MIN_ROUNDS = 16
 # Rounds between two host reads: a round frozen for a repair wastes at most this many rounds of device
 # work, and a solve without one reads ceil(k / ROUNDS_PER_READ) times (once at the recipes' 8 picks a rank).
 ROUNDS_PER_READ = 64
+# With graphs, a repair's segments replay as CUDA graphs from their second use (`_RepairSteps`); False runs them
+# eagerly, as before 2026-11-27 (`tools/bench/bench_selection.py --triton` times both side by side).
+REPAIR_GRAPHS = True
 # Rounds one CUDA graph holds: a replay costs the host some microseconds whatever it holds (not measured here),
 # comparable to a fused round's GPU time, so a graph holds this many rounds (a batch's remainder replays a
 # one-round graph: the first batch of a solve, 63 rounds after the warm-up, replays 3 of 16 and 15 of one).
@@ -686,7 +689,7 @@ class _RepairSteps:
 
     def run(self, name: str) -> None:
         fn = self._segments[name]
-        if not self.graph:
+        if not (self.graph and REPAIR_GRAPHS):
             fn()
             return
         dev = self.st.grad_N.device

@@ -418,3 +418,21 @@ def test_a_repair_reads_the_device_only_where_it_decides(monkeypatch):
         assert syncs == res.reads and not audit.other, (graphed, syncs, res.reads, audit.events, audit.other)
         results.append(res)
     assert torch.equal(results[0].sel_K, results[1].sel_K) and torch.equal(results[0].v_K, results[1].v_K)
+
+
+def test_repairs_run_eagerly_when_their_graphs_are_off(monkeypatch):
+    """`REPAIR_GRAPHS = False` (the benchmark's side-by-side row) runs the repairs' segments eagerly while the
+    rounds stay graphed: only round graphs are recorded, and the solve is the graphed repairs' bit for bit."""
+    from composer_algos.selection import active_set_device as asd
+
+    features, val, dom, _ = _drop_instance()
+    recorded = _fake_graphs(monkeypatch)
+    graphed = _device_solve(features, val, dom, 20, rounds_per_read=4, reuse=True)
+    segments = [g for g in recorded if getattr(getattr(g.fn, "func", None), "__name__", "") != "_rounds"]
+    assert segments
+    monkeypatch.setattr(asd._workspaces, "by_key", {})
+    monkeypatch.setattr(asd, "REPAIR_GRAPHS", False)
+    recorded.clear()
+    eager = _device_solve(features, val, dom, 20, rounds_per_read=4, reuse=True)
+    assert recorded and all(getattr(getattr(g.fn, "func", None), "__name__", "") == "_rounds" for g in recorded)
+    assert torch.equal(graphed.sel_K, eager.sel_K) and torch.equal(graphed.v_K, eager.v_K) and graphed.reads == eager.reads

@@ -78,7 +78,8 @@ def test_bench_selection_quick_table(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "[small] n=256 kappa=64 C=8 D=1024" in out, out
-    for label in ("gram alone", "exact", "exact, device loop", "exact, compiled rounds", "exact, Triton rounds", "exact, on the CPU",
+    for label in ("gram alone", "exact", "exact, device loop", "exact, compiled rounds", "exact, Triton rounds",
+                  "exact, Triton, eager repairs", "exact, on the CPU",
                   "apga (support) x128",
                   "apga_pool (paper) x128", "exact + swap"):
         line = next((x for x in out.splitlines() if x.strip().startswith(label + " ")), None)
@@ -89,7 +90,8 @@ def test_bench_selection_quick_table(tmp_path):
             f_s = float(re.search(rf"f\(S\) = ({NUMBER})", line).group(1))
             assert finite([f_s]) and f_s > 0, line
     # The device loop and the CPU solve pick what the host loop picks, with their launches and syncs counted.
-    for prefix in ("device loop / host loop", "compiled rounds / host loop", "Triton rounds / host loop", "cpu solve / host loop"):
+    for prefix in ("device loop / host loop", "compiled rounds / host loop", "Triton rounds / host loop",
+                   "Triton rounds, repairs graphed / eager", "cpu solve / host loop"):
         line = next(x for x in out.splitlines() if x.strip().startswith(prefix))
         assert "the same picks: True" in line, line
     kernels = next(x for x in out.splitlines() if x.strip().startswith("one compiled round:"))

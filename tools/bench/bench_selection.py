@@ -12,8 +12,9 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
   compiled into a few fused kernels; the count is printed from inductor's code) and ``exact, on
   the CPU`` with ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there), and with ``--triton``
   ``exact, Triton rounds`` with ``solver_loop: device_triton`` (each round three hand-written Triton kernels,
-  16 rounds to a CUDA graph; on a CPU that setting runs the eager rounds, so the arm times nothing new there);
-  which is fastest on a GPU is what this measures there;
+  16 rounds to a CUDA graph; on a CPU that setting runs the eager rounds, so the arm times nothing new there)
+  and ``exact, Triton, eager repairs`` (the same with the repairs' segments run eagerly, not as CUDA graphs:
+  their graphs' gain, side by side); which is fastest on a GPU is what this measures there;
 - ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
 - ``apga_pool``: the paper's Alg. 3 verbatim on the full pool vector (full ``N x N`` Gram in
   every iteration, step from ``||K||`` once per call), 128 iterations per refit: the reference
@@ -317,7 +318,8 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
     w_cp, c_cp, res_cp = timed["cpu"]
     w_ap, c_ap, res_ap = timed["apga"]
     rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
-    for key, label in (("triton", "exact, Triton rounds"), ("compiled", "exact, compiled rounds")):
+    for key, label in (("triton_eager_repairs", "exact, Triton, eager repairs"), ("triton", "exact, Triton rounds"),
+                       ("compiled", "exact, compiled rounds")):
         if key in timed:
             rows.insert(2, (label, *timed[key]))
     if not args.skip_pool:
@@ -385,6 +387,27 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
         else:
             note = "; 3 kernels a round" + ("" if args.device == "cuda" else ", in Triton's interpreter (not a GPU's times)")
         ratio("Triton rounds", "triton", note)
+        (w_tr, _, res_tr), (w_te, _, res_te) = timed["triton"], timed["triton_eager_repairs"]
+        print(
+            f"  Triton rounds, repairs graphed / eager {w_tr / w_te:6.2f}x wall; the same picks:"
+            f" {res_tr.indices.tolist() == res_te.indices.tolist()}; repairs: {int(res_tr.info['weight_drops'])} drops,"
+            f" {int(res_tr.info['weight_reentries'])} re-entries"
+        )
+
+
+def _with_eager_repairs(fn):
+    """``fn`` with the device loop's repairs run eagerly (`active_set_device.REPAIR_GRAPHS` off for the call): on
+    CUDA their graphed segments' gain, side by side; on a CPU the same solve (nothing is graphed there)."""
+    from composer_algos.selection import active_set_device as asd
+
+    def call():
+        asd.REPAIR_GRAPHS = False
+        try:
+            return fn()
+        finally:
+            asd.REPAIR_GRAPHS = True
+
+    return call
 
 
 def _case_variants(args: argparse.Namespace, case: dict, common: dict, features) -> tuple[dict, dict, dict]:
@@ -415,6 +438,8 @@ def _case_variants(args: argparse.Namespace, case: dict, common: dict, features)
     if args.triton:
         fns["triton"] = lambda: select_partitionsel(**common, refit="exact", solver_loop="device_triton")
         repeats["triton"] = args.repeats
+        fns["triton_eager_repairs"] = _with_eager_repairs(fns["triton"])
+        repeats["triton_eager_repairs"] = args.repeats
     warmup = dict.fromkeys(fns, True)
     if not args.skip_pool:
         fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)

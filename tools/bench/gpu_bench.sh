@@ -28,7 +28,8 @@
 #             device loop (eager rounds, CUDA graphs of 16 rounds), compiled rounds (solver_loop:
 #             device_compiled, inductor's Triton kernels in the graphs; its kernels a round counted: 12 on the H200), Triton rounds
 #             (solver_loop: device_triton, 3 hand-written kernels a round, 16 rounds a graph, replayed from the
-#             second solve on: 15.7 ms on seed 0, 9.1 on seed 1 on an H100), cpu. Seed 0
+#             second solve on: 15.7 ms on seed 0, 9.1 on seed 1 on an H100; beside it the same with the repairs'
+#             segments eager, their CUDA graphs' gain, built after that run), cpu. Seed 0
 #             drops weights: the device loops repair those rounds on the device (a read every 64 rounds
 #             and a few a repair) where they handed the solve to the host loop before; seed 1 drops none
 #   2''       bench_selection.py --triton-sweep: the Triton rounds under each block-size setting of
