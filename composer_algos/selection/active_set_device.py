@@ -117,6 +117,9 @@ class _State:
     r_1: torch.Tensor  # rounds done
     domains_C: torch.Tensor
     live_1: torch.Tensor  # False from a round that needs a repair until the repair is made
+    # The fused Triton rounds' new weights, copied into v_M by the next round's first kernel while pending_1 is set.
+    vnext_M: torch.Tensor
+    pending_1: torch.Tensor
 
     def round_args(self) -> tuple[torch.Tensor, ...]:
         return (self.gram_NN, self.diag_N, self.dom_N, self.ridge_1, self.tol_1, self.rows_MN, self.p_MM, self.v_M,
@@ -319,7 +322,8 @@ def _initial_state(
         h_1=torch.empty(1, dtype=torch.long, device=dev), rem_C=torch.empty(capacities_C.shape[0], dtype=torch.long, device=dev),
         penalty_N=torch.empty(n, dtype=dt, device=dev), r_1=torch.empty(1, dtype=torch.long, device=dev),
         domains_C=torch.arange(capacities_C.shape[0], dtype=dom_N.dtype, device=dev),
-        live_1=torch.empty(1, dtype=torch.bool, device=dev),
+        live_1=torch.empty(1, dtype=torch.bool, device=dev), vnext_M=torch.empty(m, dtype=dt, device=dev),
+        pending_1=torch.empty(1, dtype=torch.bool, device=dev),
     )
     _reset(st, gram_NN, mu_N, dom_N, capacities_C, ridge_abs, grad_tol)
     return st
@@ -347,7 +351,7 @@ def _reset(
     st.rem_C.copy_(capacities_C, non_blocking=True)  # capacities are often resolved on the host
     st.grad_N.copy_(mu_N)
     for buf in (st.rows_MN, st.p_MM, st.v_M, st.elem_M, st.used_M, st.inactive_N, st.sel_K, st.bad_1, st.h_1,
-                st.penalty_N, st.r_1):
+                st.penalty_N, st.r_1, st.vnext_M, st.pending_1):
         buf.zero_()
     st.live_1.fill_(True)
     _close_full_domains(st.penalty_N, st.rem_C, st.dom_N)
@@ -706,6 +710,9 @@ class _RepairSteps:
     def _pick_and_enter(self) -> None:
         """The frozen round's pick (the round's bookkeeping: the selection, the penalty, the capacities), entered."""
         st = self.st
+        # A fused Triton round's weights not yet copied (a frozen round leaves none; this keeps v_M whole regardless).
+        st.v_M.copy_(torch.where(st.pending_1, st.vnext_M, st.v_M))
+        st.pending_1.zero_()
         g_1, j_1 = torch.max(st.grad_N + st.penalty_N, 0, keepdim=True)
         self.g_1.copy_(g_1)
         self.j_1.copy_(j_1)

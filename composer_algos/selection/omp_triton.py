@@ -35,6 +35,14 @@ n = 2048, kappa = 512 a round's three kernels take 3.5, 3.8 and 2.6 us (docs/res
 2026-11-27). The arithmetic is `_round`'s; the reductions run in their own order (as inductor's do), so the
 picks are the eager rounds' but among near-ties, and the weights may differ in the last bits.
 
+`BLOCKS["fused"]` (off by default, not yet timed on a GPU) makes a round before the first drop two kernels:
+`_step_kernel` is the second and third in one. The third pass needs only scalars of the second, the Schur
+complement and whether a new weight turns negative, which every program can compute itself (513 loads); only
+the KKT check, after a drop, needs the whole pool's new gradient, so those rounds stay three kernels. Its
+programs all read ``v``, so the new weights wait in ``vnext`` for the next round's pick kernel to copy them
+(``pending``), and the pick kernel snapshots what its program 0 writes. A kernel and its gap fewer a round, for
+a longer chain in the programs that update ``P`` (they also compute the Schur complement); the sweep times it.
+
 Triton runs on GPUs. On a CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1``, the
 tests); `kernels_available` says whether they run on a device, and `active_set_device` falls back to
 the eager rounds where they do not. The kernels are wrapped by ``triton.jit`` on first use, not at
@@ -61,10 +69,10 @@ __all__ = ["BLOCKS", "SWEEP", "TritonRound", "kernels_available"]
 # reduced per step of their loops, P rows per program of the apply kernel, pool elements per step of the argmax.
 # At n = 2048, kappa = 512 the grids are 17, 64 and 64 + 33 programs, and each loop over the slots takes up to
 # 5 steps (each waits for its loads: few steps, each loading more, hide more of that latency); "warps" is the
-# launches' num_warps. Chosen on paper; on an H100 (`tools/bench/bench_selection.py --triton-sweep`,
+# launches' num_warps; "fused" 1 runs the rounds before the first drop as two kernels (`_step_kernel`). Chosen on paper; on an H100 (`tools/bench/bench_selection.py --triton-sweep`,
 # docs/results/bench_gpu.md, 2026-11-27) no alternative beat them beyond the runs' noise, but only the warps
 # were compared in steady solves (the other settings' solves there recorded their graphs every time).
-BLOCKS = {"slots": 32, "pool": 32, "reduce": 128, "p_rows": 16, "argmax": 2048, "warps": 4}
+BLOCKS = {"slots": 32, "pool": 32, "reduce": 128, "p_rows": 16, "argmax": 2048, "warps": 4, "fused": 0}
 # What the sweep tries beside `BLOCKS` (each entry overrides some of them).
 SWEEP = (
     {"warps": 8},
@@ -76,6 +84,8 @@ SWEEP = (
     {"p_rows": 32},
     {"reduce": 256, "pool": 16, "slots": 16},
     {"reduce": 256, "warps": 8},
+    {"fused": 1},
+    {"fused": 1, "warps": 8},
 )
 
 def _interpreting() -> bool:
@@ -88,13 +98,26 @@ def kernels_available(device: torch.device) -> bool:
 
 
 def _pick_kernel(
-    grad, penalty, rows, p, qext, jbuf, gbuf, sel, flags, r_1, h_1, live_1,
-    N, M, K, stride_r,
-    BLOCK_ARGMAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    grad, penalty, rows, p, qext, jbuf, gbuf, sel, flags, r_1, h_1, live_1, v, vnext, pending_1, rem_C, rem_snap,
+    N, M, K, C, stride_r,
+    BLOCK_ARGMAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    SNAPSHOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    live = tl.load(live_1) != 0
+    if SNAPSHOT:  # before `_step_kernel` (the fused rounds), whose program 0 writes what its others decide from
+        if pid == 0:
+            tl.store(flags + 1, live.to(tl.int32))
+            tl.store(flags + 2, tl.load(h_1).to(tl.int32))
+            for c0 in range(0, C, BLOCK_C):
+                cs = c0 + tl.arange(0, BLOCK_C)
+                tl.store(rem_snap + cs, tl.load(rem_C + cs, mask=cs < C, other=0), mask=cs < C)
     # A frozen state (a round waiting for its repair) runs no round: the batch's remaining launches return at once.
-    if tl.load(live_1) != 0:
+    if live:
+        # The last fused round's new weights, which it could not write (all its programs read v): a block each.
+        if tl.load(pending_1) != 0:
+            vs = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+            tl.store(v + vs, tl.load(vnext + vs, mask=vs < M, other=0.0), mask=vs < M)
         best = tl.full([], float("-inf"), grad.dtype.element_ty)
         bidx = tl.zeros([], tl.int32)
         for start in range(0, N, BLOCK_ARGMAX):
@@ -248,7 +271,91 @@ def _apply_kernel(
                 tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + qa[:, None] * qb[None, :], mask=mask)
 
 
-KERNELS = (_pick_kernel, _direction_kernel, _apply_kernel)
+def _step_kernel(
+    gram, rows, qext, grad, v, vnext, ridge_1, jbuf, gbuf, flags, penalty, dom, rem_snap, rem_C, p, elem, used,
+    h_1, r_1, live_1, bad_1, inactive, pending_1, tol_1,
+    N, M, pool_programs, stride_r, stride_g0, stride_g1, pivot_tol, promote_tol,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Z: tl.constexpr,
+    PROMOTE: tl.constexpr,
+):
+    """`_direction_kernel` and `_apply_kernel` in one, for the rounds before any drop (no KKT check, which needs
+    the new gradient of the whole pool): every program computes the Schur complement and whether a new weight
+    turns negative (over the slots in use, from ``v`` and ``qext``) itself, so every program decides the round.
+    Its programs all read ``v``, so none writes it: the new weights go to ``vnext``, and the next round's
+    `_pick_kernel` copies them (``pending_1``). It reads ``live``, ``h`` and the capacities from the snapshots the
+    pick kernel made (``SNAPSHOT``), since its program 0 writes them."""
+    pid = tl.program_id(0)
+    if tl.load(flags + 1) != 0:  # live when the round began
+        h = tl.load(flags + 2).to(tl.int64)
+        j = tl.load(jbuf)
+        g = tl.load(gbuf)
+        kjj = tl.load(gram + j * stride_g0 + j * stride_g1)
+        is_pool = pid < pool_programs
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = (cols < N) & is_pool
+        krow = tl.load(gram + j * stride_g0 + cols.to(tl.int64) * stride_g1, mask=cmask, other=0.0)
+        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=grad.dtype.element_ty)
+        tj = tl.zeros([BLOCK_K], dtype=grad.dtype.element_ty)
+        for m0 in range(0, h + 1, BLOCK_K):  # as `_direction_kernel` (the P-row programs load no tile)
+            ms = (m0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+            mmask = ms < M
+            q = tl.load(qext + ms, mask=mmask, other=0.0)
+            live_row = mmask & (ms != h)
+            tile = tl.load(rows + ms[:, None] * stride_r + cols[None, :], mask=live_row[:, None] & cmask[None, :], other=0.0)
+            acc += tl.where(ms[:, None] == h, krow[None, :], tile) * q[:, None]
+            tj += tl.where(ms == h, kjj, tl.load(rows + ms * stride_r + j, mask=live_row, other=0.0)) * q
+        schur = tl.load(ridge_1) - tl.sum(tj, 0)
+        zj = g / schur
+        neg = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for m0 in range(0, h + 1, BLOCK_K):  # z is zero past h (v and qext are)
+            ms = m0 + tl.arange(0, BLOCK_K)
+            mmask = ms < M
+            z = tl.load(v + ms, mask=mmask, other=0.0) - tl.load(qext + ms, mask=mmask, other=0.0) * zj
+            neg = tl.maximum(neg, ((z < 0) & mmask).to(tl.int32))
+        positive = g > tl.load(tol_1)
+        host_only = (schur > pivot_tol * kjj) == 0
+        if PROMOTE:
+            host_only = host_only | (schur < promote_tol * kjj)
+        stop = positive & (host_only | (tl.max(neg, 0) != 0))
+        live = stop == 0
+        enter = live & positive
+        if is_pool:
+            gn = tl.load(grad + cols, mask=cmask, other=0.0) + tl.sum(acc, 0) * zj
+            tl.store(grad + cols, gn, mask=cmask & enter)
+            tl.store(rows + h * stride_r + cols, krow, mask=cmask)
+            dm = tl.load(dom + cols, mask=cmask, other=0)
+            dom_j = tl.load(dom + j)
+            rem = tl.load(rem_snap + dm, mask=cmask, other=1) - ((dm == dom_j) & live).to(tl.int64)
+            pen = tl.load(penalty + cols, mask=cmask, other=0.0)
+            pen = tl.where(((cols == j) & live) | (rem <= 0), float("-inf"), pen)
+            tl.store(penalty + cols, pen, mask=cmask)
+            zs = pid * BLOCK_Z + tl.arange(0, BLOCK_Z)
+            zmask = zs < M
+            z = tl.load(v + zs, mask=zmask, other=0.0) - tl.load(qext + zs, mask=zmask, other=0.0) * zj
+            tl.store(vnext + zs, z, mask=zmask)
+            if pid == 0:
+                tl.store(pending_1, enter)
+                tl.store(bad_1, (tl.load(bad_1) != 0) | (stop & host_only))
+                tl.store(live_1, live)
+                tl.store(elem + h, j)
+                tl.store(used + h, enter)
+                tl.store(h_1, h + enter.to(tl.int64))
+                tl.store(r_1, tl.load(r_1) + live.to(tl.int64))
+                tl.store(inactive + j, live & (positive == 0))
+                tl.store(rem_C + dom_j, tl.load(rem_snap + dom_j) - live.to(tl.int64))
+        else:
+            rs = ((pid - pool_programs) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+            rmask = (rs <= h) & enter
+            qa = tl.load(qext + rs, mask=rmask, other=0.0) / schur
+            for c0 in range(0, h + 1, BLOCK_K):
+                cs = c0 + tl.arange(0, BLOCK_K)
+                mask = rmask[:, None] & (cs < M)[None, :]
+                ptr = p + rs[:, None] * M + cs[None, :]
+                qb = tl.load(qext + cs, mask=cs < M, other=0.0)
+                tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + qa[:, None] * qb[None, :], mask=mask)
+
+
+KERNELS = (_pick_kernel, _direction_kernel, _apply_kernel, _step_kernel)
 
 
 @functools.cache
@@ -282,7 +389,7 @@ class TritonRound:
         qext_M = torch.zeros(m, dtype=dt, device=dev)
         gnew_N = torch.zeros(n, dtype=dt, device=dev)
         kkt_P = torch.full((pool,), float("-inf"), dtype=dt, device=dev)
-        z_M = torch.zeros(m, dtype=dt, device=dev)
+        z_M = st.vnext_M  # the new weights: copied into v by the apply kernel, or by the next pick kernel (fused)
         scal_2 = torch.zeros(2, dtype=dt, device=dev)  # the Schur complement, K_jj
         flags_3 = torch.zeros(3, dtype=torch.int32, device=dev)  # a weight would turn negative; live and h before
         rem_snap_C = torch.zeros_like(st.rem_C)
@@ -292,7 +399,7 @@ class TritonRound:
         # launched eagerly, as at a training step's few picks, then pays only the three launches.
         self.args = (
             (st.grad_N, st.penalty_N, st.rows_MN, st.p_MM, qext_M, j_1, g_1, st.sel_K, flags_3, st.r_1, st.h_1,
-             st.live_1, n, m, st.sel_K.shape[0], st.rows_MN.stride(0)),
+             st.live_1, st.v_M, z_M, st.pending_1, st.rem_C, rem_snap_C, n, m, st.sel_K.shape[0], c, st.rows_MN.stride(0)),
             (st.gram_NN, st.rows_MN, qext_M, st.grad_N, st.inactive_N, st.v_M, st.ridge_1, j_1, g_1,
              st.h_1, st.live_1, st.rem_C, gnew_N, kkt_P, z_M, scal_2, flags_3, rem_snap_C,
              n, m, c, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1)),
@@ -300,16 +407,26 @@ class TritonRound:
              qext_M, st.v_M, z_M, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, j_1,
              g_1, scal_2, flags_3, kkt_P, st.tol_1,
              n, m, pool, float(tols[0]), float(tols[1])),
+            (st.gram_NN, st.rows_MN, qext_M, st.grad_N, st.v_M, z_M, st.ridge_1, j_1, g_1, flags_3, st.penalty_N, dom_N,
+             rem_snap_C, st.rem_C, st.p_MM, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, st.inactive_N,
+             st.pending_1, st.tol_1, n, m, pool, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1),
+             float(tols[0]), float(tols[1])),
         )
+        block_c = _next_pow2(min(c, 1024))
         self.constexprs = (
-            dict(BLOCK_ARGMAX=min(b["argmax"], _next_pow2(n)), BLOCK_S=b["slots"], BLOCK_K=b["reduce"]),
-            dict(BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_C=_next_pow2(min(c, 1024)), BLOCK_Z=block_z),
+            dict(BLOCK_ARGMAX=min(b["argmax"], _next_pow2(n)), BLOCK_S=b["slots"], BLOCK_K=b["reduce"], BLOCK_C=block_c),
+            dict(BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_C=block_c, BLOCK_Z=block_z),
             dict(BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_T=_next_pow2(pool),
                  BLOCK_Z=block_z, PROMOTE=float(tols[1]) > 0),
+            dict(BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_Z=block_z, PROMOTE=float(tols[1]) > 0),
         )
+        self.grids = (*self.grids, self.grids[2])
+        self.fused = bool(b["fused"])
         self.warps = b["warps"]
         self.kernels = _jitted(_interpreting())
 
     def __call__(self, kkt: bool) -> None:
-        for i, (kernel, grid, args, constexprs) in enumerate(zip(self.kernels, self.grids, self.args, self.constexprs)):
-            kernel[grid](*args, **constexprs, **({} if i == 0 else {"KKT": kkt}), num_warps=self.warps)
+        fused = self.fused and not kkt  # the KKT check needs the whole pool's new gradient: three kernels then
+        for i in (0, 3) if fused else (0, 1, 2):
+            extra = {"SNAPSHOT": fused} if i == 0 else {} if i == 3 else {"KKT": kkt}
+            self.kernels[i][self.grids[i]](*self.args[i], **self.constexprs[i], **extra, num_warps=self.warps)

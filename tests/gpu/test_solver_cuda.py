@@ -82,9 +82,9 @@ def test_the_device_loop_replayed_as_a_cuda_graph_is_the_eager_loop(cuda, n, k):
     assert torch.equal(graphed.phi, eager.phi) and bool(graphed.clean) == bool(eager.clean)
 
 
-@pytest.mark.parametrize("rounds", ["compiled", "triton", "triton_eager"])
+@pytest.mark.parametrize("rounds", ["compiled", "triton", "triton_eager", "triton_two_kernels"])
 @pytest.mark.parametrize("n,k", [(64, 20), (2048, 512)])
-def test_the_fused_rounds_pick_what_the_eager_rounds_pick(cuda, n, k, rounds):
+def test_the_fused_rounds_pick_what_the_eager_rounds_pick(cuda, n, k, rounds, monkeypatch):
     """The device loop's rounds fused on CUDA: `solver_loop: device_compiled` (the compiled round, inductor's
     Triton kernels) and `device_triton` (three hand-written Triton kernels; their CPU checks ran only in Triton's
     interpreter, tests/selection/test_omp_triton.py), recorded as CUDA graphs and replayed (others after the
@@ -100,7 +100,12 @@ def test_the_fused_rounds_pick_what_the_eager_rounds_pick(cuda, n, k, rounds):
     caps = torch.full((8,), k // 8 + 1, device=cuda)
     args = (gram, mu, dom.to(cuda), caps, k, 1e-6, default_grad_tol(mu))
     eager = omp_exact_on_device(*args, graph=False)
-    how = {"compiled": dict(compile=True), "triton": dict(triton=True), "triton_eager": dict(triton=True, graph=False)}
+    from composer_algos.selection import omp_triton
+
+    # triton_two_kernels: `BLOCKS["fused"]`, two kernels a round before the first drop (never run on a GPU before).
+    monkeypatch.setitem(omp_triton.BLOCKS, "fused", int(rounds == "triton_two_kernels"))
+    how = {"compiled": dict(compile=True), "triton": dict(triton=True), "triton_eager": dict(triton=True, graph=False),
+           "triton_two_kernels": dict(triton=True)}
     fused = omp_exact_on_device(*args, **{"graph": True, **how[rounds]})
     # On the CPU the n = 64 instance stays on the common path and the n = 2048 one is repaired: both must
     # compare picks here, or the test compared nothing but flags.

@@ -34,7 +34,7 @@ def test_the_kernels_in_tritons_interpreter():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(Path(__file__).parent / "omp_triton_interpreted.py")]
     done = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=580)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert re.search(r"\b5 passed\b", done.stdout) and "skipped" not in done.stdout, done.stdout[-3000:]
+    assert re.search(r"\b6 passed\b", done.stdout) and "skipped" not in done.stdout, done.stdout[-3000:]
 
 
 def test_off_the_interpreter_a_cpu_runs_the_eager_rounds(monkeypatch):
@@ -83,7 +83,8 @@ def _launches(dtype: torch.dtype, kkt: bool, blocks: dict | None = None, n: int 
     "dtype,kkt,blocks,n",
     [(torch.float32, False, None, 200), (torch.float32, True, None, 200), (torch.float64, True, None, 200)]
     + [(torch.float32, True, override, 200) for override in omp_triton.SWEEP]
-    + [(torch.float32, True, None, 8)],  # a training step's pool: blocks of one program's partials, 8 elements
+    + [(torch.float32, True, None, 8)]  # a training step's pool: blocks of one program's partials, 8 elements
+    + [(dt, False, {"fused": 1}, 200) for dt in (torch.float32, torch.float64)],  # the two-kernel rounds
 )
 def test_the_kernels_compile_for_an_h100(dtype, kkt, blocks, n):
     """Triton's interpreter is not its compiler: it does not check that a loop keeps its variables' types, or
