@@ -210,7 +210,7 @@ def _direction_kernel(
 
 def _apply_kernel(
     grad, gnew, penalty, inactive, dom, rem_snap, rem_C, p, qext, v, zbuf, elem, used,
-    h_1, r_1, live_1, bad_1, jbuf, gbuf, scal, flags, kkt_part, tol_1,
+    h_1, r_1, live_1, bad_1, jbuf, gbuf, scal, flags, kkt_part, tol_1, pending_1,
     N, M, pool_programs, pivot_tol, promote_tol,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_Z: tl.constexpr, KKT: tl.constexpr, PROMOTE: tl.constexpr,
@@ -250,6 +250,7 @@ def _apply_kernel(
             zmask = zs < M
             tl.store(v + zs, tl.load(zbuf + zs, mask=zmask, other=0.0), mask=zmask & enter)
             if pid == 0:
+                tl.store(pending_1, 0)  # this kernel writes v itself: nothing for the next pick kernel to copy
                 tl.store(bad_1, (tl.load(bad_1) != 0) | (stop & host_only))
                 tl.store(live_1, live)
                 tl.store(elem + h, j)
@@ -278,12 +279,8 @@ def _step_kernel(
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Z: tl.constexpr,
     PROMOTE: tl.constexpr,
 ):
-    """`_direction_kernel` and `_apply_kernel` in one, for the rounds before any drop (no KKT check, which needs
-    the new gradient of the whole pool): every program computes the Schur complement and whether a new weight
-    turns negative (over the slots in use, from ``v`` and ``qext``) itself, so every program decides the round.
-    Its programs all read ``v``, so none writes it: the new weights go to ``vnext``, and the next round's
-    `_pick_kernel` copies them (``pending_1``). It reads ``live``, ``h`` and the capacities from the snapshots the
-    pick kernel made (``SNAPSHOT``), since its program 0 writes them."""
+    """`_direction_kernel` and `_apply_kernel` in one, for the rounds before any drop (`BLOCKS["fused"]`: the module
+    docstring says how its programs avoid each other's writes)."""
     pid = tl.program_id(0)
     if tl.load(flags + 1) != 0:  # live when the round began
         h = tl.load(flags + 2).to(tl.int64)
@@ -360,7 +357,7 @@ KERNELS = (_pick_kernel, _direction_kernel, _apply_kernel, _step_kernel)
 
 @functools.cache
 def _jitted(interpret: bool) -> tuple:
-    """The three kernels through ``triton.jit`` (which reads ``TRITON_INTERPRET`` when it wraps them)."""
+    """The kernels through ``triton.jit`` (which reads ``TRITON_INTERPRET`` when it wraps them)."""
     del interpret  # the cache key: wrapped apart in and out of the interpreter
     return tuple(triton.jit(fn) for fn in KERNELS)
 
@@ -405,7 +402,7 @@ class TritonRound:
              n, m, c, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1)),
             (st.grad_N, gnew_N, st.penalty_N, st.inactive_N, dom_N, rem_snap_C, st.rem_C, st.p_MM,
              qext_M, st.v_M, z_M, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, j_1,
-             g_1, scal_2, flags_3, kkt_P, st.tol_1,
+             g_1, scal_2, flags_3, kkt_P, st.tol_1, st.pending_1,
              n, m, pool, float(tols[0]), float(tols[1])),
             (st.gram_NN, st.rows_MN, qext_M, st.grad_N, st.v_M, z_M, st.ridge_1, j_1, g_1, flags_3, st.penalty_N, dom_N,
              rem_snap_C, st.rem_C, st.p_MM, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, st.inactive_N,
