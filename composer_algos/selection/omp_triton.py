@@ -35,8 +35,8 @@ n = 2048, kappa = 512 a round's three kernels take 3.5, 3.8 and 2.6 us (docs/res
 2026-11-27). The arithmetic is `_round`'s; the reductions run in their own order (as inductor's do), so the
 picks are the eager rounds' but among near-ties, and the weights may differ in the last bits.
 
-`BLOCKS["fused"]` (off by default, not yet timed on a GPU) makes a round before the first drop two kernels:
-`_step_kernel` is the second and third in one. The third pass needs only scalars of the second, the Schur
+`BLOCKS["fused"]` (off by default, not yet timed on a GPU) makes a round before the first drop two kernels: the
+apply kernel with ``FUSED`` does the second's work itself. The third pass needs only scalars of the second, the Schur
 complement and whether a new weight turns negative, which every program can compute itself (513 loads); only
 the KKT check, after a drop, needs the whole pool's new gradient, so those rounds stay three kernels. Its
 programs all read ``v``, so the new weights wait in ``vnext`` for the next round's pick kernel to copy them
@@ -69,7 +69,8 @@ __all__ = ["BLOCKS", "SWEEP", "TritonRound", "kernels_available"]
 # reduced per step of their loops, P rows per program of the apply kernel, pool elements per step of the argmax.
 # At n = 2048, kappa = 512 the grids are 17, 64 and 64 + 33 programs, and each loop over the slots takes up to
 # 5 steps (each waits for its loads: few steps, each loading more, hide more of that latency); "warps" is the
-# launches' num_warps; "fused" 1 runs the rounds before the first drop as two kernels (`_step_kernel`). Chosen on paper; on an H100 (`tools/bench/bench_selection.py --triton-sweep`,
+# launches' num_warps; "fused" 1 runs the rounds before the first drop as two kernels (the apply kernel's
+# FUSED variant). Chosen on paper; on an H100 (`tools/bench/bench_selection.py --triton-sweep`,
 # docs/results/bench_gpu.md, 2026-11-27) no alternative beat them beyond the runs' noise, but only the warps
 # were compared in steady solves (the other settings' solves there recorded their graphs every time).
 BLOCKS = {"slots": 32, "pool": 32, "reduce": 128, "p_rows": 16, "argmax": 2048, "warps": 4, "fused": 0}
@@ -105,7 +106,7 @@ def _pick_kernel(
 ):
     pid = tl.program_id(0)
     live = tl.load(live_1) != 0
-    if SNAPSHOT:  # before `_step_kernel` (the fused rounds), whose program 0 writes what its others decide from
+    if SNAPSHOT:  # before the fused apply kernel, whose program 0 writes what its others decide from
         if pid == 0:
             tl.store(flags + 1, live.to(tl.int32))
             tl.store(flags + 2, tl.load(h_1).to(tl.int32))
@@ -210,26 +211,53 @@ def _direction_kernel(
 
 def _apply_kernel(
     grad, gnew, penalty, inactive, dom, rem_snap, rem_C, p, qext, v, zbuf, elem, used,
-    h_1, r_1, live_1, bad_1, jbuf, gbuf, scal, flags, kkt_part, tol_1, pending_1,
-    N, M, pool_programs, pivot_tol, promote_tol,
+    h_1, r_1, live_1, bad_1, jbuf, gbuf, scal, flags, kkt_part, tol_1, pending_1, gram, rows, ridge_1,
+    N, M, pool_programs, pivot_tol, promote_tol, stride_r, stride_g0, stride_g1,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_Z: tl.constexpr, KKT: tl.constexpr, PROMOTE: tl.constexpr,
+    BLOCK_Z: tl.constexpr, KKT: tl.constexpr, PROMOTE: tl.constexpr, FUSED: tl.constexpr,
 ):
+    # Long: one Triton kernel (its body cannot call plain Python helpers), whose two variants share the decision
+    # and the updates; the FUSED one also does the direction kernel's work (the module docstring).
     pid = tl.program_id(0)
     if tl.load(flags + 1) != 0:  # live when the round began (a frozen state runs no round)
         h = tl.load(flags + 2).to(tl.int64)
         g = tl.load(gbuf)
         j = tl.load(jbuf)
-        schur = tl.load(scal)
-        kjj = tl.load(scal + 1)
         tol = tl.load(tol_1)
+        if FUSED:  # `_direction_kernel`'s part here: every program computes the round's scalars itself
+            kjj = tl.load(gram + j * stride_g0 + j * stride_g1)
+            fcols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            fmask = (fcols < N) & (pid < pool_programs)  # the P-row programs load no tile
+            krow = tl.load(gram + j * stride_g0 + fcols.to(tl.int64) * stride_g1, mask=fmask, other=0.0)
+            acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=grad.dtype.element_ty)
+            tj = tl.zeros([BLOCK_K], dtype=grad.dtype.element_ty)
+            for m0 in range(0, h + 1, BLOCK_K):  # as `_direction_kernel`
+                ms = (m0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+                mmask = ms < M
+                q = tl.load(qext + ms, mask=mmask, other=0.0)
+                live_row = mmask & (ms != h)
+                tile = tl.load(rows + ms[:, None] * stride_r + fcols[None, :], mask=live_row[:, None] & fmask[None, :], other=0.0)
+                acc += tl.where(ms[:, None] == h, krow[None, :], tile) * q[:, None]
+                tj += tl.where(ms == h, kjj, tl.load(rows + ms * stride_r + j, mask=live_row, other=0.0)) * q
+            schur = tl.load(ridge_1) - tl.sum(tj, 0)
+            zj = g / schur
+            neg = tl.zeros([BLOCK_K], dtype=tl.int32)
+            for m0 in range(0, h + 1, BLOCK_K):  # z is zero past h (v and qext are)
+                ms = m0 + tl.arange(0, BLOCK_K)
+                mmask = ms < M
+                z = tl.load(v + ms, mask=mmask, other=0.0) - tl.load(qext + ms, mask=mmask, other=0.0) * zj
+                neg = tl.maximum(neg, ((z < 0) & mmask).to(tl.int32))
+            repair = tl.max(neg, 0) != 0
+        else:
+            schur = tl.load(scal)
+            kjj = tl.load(scal + 1)
+            repair = tl.load(flags) != 0
         positive = g > tol
         # The host loop's branches that end the device solve: a dependent column, an ill-conditioned float32 one.
         host_only = (schur > pivot_tol * kjj) == 0
         if PROMOTE:
             host_only = host_only | (schur < promote_tol * kjj)
         # And those a repair makes: a Lawson-Hanson drop, a KKT re-entry.
-        repair = tl.load(flags) != 0
         if KKT:
             parts = tl.load(kkt_part + tl.arange(0, BLOCK_T), mask=tl.arange(0, BLOCK_T) < pool_programs, other=float("-inf"))
             repair = repair | (tl.max(parts, 0) > tol)
@@ -239,18 +267,28 @@ def _apply_kernel(
         if pid < pool_programs:
             cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             cmask = cols < N
-            tl.store(grad + cols, tl.load(gnew + cols, mask=cmask, other=0.0), mask=cmask & enter)
+            zs = pid * BLOCK_Z + tl.arange(0, BLOCK_Z)
+            zmask = zs < M
+            if FUSED:
+                tl.store(grad + cols, tl.load(grad + cols, mask=cmask, other=0.0) + tl.sum(acc, 0) * zj, mask=cmask & enter)
+                tl.store(rows + h * stride_r + cols, krow, mask=cmask)
+                # Every program reads v: the new weights wait in zbuf for the next round's pick kernel (pending).
+                z = tl.load(v + zs, mask=zmask, other=0.0) - tl.load(qext + zs, mask=zmask, other=0.0) * zj
+                tl.store(zbuf + zs, z, mask=zmask)
+            else:
+                tl.store(grad + cols, tl.load(gnew + cols, mask=cmask, other=0.0), mask=cmask & enter)
+                tl.store(v + zs, tl.load(zbuf + zs, mask=zmask, other=0.0), mask=zmask & enter)
             dm = tl.load(dom + cols, mask=cmask, other=0)
             dom_j = tl.load(dom + j)
             rem = tl.load(rem_snap + dm, mask=cmask, other=1) - ((dm == dom_j) & live).to(tl.int64)
             pen = tl.load(penalty + cols, mask=cmask, other=0.0)
             pen = tl.where(((cols == j) & live) | (rem <= 0), float("-inf"), pen)
             tl.store(penalty + cols, pen, mask=cmask)
-            zs = pid * BLOCK_Z + tl.arange(0, BLOCK_Z)
-            zmask = zs < M
-            tl.store(v + zs, tl.load(zbuf + zs, mask=zmask, other=0.0), mask=zmask & enter)
             if pid == 0:
-                tl.store(pending_1, 0)  # this kernel writes v itself: nothing for the next pick kernel to copy
+                if FUSED:
+                    tl.store(pending_1, enter)
+                else:
+                    tl.store(pending_1, 0)  # this kernel wrote v itself
                 tl.store(bad_1, (tl.load(bad_1) != 0) | (stop & host_only))
                 tl.store(live_1, live)
                 tl.store(elem + h, j)
@@ -272,87 +310,7 @@ def _apply_kernel(
                 tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + qa[:, None] * qb[None, :], mask=mask)
 
 
-def _step_kernel(
-    gram, rows, qext, grad, v, vnext, ridge_1, jbuf, gbuf, flags, penalty, dom, rem_snap, rem_C, p, elem, used,
-    h_1, r_1, live_1, bad_1, inactive, pending_1, tol_1,
-    N, M, pool_programs, stride_r, stride_g0, stride_g1, pivot_tol, promote_tol,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Z: tl.constexpr,
-    PROMOTE: tl.constexpr,
-):
-    """`_direction_kernel` and `_apply_kernel` in one, for the rounds before any drop (`BLOCKS["fused"]`: the module
-    docstring says how its programs avoid each other's writes)."""
-    pid = tl.program_id(0)
-    if tl.load(flags + 1) != 0:  # live when the round began
-        h = tl.load(flags + 2).to(tl.int64)
-        j = tl.load(jbuf)
-        g = tl.load(gbuf)
-        kjj = tl.load(gram + j * stride_g0 + j * stride_g1)
-        is_pool = pid < pool_programs
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = (cols < N) & is_pool
-        krow = tl.load(gram + j * stride_g0 + cols.to(tl.int64) * stride_g1, mask=cmask, other=0.0)
-        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=grad.dtype.element_ty)
-        tj = tl.zeros([BLOCK_K], dtype=grad.dtype.element_ty)
-        for m0 in range(0, h + 1, BLOCK_K):  # as `_direction_kernel` (the P-row programs load no tile)
-            ms = (m0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-            mmask = ms < M
-            q = tl.load(qext + ms, mask=mmask, other=0.0)
-            live_row = mmask & (ms != h)
-            tile = tl.load(rows + ms[:, None] * stride_r + cols[None, :], mask=live_row[:, None] & cmask[None, :], other=0.0)
-            acc += tl.where(ms[:, None] == h, krow[None, :], tile) * q[:, None]
-            tj += tl.where(ms == h, kjj, tl.load(rows + ms * stride_r + j, mask=live_row, other=0.0)) * q
-        schur = tl.load(ridge_1) - tl.sum(tj, 0)
-        zj = g / schur
-        neg = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for m0 in range(0, h + 1, BLOCK_K):  # z is zero past h (v and qext are)
-            ms = m0 + tl.arange(0, BLOCK_K)
-            mmask = ms < M
-            z = tl.load(v + ms, mask=mmask, other=0.0) - tl.load(qext + ms, mask=mmask, other=0.0) * zj
-            neg = tl.maximum(neg, ((z < 0) & mmask).to(tl.int32))
-        positive = g > tl.load(tol_1)
-        host_only = (schur > pivot_tol * kjj) == 0
-        if PROMOTE:
-            host_only = host_only | (schur < promote_tol * kjj)
-        stop = positive & (host_only | (tl.max(neg, 0) != 0))
-        live = stop == 0
-        enter = live & positive
-        if is_pool:
-            gn = tl.load(grad + cols, mask=cmask, other=0.0) + tl.sum(acc, 0) * zj
-            tl.store(grad + cols, gn, mask=cmask & enter)
-            tl.store(rows + h * stride_r + cols, krow, mask=cmask)
-            dm = tl.load(dom + cols, mask=cmask, other=0)
-            dom_j = tl.load(dom + j)
-            rem = tl.load(rem_snap + dm, mask=cmask, other=1) - ((dm == dom_j) & live).to(tl.int64)
-            pen = tl.load(penalty + cols, mask=cmask, other=0.0)
-            pen = tl.where(((cols == j) & live) | (rem <= 0), float("-inf"), pen)
-            tl.store(penalty + cols, pen, mask=cmask)
-            zs = pid * BLOCK_Z + tl.arange(0, BLOCK_Z)
-            zmask = zs < M
-            z = tl.load(v + zs, mask=zmask, other=0.0) - tl.load(qext + zs, mask=zmask, other=0.0) * zj
-            tl.store(vnext + zs, z, mask=zmask)
-            if pid == 0:
-                tl.store(pending_1, enter)
-                tl.store(bad_1, (tl.load(bad_1) != 0) | (stop & host_only))
-                tl.store(live_1, live)
-                tl.store(elem + h, j)
-                tl.store(used + h, enter)
-                tl.store(h_1, h + enter.to(tl.int64))
-                tl.store(r_1, tl.load(r_1) + live.to(tl.int64))
-                tl.store(inactive + j, live & (positive == 0))
-                tl.store(rem_C + dom_j, tl.load(rem_snap + dom_j) - live.to(tl.int64))
-        else:
-            rs = ((pid - pool_programs) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-            rmask = (rs <= h) & enter
-            qa = tl.load(qext + rs, mask=rmask, other=0.0) / schur
-            for c0 in range(0, h + 1, BLOCK_K):
-                cs = c0 + tl.arange(0, BLOCK_K)
-                mask = rmask[:, None] & (cs < M)[None, :]
-                ptr = p + rs[:, None] * M + cs[None, :]
-                qb = tl.load(qext + cs, mask=cs < M, other=0.0)
-                tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + qa[:, None] * qb[None, :], mask=mask)
-
-
-KERNELS = (_pick_kernel, _direction_kernel, _apply_kernel, _step_kernel)
+KERNELS = (_pick_kernel, _direction_kernel, _apply_kernel)
 
 
 @functools.cache
@@ -402,12 +360,8 @@ class TritonRound:
              n, m, c, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1)),
             (st.grad_N, gnew_N, st.penalty_N, st.inactive_N, dom_N, rem_snap_C, st.rem_C, st.p_MM,
              qext_M, st.v_M, z_M, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, j_1,
-             g_1, scal_2, flags_3, kkt_P, st.tol_1, st.pending_1,
-             n, m, pool, float(tols[0]), float(tols[1])),
-            (st.gram_NN, st.rows_MN, qext_M, st.grad_N, st.v_M, z_M, st.ridge_1, j_1, g_1, flags_3, st.penalty_N, dom_N,
-             rem_snap_C, st.rem_C, st.p_MM, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, st.inactive_N,
-             st.pending_1, st.tol_1, n, m, pool, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1),
-             float(tols[0]), float(tols[1])),
+             g_1, scal_2, flags_3, kkt_P, st.tol_1, st.pending_1, st.gram_NN, st.rows_MN, st.ridge_1,
+             n, m, pool, float(tols[0]), float(tols[1]), st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1)),
         )
         block_c = _next_pow2(min(c, 1024))
         self.constexprs = (
@@ -415,15 +369,13 @@ class TritonRound:
             dict(BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_C=block_c, BLOCK_Z=block_z),
             dict(BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_T=_next_pow2(pool),
                  BLOCK_Z=block_z, PROMOTE=float(tols[1]) > 0),
-            dict(BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_Z=block_z, PROMOTE=float(tols[1]) > 0),
         )
-        self.grids = (*self.grids, self.grids[2])
         self.fused = bool(b["fused"])
         self.warps = b["warps"]
         self.kernels = _jitted(_interpreting())
 
     def __call__(self, kkt: bool) -> None:
         fused = self.fused and not kkt  # the KKT check needs the whole pool's new gradient: three kernels then
-        for i in (0, 3) if fused else (0, 1, 2):
-            extra = {"SNAPSHOT": fused} if i == 0 else {} if i == 3 else {"KKT": kkt}
+        for i in (0, 2) if fused else (0, 1, 2):
+            extra = {"SNAPSHOT": fused} if i == 0 else {"KKT": kkt} if i == 1 else {"KKT": kkt, "FUSED": fused}
             self.kernels[i][self.grids[i]](*self.args[i], **self.constexprs[i], **extra, num_warps=self.warps)

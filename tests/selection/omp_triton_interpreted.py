@@ -126,8 +126,8 @@ def test_domain_ids_given_as_a_strided_view():
 
 
 def test_the_fused_variant_solves_as_the_three_kernels_bit_for_bit(monkeypatch):
-    """`BLOCKS["fused"]`: before the first drop a round is two kernels, `_pick_kernel` and `_step_kernel` (the
-    direction and apply kernels in one, every program deciding the round itself, the new weights copied by the
+    """`BLOCKS["fused"]`: before the first drop a round is two kernels, `_pick_kernel` and `_apply_kernel` doing the
+    direction kernel's work too (every program deciding the round itself, the new weights copied by the
     next round's pick kernel). The same arithmetic, so the same solve bit for bit as the three kernels, through
     drops and re-entries (after which the rounds are the three kernels' KKT variant) and hand-overs."""
     seen_drops = 0
