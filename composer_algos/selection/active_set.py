@@ -52,17 +52,19 @@ def first_to_zero(p_WW: torch.Tensor, x_W: torch.Tensor, z_W: torch.Tensor) -> L
     return LawsonHansonDrop(alpha_1, p_1, p_col_W, p_pp_1, flags_3)
 
 
-def drop_slot(p_WW: torch.Tensor, x_W: torch.Tensor, z_W: torch.Tensor, drop: LawsonHansonDrop, p: int, p_pp: float) -> None:
-    """Step ``x`` to the first zero, then drop slot ``p`` (``drop.p_1`` on the host, ``p_pp`` its ``P_pp`` read
-    there): ``z`` and ``P = (K_AA + ridge I)^{-1}`` become the optimum and the inverse on ``A - p``, with slot
-    ``p``'s row, column and weights zero."""
+def drop_slot(p_WW: torch.Tensor, x_W: torch.Tensor, z_W: torch.Tensor, drop: LawsonHansonDrop) -> None:
+    """Step ``x`` to the first zero, then drop slot ``drop.p_1``: ``z`` and ``P = (K_AA + ridge I)^{-1}`` become the
+    optimum and the inverse on ``A - p``, with slot ``p``'s row, column and weights zero. The slot and ``P_pp``
+    stay on the device (no host value: the device loop's repairs record this as a CUDA graph)."""
+    p_1, col_W = drop.p_1, drop.p_col_W
     x_W.lerp_(z_W, drop.alpha_1.clamp(0.0, 1.0))
-    z_W.addcmul_(drop.p_col_W, z_W.index_select(0, drop.p_1) / drop.p_pp_1, value=-1.0)
-    p_WW.addr_(drop.p_col_W, drop.p_col_W, alpha=-1.0 / p_pp)
-    p_WW[p].zero_()
-    p_WW[:, p].zero_()
-    x_W[p] = 0.0
-    z_W[p] = 0.0
+    z_W.addcmul_(col_W, z_W.index_select(0, p_1) / drop.p_pp_1, value=-1.0)
+    p_WW.addr_(col_W * (-1.0 / drop.p_pp_1), col_W)  # P - col col^T / P_pp
+    p_WW.index_fill_(0, p_1, 0.0)
+    p_WW.index_fill_(1, p_1, 0.0)
+    x_W.index_fill_(0, p_1, 0.0)
+    z_W.index_fill_(0, p_1, 0.0)
+
 
 class ActiveSetState:
     """Exact NNLS refit state that OMP grows one element at a time (Lawson–Hanson on a rank-one inverse).
@@ -410,12 +412,11 @@ class ActiveSetState:
         _, rows_NW, p_WW, _, _, x_W, z_W = self._views(w)
         for _ in range(w + 1):
             drop = first_to_zero(p_WW, x_W, z_W)
-            any_neg, p, p_pp = drop.flags_3.tolist()
+            any_neg, p, _ = drop.flags_3.tolist()
             if not any_neg:
                 break
-            p = int(p)
-            drop_slot(p_WW, x_W, z_W, drop, p, p_pp)
-            self._free_slot(p)
+            drop_slot(p_WW, x_W, z_W, drop)
+            self._free_slot(int(p))
         else:
             log.warning("ActiveSetState: Lawson–Hanson inner loop did not settle; refitting from scratch")
             self._slow_refit()

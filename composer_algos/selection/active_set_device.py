@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from composer_algos.selection.active_set import first_to_zero
+from composer_algos.selection.active_set import LawsonHansonDrop, drop_slot, first_to_zero
 from composer_algos.selection.omp_triton import TritonRound, kernels_available
 
 __all__ = ["GRAPH_MIN_ROUNDS", "REPAIR_GRAPHS", "ROUNDS_PER_GRAPH", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
@@ -197,13 +197,13 @@ def omp_exact_on_device(
         st = _initial_state(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol)
         rounds = _Rounds(st, tols, kind=kind, graph=graph)
     try:
-        return _solve(st, rounds, mu_N, k, tols, rounds_per_read)
+        return _solve(st, rounds, k, tols, rounds_per_read)
     finally:
         if ws is not None:
             ws.release()
 
 
-def _solve(st: _State, rounds: _Rounds, mu_N: torch.Tensor, k: int, tols: tuple[float, float], rounds_per_read: int):
+def _solve(st: _State, rounds: _Rounds, k: int, tols: tuple[float, float], rounds_per_read: int):
     """The batches of rounds from the state before the first round, their reads and repairs, and the final check."""
     done = drops = reentries = reads = repairs = 0
     while True:
@@ -212,17 +212,17 @@ def _solve(st: _State, rounds: _Rounds, mu_N: torch.Tensor, k: int, tols: tuple[
         # The final refactorisation rides on the last batch's read, unless a round has been repaired: after a
         # repair more rounds freeze (KKT re-entries, further drops), and a frozen last batch would waste the
         # factorisation (about 0.2 ms on a GPU at kappa = 512); then it waits for the read that says the rounds are done.
-        final = _finalized(mu_N, st) if done + batch == k and not repairs else None
+        final = _finalized(st) if done + batch == k and not repairs else None
         r, h, live, bad, agrees = _read_status(st, final)
         reads += 1
         if bad:
-            return _result(final if final is not None else _finalized(mu_N, st), False, drops, reentries, reads)
+            return _result(final if final is not None else _finalized(st), False, drops, reentries, reads)
         done = r
         if live:
             if done < k:
                 continue
             if final is None:
-                final = _finalized(mu_N, st)
+                final = _finalized(st)
                 agrees = bool(final[-1])
                 reads += 1
             return _result(final, agrees, drops, reentries, reads)
@@ -230,7 +230,7 @@ def _solve(st: _State, rounds: _Rounds, mu_N: torch.Tensor, k: int, tols: tuple[
         repairs += 1
         drops, reentries, reads = drops + fixed.drops, reentries + fixed.reentries, reads + fixed.reads
         if not fixed.ok:
-            return _result(_finalized(mu_N, st), False, drops, reentries, reads)
+            return _result(_finalized(st), False, drops, reentries, reads)
         done += 1
 
 
@@ -249,20 +249,16 @@ class _Workspace:
 
     def __init__(self, st: _State, rounds: _Rounds) -> None:
         self.st, self.rounds = st, rounds
+        # Recorded at the end of each solve; before the first, waiting on it or synchronizing it does nothing.
         self.done = torch.cuda.Event() if st.grad_N.device.type == "cuda" else None
-        self.recorded = False
-        self.busy = False
 
     def acquire(self) -> None:
-        self.busy = True
-        if self.done is not None and self.recorded:
+        if self.done is not None:
             torch.cuda.current_stream(self.st.grad_N.device).wait_event(self.done)
 
     def release(self) -> None:
-        self.busy = False
         if self.done is not None:
             self.done.record(torch.cuda.current_stream(self.st.grad_N.device))
-            self.recorded = True
 
 
 _WORKSPACES_PER_THREAD = 4
@@ -282,7 +278,7 @@ def _workspace(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol, tols,
     if cache is None:
         cache = _workspaces.by_key = {}
     ws = cache.pop(key, None)
-    if ws is not None and not ws.busy:
+    if ws is not None:
         ws.acquire()
         _reset(ws.st, gram_NN, mu_N, dom_N, capacities_C, ridge_abs, grad_tol)
     else:
@@ -290,11 +286,10 @@ def _workspace(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol, tols,
         st = _initial_state(gram_NN.clone(memory_format=torch.contiguous_format), mu_N.clone(), own_dom, capacities_C,
                             k, ridge_abs, grad_tol)
         ws = _Workspace(st, _Rounds(st, tols, kind=kind, graph=graph))
-        ws.acquire()
     cache[key] = ws  # the newest last
     while len(cache) > _WORKSPACES_PER_THREAD:
         old = cache.pop(next(iter(cache)))
-        if old.done is not None and old.recorded:
+        if old.done is not None:
             old.done.synchronize()  # its last solve's work may still be queued on a stream that did not allocate it
     return ws
 
@@ -371,12 +366,13 @@ def _result(final: tuple, clean: bool, drops: int, reentries: int, reads: int) -
     return DeviceOMPResult(sel_K=sel_K, v_K=v_K, phi=phi, clean=clean, drops=drops, reentries=reentries, reads=reads)
 
 
-def _finalized(mu_N: torch.Tensor, st: _State) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _finalized(st: _State) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The host loop's finalize(): the active system solved afresh (unused slots as identity rows).
 
     Returns ``(sel_K, v_K, phi, agrees)``; ``agrees`` (0-dim bool) is False when the fresh weights
     disagree with the rounds' (a weight not positive, an element at zero that wants in, a failed factor).
     """
+    mu_N = st.mu_N
     n, m, dt, dev = mu_N.shape[0], st.elem_M.shape[0], mu_N.dtype, mu_N.device
     used_M, elem_M, rows_MN = st.used_M, st.elem_M, st.rows_MN
     kr_MM = rows_MN.index_select(1, elem_M)
@@ -713,9 +709,8 @@ class _RepairSteps:
         # A fused Triton round's weights not yet copied (a frozen round leaves none; this keeps v_M whole regardless).
         st.v_M.copy_(torch.where(st.pending_1, st.vnext_M, st.v_M))
         st.pending_1.zero_()
-        g_1, j_1 = torch.max(st.grad_N + st.penalty_N, 0, keepdim=True)
-        self.g_1.copy_(g_1)
-        self.j_1.copy_(j_1)
+        j_1 = self.j_1
+        torch.max(st.grad_N + st.penalty_N, 0, keepdim=True, out=(self.g_1, j_1))
         st.sel_K.index_copy_(0, st.r_1, j_1)
         st.r_1.add_(1)
         st.penalty_N.index_fill_(0, j_1, float("-inf"))
@@ -759,18 +754,13 @@ class _RepairSteps:
         self.read_5[2:5].copy_(drop.flags_3)
 
     def _drop(self) -> None:
-        """`active_set.drop_slot` with the slot and ``P_pp`` on the device: ``x`` steps to the first zero, slot
-        ``p`` leaves (its element stays selected at weight zero), ``z`` and ``P`` become those of the rest."""
-        st, p_1, col_M = self.st, self.p_1, self.p_col_M
-        self.x_M.lerp_(self.z_M, self.alpha_1.clamp(0.0, 1.0))
-        self.z_M.addcmul_(col_M, self.z_M.index_select(0, p_1) / self.p_pp_1, value=-1.0)
-        st.p_MM.addr_(col_M * (-1.0 / self.p_pp_1), col_M)  # drop_slot's addr_(col, col, alpha=-1 / P_pp)
-        st.p_MM.index_fill_(0, p_1, 0.0)
-        st.p_MM.index_fill_(1, p_1, 0.0)
-        self.x_M.index_fill_(0, p_1, 0.0)
-        self.z_M.index_fill_(0, p_1, 0.0)
-        st.used_M.index_fill_(0, p_1, False)
-        st.inactive_N.index_fill_(0, st.elem_M.index_select(0, p_1), True)
+        """The host loop's Lawson-Hanson step (`active_set.drop_slot`) on the drop kept in the buffers: slot ``p``
+        leaves (its element stays selected at weight zero)."""
+        st = self.st
+        drop = LawsonHansonDrop(self.alpha_1, self.p_1, self.p_col_M, self.p_pp_1, self.read_5[2:5])
+        drop_slot(st.p_MM, self.x_M, self.z_M, drop)
+        st.used_M.index_fill_(0, self.p_1, False)
+        st.inactive_N.index_fill_(0, st.elem_M.index_select(0, self.p_1), True)
         self._first_to_zero()
 
     def _finish(self, after_drops: bool) -> None:
@@ -782,10 +772,8 @@ class _RepairSteps:
             torch.addmv(st.mu_N, st.rows_MN.T, st.v_M, alpha=-1.0, out=st.grad_N)
         else:
             st.grad_N.copy_(self.grad_z_N)
-        g_1, i_1 = torch.max(torch.where(st.inactive_N, st.grad_N, float("-inf")), 0, keepdim=True)
-        self.g_1.copy_(g_1)
-        self.j_1.copy_(i_1)
-        self.read_5[0:1].copy_(g_1 > st.tol_1)
+        torch.max(torch.where(st.inactive_N, st.grad_N, float("-inf")), 0, keepdim=True, out=(self.g_1, self.j_1))
+        self.read_5[0:1].copy_(self.g_1 > st.tol_1)
 
     def _pack(self) -> None:
         """The active slots first, in slot order, then the free ones in slot order (what a stable sort of the

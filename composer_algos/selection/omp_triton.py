@@ -12,14 +12,14 @@ computes, instead of waiting for it:
 1. `_pick_kernel`, programs over blocks of slots. Every program finds the pick
    ``j = argmax(grad + penalty)`` itself (N loads, first index on ties, as ``torch.max`` on a CPU), then
    its block of ``qext = P k_Aj`` (``P`` symmetric, zero on free slots), ``-1`` at the free slot ``h``.
-   Program 0 records ``j``, its score ``g`` and ``sel[r] = j``, and clears the negative-weight flag.
+   Program 0 records ``j``, its score ``g`` and ``sel[r] = j``, clears the negative-weight flag, and copies
+   ``live``, ``h`` and the capacities, which the third kernel writes.
 2. `_direction_kernel`, programs over blocks of the pool. Its block of ``t = K_A'^T qext``, where A' is
    the active slots with ``K[j]`` at slot ``h`` (a substitution in the load, so the write of
    ``rows[h] = K[j]`` at the end races with nothing), the Schur complement ``ridge - t_j`` (every program
    computes ``t_j`` itself), the new gradient ``grad + t z_j`` into a scratch row, and, after a weight
    has dropped (``kkt``), the block's largest new gradient at weight zero; and a block of slots of
-   ``z = v - qext z_j``, raising the flag (an atomic max) where an entry is negative. Program 0 writes
-   copies of ``live``, ``h`` and the capacities, which the third kernel writes.
+   ``z = v - qext z_j``, raising the flag (an atomic max) where an entry is negative.
 3. `_apply_kernel`, programs over blocks of the pool, then over row blocks of ``P``. Every program
    decides the round from those scalars, as `_round` does (a positive pick enters unless it needs the
    host loop or a repair; a round that needs either freezes the state) and applies its own part: the
@@ -40,7 +40,7 @@ apply kernel with ``FUSED`` does the second's work itself. The third pass needs 
 complement and whether a new weight turns negative, which every program can compute itself (513 loads); only
 the KKT check, after a drop, needs the whole pool's new gradient, so those rounds stay three kernels. Its
 programs all read ``v``, so the new weights wait in ``vnext`` for the next round's pick kernel to copy them
-(``pending``), and the pick kernel snapshots what its program 0 writes. A kernel and its gap fewer a round, for
+(``pending``). A kernel and its gap fewer a round, for
 a longer chain in the programs that update ``P`` (they also compute the Schur complement); the sweep times it.
 
 Triton runs on GPUs. On a CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1``, the
@@ -102,17 +102,15 @@ def _pick_kernel(
     grad, penalty, rows, p, qext, jbuf, gbuf, sel, flags, r_1, h_1, live_1, v, vnext, pending_1, rem_C, rem_snap,
     N, M, K, C, stride_r,
     BLOCK_ARGMAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-    SNAPSHOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     live = tl.load(live_1) != 0
-    if SNAPSHOT:  # before the fused apply kernel, whose program 0 writes what its others decide from
-        if pid == 0:
-            tl.store(flags + 1, live.to(tl.int32))
-            tl.store(flags + 2, tl.load(h_1).to(tl.int32))
-            for c0 in range(0, C, BLOCK_C):
-                cs = c0 + tl.arange(0, BLOCK_C)
-                tl.store(rem_snap + cs, tl.load(rem_C + cs, mask=cs < C, other=0), mask=cs < C)
+    if pid == 0:  # snapshots for the apply kernel, whose program 0 writes live, h and the capacities
+        tl.store(flags + 1, live.to(tl.int32))
+        tl.store(flags + 2, tl.load(h_1).to(tl.int32))
+        for c0 in range(0, C, BLOCK_C):
+            cs = c0 + tl.arange(0, BLOCK_C)
+            tl.store(rem_snap + cs, tl.load(rem_C + cs, mask=cs < C, other=0), mask=cs < C)
     # A frozen state (a round waiting for its repair) runs no round: the batch's remaining launches return at once.
     if live:
         # The last fused round's new weights, which it could not write (all its programs read v): a block each.
@@ -154,19 +152,14 @@ def _pick_kernel(
 
 
 def _direction_kernel(
-    gram, rows, qext, grad, inactive, v, ridge_1, jbuf, gbuf, h_1, live_1, rem_C,
-    gnew, kkt_part, zbuf, scal, flags, rem_snap,
-    N, M, C, stride_r, stride_g0, stride_g1,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_Z: tl.constexpr, KKT: tl.constexpr,
+    gram, rows, qext, grad, inactive, v, ridge_1, jbuf, gbuf, h_1, live_1,
+    gnew, kkt_part, zbuf, scal, flags,
+    N, M, stride_r, stride_g0, stride_g1,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Z: tl.constexpr, KKT: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    live = tl.load(live_1) != 0
     h = tl.load(h_1)
-    if pid == 0:
-        # Snapshots for the apply kernel, whose program 0 writes live_1 and h_1 while its others decide from them.
-        tl.store(flags + 1, live.to(tl.int32))
-        tl.store(flags + 2, h.to(tl.int32))
-    if live:
+    if tl.load(live_1) != 0:
         j = tl.load(jbuf)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
@@ -204,9 +197,6 @@ def _direction_kernel(
         if pid == 0:
             tl.store(scal, schur)
             tl.store(scal + 1, kjj)
-            for c0 in range(0, C, BLOCK_C):
-                cs = c0 + tl.arange(0, BLOCK_C)
-                tl.store(rem_snap + cs, tl.load(rem_C + cs, mask=cs < C, other=0), mask=cs < C)
 
 
 def _apply_kernel(
@@ -356,8 +346,8 @@ class TritonRound:
             (st.grad_N, st.penalty_N, st.rows_MN, st.p_MM, qext_M, j_1, g_1, st.sel_K, flags_3, st.r_1, st.h_1,
              st.live_1, st.v_M, z_M, st.pending_1, st.rem_C, rem_snap_C, n, m, st.sel_K.shape[0], c, st.rows_MN.stride(0)),
             (st.gram_NN, st.rows_MN, qext_M, st.grad_N, st.inactive_N, st.v_M, st.ridge_1, j_1, g_1,
-             st.h_1, st.live_1, st.rem_C, gnew_N, kkt_P, z_M, scal_2, flags_3, rem_snap_C,
-             n, m, c, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1)),
+             st.h_1, st.live_1, gnew_N, kkt_P, z_M, scal_2, flags_3,
+             n, m, st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1)),
             (st.grad_N, gnew_N, st.penalty_N, st.inactive_N, dom_N, rem_snap_C, st.rem_C, st.p_MM,
              qext_M, st.v_M, z_M, st.elem_M, st.used_M, st.h_1, st.r_1, st.live_1, st.bad_1, j_1,
              g_1, scal_2, flags_3, kkt_P, st.tol_1, st.pending_1, st.gram_NN, st.rows_MN, st.ridge_1,
@@ -366,7 +356,7 @@ class TritonRound:
         block_c = _next_pow2(min(c, 1024))
         self.constexprs = (
             dict(BLOCK_ARGMAX=min(b["argmax"], _next_pow2(n)), BLOCK_S=b["slots"], BLOCK_K=b["reduce"], BLOCK_C=block_c),
-            dict(BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_C=block_c, BLOCK_Z=block_z),
+            dict(BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_Z=block_z),
             dict(BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_T=_next_pow2(pool),
                  BLOCK_Z=block_z, PROMOTE=float(tols[1]) > 0),
         )
@@ -377,5 +367,5 @@ class TritonRound:
     def __call__(self, kkt: bool) -> None:
         fused = self.fused and not kkt  # the KKT check needs the whole pool's new gradient: three kernels then
         for i in (0, 2) if fused else (0, 1, 2):
-            extra = {"SNAPSHOT": fused} if i == 0 else {"KKT": kkt} if i == 1 else {"KKT": kkt, "FUSED": fused}
+            extra = {} if i == 0 else {"KKT": kkt} if i == 1 else {"KKT": kkt, "FUSED": fused}
             self.kernels[i][self.grids[i]](*self.args[i], **self.constexprs[i], **extra, num_warps=self.warps)
