@@ -16,9 +16,10 @@ rounds, and at the end together with the final refactorisation's check:
   nothing and freezes the state, so the rest of its batch of rounds changes nothing. The read finds
   it; `_repair` then runs that round on the device state with its drops and re-entries decided on the
   host (a read each: drops are rare, 2 drops and 2 re-entries in 512 picks on bench_selection's seed
-  0, none on seed 1), packs the active slots first again, and the rounds go on. Its device work between
-  two reads is a segment that takes no host value (`_RepairSteps`), so on CUDA each segment is a CUDA
-  graph from its second use, replayed from the workspace; eager, a repair was about 115 ops.
+  0 on an H100, none on seed 1), packs the active slots first again, and the rounds go on, in short
+  batches at first (`ROUNDS_AFTER_REPAIR`: repairs come in clusters). Its device work between two reads
+  is a segment that takes no host value (`_RepairSteps`), so on CUDA each segment is a CUDA graph from
+  its second use, replayed from the workspace; eager, a repair was about 115 ops.
 - A round that would need the host loop's other branches (a singular or ill-conditioned pivot: a slow
   refit there, or float32 promoted to float64), or a final refactorisation that disagrees, makes the
   result not `clean`: the caller runs the host loop from the start, and the selection is its.
@@ -51,7 +52,7 @@ import torch
 from composer_algos.selection.active_set import LawsonHansonDrop, drop_slot, first_to_zero
 from composer_algos.selection.omp_triton import TritonRound, kernels_available
 
-__all__ = ["GRAPH_MIN_ROUNDS", "REPAIR_GRAPHS", "ROUNDS_PER_GRAPH", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
+__all__ = ["GRAPH_MIN_ROUNDS", "REPAIR_GRAPHS", "ROUNDS_AFTER_REPAIR", "ROUNDS_PER_GRAPH", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
 
 # From this many rounds the CUDA rounds are recorded as CUDA graphs and replayed: recording costs about what
 # a few eager rounds launch, and every replayed round saves about 60 launches.
@@ -59,6 +60,12 @@ GRAPH_MIN_ROUNDS = 16
 # Rounds between two host reads: a round frozen for a repair wastes at most this many rounds of device
 # work, and a solve without one reads ceil(k / ROUNDS_PER_READ) times (once at the recipes' 8 picks a rank).
 ROUNDS_PER_READ = 64
+# Rounds in the first batch after a repair; the batches then double back to ROUNDS_PER_READ. Repairs come in
+# clusters: on bench_selection's pools (n = 2048, kappa = 512, seeds 0-11) 8 of the 10 repairs after the first of
+# a solve came at most 2 rounds after the one before, so a full batch after a repair mostly ran frozen (seed 7:
+# 910 rounds launched for 512 picks). A frozen round costs a GPU a few microseconds (its kernels return at once),
+# a read some tens: so 4, then 8, 16, ...
+ROUNDS_AFTER_REPAIR = 4
 # With graphs, a repair's segments replay as CUDA graphs from their second use (`_RepairSteps`); False runs them
 # eagerly, as before 2026-11-27 (`tools/bench/bench_selection.py --triton` times both side by side).
 REPAIR_GRAPHS = True
@@ -81,6 +88,8 @@ class DeviceOMPResult:
         drops: Lawson-Hanson drops the repairs made.
         reentries: KKT re-entries the repairs made.
         reads: host reads of the device (the batches' reads and the repairs').
+        rounds: rounds launched, the frozen ones included (each frozen round is device time wasted: a batch's
+            rounds after a freeze run, changing nothing, until the batch's read).
     """
 
     sel_K: torch.Tensor
@@ -90,6 +99,7 @@ class DeviceOMPResult:
     drops: int = 0
     reentries: int = 0
     reads: int = 0
+    rounds: int = 0
 
 
 @dataclass
@@ -204,11 +214,16 @@ def omp_exact_on_device(
 
 
 def _solve(st: _State, rounds: _Rounds, k: int, tols: tuple[float, float], rounds_per_read: int):
-    """The batches of rounds from the state before the first round, their reads and repairs, and the final check."""
-    done = drops = reentries = reads = repairs = 0
+    """The batches of rounds from the state before the first round, their reads and repairs, and the final check.
+
+    After a repair the batches start at `ROUNDS_AFTER_REPAIR` rounds and double back to ``rounds_per_read``.
+    """
+    done = drops = reentries = reads = repairs = launched = 0
+    per_read = rounds_per_read
     while True:
-        batch = min(rounds_per_read, k - done)  # 0 after a repair of the last round: only the final check
+        batch = min(per_read, k - done)  # 0 after a repair of the last round: only the final check
         rounds.run(batch, kkt=drops > 0)
+        launched += batch
         # The final refactorisation rides on the last batch's read, unless a round has been repaired: after a
         # repair more rounds freeze (KKT re-entries, further drops), and a frozen last batch would waste the
         # factorisation (about 0.2 ms on a GPU at kappa = 512); then it waits for the read that says the rounds are done.
@@ -216,22 +231,24 @@ def _solve(st: _State, rounds: _Rounds, k: int, tols: tuple[float, float], round
         r, h, live, bad, agrees = _read_status(st, final)
         reads += 1
         if bad:
-            return _result(final if final is not None else _finalized(st), False, drops, reentries, reads)
+            return _result(final if final is not None else _finalized(st), False, drops, reentries, reads, launched)
         done = r
         if live:
+            per_read = min(2 * per_read, rounds_per_read)
             if done < k:
                 continue
             if final is None:
                 final = _finalized(st)
                 agrees = bool(final[-1])
                 reads += 1
-            return _result(final, agrees, drops, reentries, reads)
+            return _result(final, agrees, drops, reentries, reads, launched)
         fixed = _repair(st, rounds.repair_steps(), tols)  # round `r` froze
         repairs += 1
         drops, reentries, reads = drops + fixed.drops, reentries + fixed.reentries, reads + fixed.reads
         if not fixed.ok:
-            return _result(_finalized(st), False, drops, reentries, reads)
+            return _result(_finalized(st), False, drops, reentries, reads, launched)
         done += 1
+        per_read = min(ROUNDS_AFTER_REPAIR, rounds_per_read)
 
 
 class _Workspace:
@@ -361,9 +378,10 @@ def _read_status(st: _State, final: tuple | None) -> tuple[int, int, bool, bool,
     return r, h, bool(live), bool(bad), bool(rest and rest[0])
 
 
-def _result(final: tuple, clean: bool, drops: int, reentries: int, reads: int) -> DeviceOMPResult:
+def _result(final: tuple, clean: bool, drops: int, reentries: int, reads: int, rounds: int) -> DeviceOMPResult:
     sel_K, v_K, phi, _ = final
-    return DeviceOMPResult(sel_K=sel_K, v_K=v_K, phi=phi, clean=clean, drops=drops, reentries=reentries, reads=reads)
+    return DeviceOMPResult(sel_K=sel_K, v_K=v_K, phi=phi, clean=clean, drops=drops, reentries=reentries, reads=reads,
+                           rounds=rounds)
 
 
 def _finalized(st: _State) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -599,7 +617,8 @@ def _repair(st: _State, steps: _RepairSteps, tols: tuple[float, float]) -> _Repa
     `_drop_until_positive` and `_restore_kkt`), then the active slots packed first so the rounds fill in order.
 
     Its pick has a positive gradient (only such a round freezes). The device work between two reads is one
-    segment of ``steps`` (a CUDA graph from its second use on CUDA); the host reads what decides the next.
+    segment of ``steps`` (a CUDA graph from its second use on CUDA); the host reads what decides the next:
+    a repair with one drop reads twice, one with a re-entry alone twice, one with a drop and a re-entry 3 times.
     Not ``ok``: a pivot the host loop would refit or promote (``bad_1`` set), or a loop past the host loop's caps.
     """
     out = _Repair()
@@ -622,35 +641,29 @@ def _repair(st: _State, steps: _RepairSteps, tols: tuple[float, float]) -> _Repa
 
 def _settle(st: _State, steps: _RepairSteps, tols: tuple[float, float], out: _Repair) -> bool | None:
     """After an element entered: the pivot's tests, the drops until every weight is positive, then the
-    weights, the gradient and the KKT check (`ActiveSetState._drop_until_positive`, `_restore_kkt`).
+    weights, the gradient and the KKT check (`ActiveSetState._drop_until_positive`, `_restore_kkt`), the last
+    three in the segment that leaves every weight positive (the entry's or the last drop's).
 
     Returns whether an element at weight zero wants back in, or None (``out.ok`` False too) where the host
     loop would refit or promote, or past its inner loop's cap.
     """
-    # One read: the pivot's tests and the first drop's flag.
-    schur, diag_j, any_neg = steps.read_5[:3].tolist()
+    # One read: the pivot's tests, the first drop's flag, and (without a drop) the KKT check's.
+    schur, diag_j, any_neg, _, _, wants_in = steps.read_6.tolist()
     out.reads += 1
     pivot_tol, promote_tol = tols
     if not schur > pivot_tol * diag_j or schur < promote_tol * diag_j:
         st.bad_1.fill_(True)
         out.ok = False
         return None
-    dropped = False
     for _ in range(st.used_M.shape[0] + 1):
         if not any_neg:
-            break
+            return bool(wants_in)
         steps.run("drop")
         out.drops += 1
-        dropped = True
-        (any_neg,) = steps.read_5[2:3].tolist()
+        _, _, any_neg, _, _, wants_in = steps.read_6.tolist()
         out.reads += 1
-    else:
-        out.ok = False
-        return None
-    steps.run("finish_after_drops" if dropped else "finish")
-    (wants_in,) = steps.read_5[:1].tolist()
-    out.reads += 1
-    return bool(wants_in)
+    out.ok = False
+    return None
 
 
 class _RepairSteps:
@@ -659,10 +672,12 @@ class _RepairSteps:
     the device), so each segment is the same kernels every time and, on CUDA, runs as a CUDA graph from its
     second use (the first runs eagerly on a side stream, as a warm-up), replayed from the solve's workspace.
 
-    Eager, a repair is about 115 ops with 3-4 reads: on an H100 the host's ~1.5 ms while the GPU waits, four
-    times on bench_selection's seed 0 (docs/results/bench_gpu.md, 2026-11-27). ``read_5``: what the host
-    reads, ``[Schur complement, K_jj, a weight would turn negative, its slot, P_pp]`` after an entry (the last
-    three after a drop), ``[an element at weight zero wants in]`` after the weights are settled.
+    Eager, a repair was about 115 ops with 3-4 reads: on an H100 the host's ~1.5 ms while the GPU waits, four
+    times on bench_selection's seed 0 (docs/results/bench_gpu.md, 2026-11-27). The segments: an entry (the
+    frozen round's pick, or a re-entry) or a drop, each ending with `_finish` where the weights came out
+    positive, so a repair reads once an entry or drop; and the packing. ``read_6``: what the host reads,
+    ``[Schur complement, K_jj, a weight would turn negative, its slot, P_pp, an element at weight zero wants
+    in]`` (the first two from the last entry).
     """
 
     def __init__(self, st: _State, *, graph: bool) -> None:
@@ -678,12 +693,9 @@ class _RepairSteps:
         self.p_1 = torch.zeros(1, dtype=torch.long, device=dev)
         self.p_col_M = torch.zeros(m, dtype=dt, device=dev)
         self.p_pp_1 = torch.ones(1, dtype=dt, device=dev)
-        self.read_5 = torch.zeros(5, dtype=dt, device=dev)
-        self._segments = {
-            "pick_and_enter": self._pick_and_enter, "reenter": self._reenter, "drop": self._drop,
-            "finish": functools.partial(self._finish, False), "finish_after_drops": functools.partial(self._finish, True),
-            "pack": self._pack,
-        }
+        self.read_6 = torch.zeros(6, dtype=dt, device=dev)
+        self._segments = {"pick_and_enter": self._pick_and_enter, "reenter": self._reenter, "drop": self._drop,
+                          "pack": self._pack}
         self._warm: set[str] = set()
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
 
@@ -717,11 +729,13 @@ class _RepairSteps:
         _spend_capacity(st.rem_C, st.domains_C, st.dom_N.index_select(0, j_1) == st.domains_C, None)
         _close_full_domains(st.penalty_N, st.rem_C, st.dom_N)
         self._enter()
+        self._finish(after_drops=False)
 
     def _reenter(self) -> None:
         """The element at weight zero with the largest gradient (`_finish` found it) back in."""
         self.st.inactive_N.index_fill_(0, self.j_1, False)
         self._enter()
+        self._finish(after_drops=False)
 
     def _enter(self) -> None:
         """``j_1`` (gradient ``g_1 > 0``) entered at the first free slot, weights ``z`` unconstrained."""
@@ -741,8 +755,8 @@ class _RepairSteps:
         st.elem_M.index_copy_(0, st.h_1, j_1)
         st.used_M.index_fill_(0, st.h_1, True)
         self.x_M.copy_(st.v_M)
-        self.read_5[0:1].copy_(schur_1)
-        self.read_5[1:2].copy_(st.diag_N.index_select(0, j_1))
+        self.read_6[0:1].copy_(schur_1)
+        self.read_6[1:2].copy_(st.diag_N.index_select(0, j_1))
         self._first_to_zero()
 
     def _first_to_zero(self) -> None:
@@ -751,29 +765,31 @@ class _RepairSteps:
         self.p_1.copy_(drop.p_1)
         self.p_col_M.copy_(drop.p_col_W)
         self.p_pp_1.copy_(drop.p_pp_1)
-        self.read_5[2:5].copy_(drop.flags_3)
+        self.read_6[2:5].copy_(drop.flags_3)
 
     def _drop(self) -> None:
         """The host loop's Lawson-Hanson step (`active_set.drop_slot`) on the drop kept in the buffers: slot ``p``
         leaves (its element stays selected at weight zero)."""
         st = self.st
-        drop = LawsonHansonDrop(self.alpha_1, self.p_1, self.p_col_M, self.p_pp_1, self.read_5[2:5])
+        drop = LawsonHansonDrop(self.alpha_1, self.p_1, self.p_col_M, self.p_pp_1, self.read_6[2:5])
         drop_slot(st.p_MM, self.x_M, self.z_M, drop)
         st.used_M.index_fill_(0, self.p_1, False)
         st.inactive_N.index_fill_(0, st.elem_M.index_select(0, self.p_1), True)
         self._first_to_zero()
+        self._finish(after_drops=True)
 
     def _finish(self, after_drops: bool) -> None:
-        """The weights ``z``, the gradient (afresh after a drop, as the host loop computes it), and the KKT check:
-        the element at weight zero with the largest gradient, and whether that gradient is above the tolerance."""
+        """Where no weight of ``z`` is negative (the flag `_first_to_zero` just wrote; else nothing changes): the
+        weights ``z``, the gradient (afresh after a drop, as the host loop computes it), and the KKT check, whether
+        the element at weight zero with the largest gradient (``j_1``, which `_reenter` enters) is above the
+        tolerance. Part of the segment before the read, so a repair reads once an entry or drop, not twice."""
         st = self.st
-        st.v_M.copy_(self.z_M)
-        if after_drops:
-            torch.addmv(st.mu_N, st.rows_MN.T, st.v_M, alpha=-1.0, out=st.grad_N)
-        else:
-            st.grad_N.copy_(self.grad_z_N)
+        settled_1 = self.read_6[2:3] == 0
+        torch.where(settled_1, self.z_M, st.v_M, out=st.v_M)
+        grad_z_N = torch.addmv(st.mu_N, st.rows_MN.T, self.z_M, alpha=-1.0) if after_drops else self.grad_z_N
+        torch.where(settled_1, grad_z_N, st.grad_N, out=st.grad_N)
         torch.max(torch.where(st.inactive_N, st.grad_N, float("-inf")), 0, keepdim=True, out=(self.g_1, self.j_1))
-        self.read_5[0:1].copy_(self.g_1 > st.tol_1)
+        self.read_6[5:6].copy_((self.g_1 > st.tol_1) & settled_1)
 
     def _pack(self) -> None:
         """The active slots first, in slot order, then the free ones in slot order (what a stable sort of the

@@ -862,7 +862,7 @@ def _solve_on_device(
     if not res.clean:  # read with the last batch of rounds
         return None
     info = {"slow_refits": 0, "weight_drops": res.drops, "weight_reentries": res.reentries, "singular_pivots": 0,
-            "device_loop_fallback": 0}
+            "device_loop_fallback": 0, "device_loop_reads": res.reads, "device_loop_rounds": res.rounds}
     return res.sel_K, res.v_K, res.phi, info, ridge_abs
 
 

@@ -192,7 +192,7 @@ def test_the_cuda_graph_rounds_control_flow_on_the_cpu(monkeypatch, per_graph):
     # none replays a round.
     segments = [g for g in recorded if g not in round_graphs]
     assert segments and all(g.replays and g.rounds == 0 for g in segments), [(g.fn, g.replays, g.rounds) for g in segments]
-    assert len(segments) == len({repr(g.fn) for g in segments}) <= 6
+    assert len(segments) == len({repr(g.fn) for g in segments}) <= 4  # an entry, a re-entry, a drop, the packing
     # Every round the eager path ran: 20 picks, plus the rounds that froze and were run again by the repairs.
     monkeypatch.setattr(asd, "_Rounds", GraphOnCpu.__mro__[1])
     calls_graph = dict(calls)
@@ -418,6 +418,52 @@ def test_a_repair_reads_the_device_only_where_it_decides(monkeypatch):
         assert syncs == res.reads and not audit.other, (graphed, syncs, res.reads, audit.events, audit.other)
         results.append(res)
     assert torch.equal(results[0].sel_K, results[1].sel_K) and torch.equal(results[0].v_K, results[1].v_K)
+
+
+def test_a_repair_reads_once_an_entry_or_a_drop(monkeypatch):
+    """The weights, the gradient and the KKT check ride on the segment that leaves every weight positive (an
+    entry's or the last drop's), so a repair reads once for the frozen round's pick, once a re-entry and once a
+    drop: 2 reads for one drop, where it read 3 (and 4 for a re-entry alone, where it now reads 2)."""
+    from composer_algos.selection import active_set_device as asd
+
+    repairs = []
+    real = asd._repair
+    monkeypatch.setattr(asd, "_repair", lambda *args: repairs.append(real(*args)) or repairs[-1])
+    for seed in range(3):
+        res = _device_solve(*make_instance(seed, 40, dim=8), 20, rounds_per_read=4)
+        assert res.clean
+    assert sum(r.drops for r in repairs) >= 2 and sum(r.reentries for r in repairs) >= 2, repairs
+    assert any(r.drops == 0 < r.reentries for r in repairs), repairs  # a round frozen for a KKT re-entry alone
+    for r in repairs:
+        assert r.ok and r.reads == 1 + r.drops + r.reentries, r
+
+
+def test_after_a_repair_the_batches_start_short_and_double_back(monkeypatch):
+    """Repairs come in clusters (a drop, then a KKT re-entry a round or two later), so after one the batches of
+    rounds between reads start at `ROUNDS_AFTER_REPAIR` rounds and double back to ``rounds_per_read``: fewer
+    rounds run frozen than when every batch is whole, and the solve is the same bit for bit. ``rounds`` counts
+    the rounds launched, frozen ones included."""
+    from composer_algos.selection import active_set_device as asd
+
+    features, val, dom, _ = _drop_instance()
+    batches = []
+    real_run, real_repair = asd._Rounds.run, asd._repair
+    monkeypatch.setattr(asd._Rounds, "run", lambda self, count, *, kkt: batches.append(count) or real_run(self, count, kkt=kkt))
+    monkeypatch.setattr(asd, "_repair", lambda *args: batches.append("repair") or real_repair(*args))
+    short = _device_solve(features, val, dom, 20, rounds_per_read=16)
+    log = list(batches)
+    assert "repair" in log and short.rounds == sum(b for b in log if b != "repair"), (log, short.rounds)
+    for i, b in enumerate(log[:-1]):
+        if b == "repair":
+            after = [x for x in log[i + 1:] if x != "repair"]
+            assert after[0] <= asd.ROUNDS_AFTER_REPAIR == 4, log
+            assert all(x <= min(4 << j, 16) for j, x in enumerate(after)), log
+    batches.clear()
+    monkeypatch.setattr(asd, "ROUNDS_AFTER_REPAIR", 16)  # every batch whole, as before
+    whole = _device_solve(features, val, dom, 20, rounds_per_read=16)
+    assert whole.rounds > short.rounds >= 20, (whole.rounds, short.rounds)
+    assert torch.equal(whole.sel_K, short.sel_K) and torch.equal(whole.v_K, short.v_K) and torch.equal(whole.phi, short.phi)
+    assert (whole.drops, whole.reentries) == (short.drops, short.reentries)
 
 
 def test_repairs_run_eagerly_when_their_graphs_are_off(monkeypatch):

@@ -67,6 +67,10 @@ def test_bench_selection_seed_picks_another_instance():
     out1, f1 = exact_objective("--seed", "1")
     assert "seed=0" in out0 and "seed=1" in out1
     assert f0 != f1
+    # The device loop's reads and rounds launched (frozen ones included): at least one round a pick, a read a batch.
+    line = next(x for x in out0.splitlines() if x.strip().startswith("device loop / host loop"))
+    reads, rounds = (int(x) for x in re.search(r"(\d+) reads, (\d+) rounds launched for 64 picks", line).groups())
+    assert reads >= 1 and rounds >= 64, line
 
 
 @pytest.mark.timeout(400)  # --compiled compiles two shapes of the round: about 100 s here with an empty cache

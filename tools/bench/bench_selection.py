@@ -337,6 +337,7 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
         f" handed over to the host loop: {bool(fallback)}; repaired on the device:"
         f" {0 if fallback else int(res_dv.info['weight_drops'])} drops, {0 if fallback else int(res_dv.info['weight_reentries'])}"
         f" re-entries (the host loop: {int(res_ex.info['weight_drops'])}, {int(res_ex.info['weight_reentries'])})"
+        f"{_reads_and_rounds(res_dv, k)}"
     )
     _print_fused_rounds(args, case, timed, (features, val_feature, domain_ids))
     if args.triton_sweep:
@@ -370,7 +371,7 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
         print(
             f"  {label} / host loop {wall / w_ex:6.2f}x wall, {cpu / c_ex:6.2f}x cpu; the same picks:"
             f" {res.indices.tolist() == res_ex.indices.tolist()}; handed over:"
-            f" {bool(res.info.get('device_loop_fallback', 0))}{note}"
+            f" {bool(res.info.get('device_loop_fallback', 0))}{note}{_reads_and_rounds(res, case['kappa'])}"
         )
 
     if args.compiled:
@@ -393,6 +394,13 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
             f" {res_tr.indices.tolist() == res_te.indices.tolist()}; repairs: {int(res_tr.info['weight_drops'])} drops,"
             f" {int(res_tr.info['weight_reentries'])} re-entries"
         )
+
+
+def _reads_and_rounds(res, k: int) -> str:
+    """A device-loop solve's host reads and rounds launched (frozen ones included: device time a GPU wastes)."""
+    if "device_loop_reads" not in res.info:
+        return ""  # handed over to the host loop
+    return f"; {res.info['device_loop_reads']} reads, {res.info['device_loop_rounds']} rounds launched for {k} picks"
 
 
 def _with_eager_repairs(fn):
