@@ -33,7 +33,9 @@
 #             drops weights: the device loops repair those rounds on the device (a read every 64 rounds
 #             and a few a repair) where they handed the solve to the host loop before; seed 1 drops none
 #   2''       bench_selection.py --triton-sweep: the Triton rounds under each block-size setting of
-#             omp_triton.SWEEP against the default (chosen on paper), each compiled on first use
+#             omp_triton.SWEEP against the default (chosen on paper), each compiled on first use, among them
+#             the two-kernel rounds ({"fused": 1}: off by default until a GPU says it is faster); 2''' the
+#             same on seed 1 (no drops): a default changes only where both seeds say so
 #   3 tests   pytest -m gpu tests/gpu but the bench's own test: features, solver (the CUDA-graph rounds
 #             bit for bit), trainer, and a selection step's host syncs counted by torch
 #             (set_sync_debug_mode) for every strategy against the CPU emulation's budget
@@ -125,6 +127,9 @@ run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 160 3_tests.log \
 run_step "2'' Triton rounds' block sizes (n=2048, kappa=512)" 150 2_solver.log \
   "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --triton \
   --triton-sweep
+run_step "2''' Triton rounds' block sizes, seed 1 (no drops)" 150 2_solver.log \
+  "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --triton \
+  --triton-sweep --seed 1
 run_step "4 optimizer (146 tensors)" 45 4_optimizer.log "$PY" tools/bench/bench_optimizer.py --device cuda
 TORCH_LOGS=perf_hints,recompiles run_step "5 profile (stage tables, host waits, traces)" 200 5_profile.log \
   "$PY" tools/bench/profile_gpu_step.py --steps 2 --trace-dir "$OUT/traces"
