@@ -44,6 +44,7 @@ from composer_algos.data_selection.validation_source import (
     ValidationSource,
     model_inputs,
 )
+from composer_algos.features.targets import sharded_fsdp_units_kept
 from composer_algos.features.val_average import ValidationAverage
 from composer_algos.models.scoring_prefix import PREFIX_KEY
 from composer_algos.seeding import mix_seed
@@ -171,9 +172,10 @@ class DataSelection(Algorithm):
             was not fetched early (the epoch's or the run's last batch), and a resumed run's first
             step on several ranks select as usual; a selection made ahead and not used is undone
             (the state it changed is put back). The pending selection is in the checkpoint, so a
-            single-rank run resumes bitwise. Refused at the start of fit on several ranks under
-            FSDP (not verified; on one rank it selects what it selects without FSDP), with
-            automatic microbatching, or with an unsized loader. A `DataSpec` whose
+            single-rank run resumes bitwise. Under FSDP (fsdp_config) the selection leaves the sharded
+            units as the backward left them (`sharded_fsdp_units_kept`). Refused at the start of fit on
+            several ranks under FSDP2 (not verified), with automatic microbatching, or with an
+            unsized loader. A `DataSpec` whose
             `batch_transforms` build a new batch turns it off (with a warning).
             docs/results/bench_gpu.md measures what it saves.
 
@@ -546,12 +548,12 @@ class DataSelection(Algorithm):
     def _wrap_loader(self, state: State) -> None:
         """FIT_START: the active (train) dataloader, wrapped so the next pool can be fetched early."""
         world = dist.get_world_size()
-        if getattr(state, "fsdp_enabled", False) and world > 1:
+        if world > 1 and _uses_fsdp2(state.model):
             raise ValueError(
-                f"algorithms.data_selection.select_ahead: true is not supported under FSDP (fsdp_config) on several "
-                f"ranks (world size {world}): the next pool's scoring pass would run between the backward and the "
-                "optimizer step of sharded modules, which is not verified (on one rank, where FSDP shards nothing, it "
-                "is); set select_ahead: false, or train without FSDP"
+                f"algorithms.data_selection.select_ahead: true is not supported under FSDP2 (parallelism_config.fsdp2) "
+                f"on several ranks (world size {world}): the next pool's scoring pass would run between the backward "
+                "and the optimizer step of its sharded modules, which is verified for FSDP1 (fsdp_config) only; set "
+                "select_ahead: false, or use fsdp_config"
             )
         if world > 1 and state.dataloader_len is None:
             raise ValueError(
@@ -589,7 +591,10 @@ class DataSelection(Algorithm):
         self._check_batch(batch)
         before = self._ahead_state()
         try:
-            new_batch, record = self._selection(state, batch, number, ahead=True)
+            # Between this step's backward and its optimizer step: FSDP's sharded units are left as the backward
+            # left them (their gradients, no gathered copy kept), which a scoring pass alone would not do.
+            with sharded_fsdp_units_kept(state.model):
+                new_batch, record = self._selection(state, batch, number, ahead=True)
         except torch.OutOfMemoryError as e:
             self._restore_ahead_state(before)
             if dist.get_world_size() > 1:  # not an OOM of the training step: auto microbatching must not retry it
@@ -1266,3 +1271,10 @@ def _deferring(checks: Any):
     from composer_algos.selection import deferring_checks
 
     return deferring_checks(checks) if checks is not None else contextlib.nullcontext()
+
+
+def _uses_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 (`fully_shard`, Composer's `parallelism_config.fsdp2`) manages a module of `model`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())

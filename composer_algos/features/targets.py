@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,7 @@ __all__ = [
     "fsdp_whole_units",
     "fsdp_state_params",
     "settle_fsdp_units",
+    "sharded_fsdp_units_kept",
     "find_blocks",
     "resolve_targets",
     "choose_cut_module",
@@ -263,6 +266,41 @@ def settle_fsdp_units(units: list[nn.Module]) -> None:
             )
         if not at_rest:
             _reshard(unit, handle, False)
+
+
+@contextlib.contextmanager
+def sharded_fsdp_units_kept(model: nn.Module) -> Iterator[None]:
+    """A scoring pass between a training backward and its optimizer step (`select_ahead`) that leaves the FSDP1
+    units that shard (several ranks) as the backward left them: resharded, with their gradients.
+
+    The scoring backward runs to layer outputs only. FSDP's pre-backward hook moves each unit's sharded
+    gradient aside (`prepare_gradient_for_backward`), and, with no parameter gradient computed, its end of
+    backward drops it instead of putting it back (`prepare_gradient_for_optim`): the units above the cut and the
+    root lose their training gradients (the original parameters keep views of them, the flat parameters do
+    not). And a unit whose gathered parameters outlive a forward without a backward (the blocks below the cut
+    under `SHARD_GRAD_OP`) keeps that gathered copy: the next forward and `summon_full_params` use it instead of
+    gathering again, so the optimizer step's update of the shards never reaches them. Measured on two CPU
+    ranks, torch 2.7 (tests/features/test_fsdp.py): under `SHARD_GRAD_OP` the step after such a scoring pass
+    left the blocks below the cut at their old weights (by the learning rate). So the gradients are put back
+    and every gathered copy is freed, as the training backward's end leaves them. Outside FSDP, and for units
+    that hold whole parameters (`settle_fsdp_units`), this does nothing.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._runtime_utils import _reshard
+
+    units = [u for u in FullyShardedDataParallel.fsdp_modules(model) if u._handle is not None and _shards(u._handle)]
+    grads = [u._handle.flat_param.grad for u in units]
+    try:
+        yield
+    finally:
+        for unit, grad in zip(units, grads):
+            handle = unit._handle
+            flat = handle.flat_param
+            if not handle.needs_unshard():  # a gathered copy is allocated (or in use): free it
+                _reshard(unit, handle, True)
+            flat.grad = grad
+            if handle._use_orig_params:
+                handle._use_sharded_grad_views()
 
 
 def _shards(handle) -> bool:

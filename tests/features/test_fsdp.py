@@ -39,7 +39,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from composer_algos.features import GradFeatureExtractor
-    from composer_algos.features.targets import fsdp_param_shards
+    from composer_algos.features.targets import fsdp_param_shards, sharded_fsdp_units_kept
     from tests.common.models import tiny_llama
     from tests.features.helpers import make_batch
 
@@ -81,6 +81,29 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             param_err = max(
                 float((p - q).abs().max()) for p, q in zip(sharded.parameters(), reference.parameters())
             )
+        # select_ahead's order: the scoring pass between a training backward and its optimizer step, in
+        # `sharded_fsdp_units_kept`. The training gradients (each rank's shard, the flat parameters' and their
+        # views in the original parameters) stay as the backward left them, and the step matches the reference's.
+        more = [make_batch(n=4, seed=50 + r) for r in range(WORLD)]
+        fsdp(input_ids=more[rank]["input_ids"], labels=more[rank]["labels"]).loss.backward()
+        units = FSDP.fsdp_modules(fsdp)
+        before = [None if p.grad is None else p.grad.clone() for p in fsdp.parameters()]
+        flat_before = [None if u._handle.flat_param.grad is None else u._handle.flat_param.grad.clone() for u in units]
+        with sharded_fsdp_units_kept(fsdp):
+            ext.compute(pool, val, optimizer=opt)
+        grads_kept = all(
+            (a is None) == (b is None) and (a is None or torch.equal(a, b))
+            for a, b in [*zip(before, [p.grad for p in fsdp.parameters()]),
+                         *zip(flat_before, [u._handle.flat_param.grad for u in units])]
+        )
+        some_grads = sum(a is not None for a in before)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _train_step(reference, ref_opt, more)
+        with FSDP.summon_full_params(fsdp):
+            ahead_err = max(
+                float((p - q).abs().max()) for p, q in zip(sharded.parameters(), reference.parameters())
+            )
         results[strategy] = dict(
             names=ext.target_names,
             ref_names=ref_ext.target_names,
@@ -94,6 +117,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             empty_shards=sum(1 for s in shards.values() if s.end == s.start) if shards is not None else None,
             no_grads=no_grads,
             param_err=param_err,
+            grads_kept=grads_kept,
+            some_grads=some_grads,
+            ahead_err=ahead_err,
         )
     # Units that shard with use_orig_params=False hand the optimizer flat shards: refused, naming the yaml key.
     flat = FSDP(
@@ -144,6 +170,9 @@ def test_fsdp_features_match_unsharded(fsdp_results: list[dict], strategy: str) 
         )
         assert r["no_grads"], "scoring wrote a parameter gradient"
         assert r["param_err"] < 1e-5, f"rank {rank}: the step after scoring diverged by {r['param_err']}"
+        # Scored between a backward and its optimizer step (select_ahead), the step is still the reference's.
+        assert r["some_grads"] > 0 and r["grads_kept"], f"rank {rank}: scoring changed the training gradients"
+        assert r["ahead_err"] < 1e-5, f"rank {rank}: the step scored before its optimizer step diverged by {r['ahead_err']}"
     if strategy == "FULL_SHARD":
         # Some target parameter lies wholly on the other rank: the all-reduce must fill it in.
         assert sum(res[strategy]["empty_shards"] for res in fsdp_results) > 0

@@ -64,18 +64,29 @@ def test_pending_selection_matches_its_pool_only():
     assert restored.restored and restored.matches(4, pool, "domain_id")
 
 
-def test_select_ahead_is_refused_under_fsdp_on_several_ranks(monkeypatch):
-    """On one rank FSDP shards nothing and select_ahead selects as without it (tests/training/test_fsdp_one_rank.py)."""
+def test_select_ahead_is_refused_under_fsdp2_on_several_ranks(monkeypatch):
+    """FSDP1 (fsdp_config) on several ranks is verified (tests/features/test_fsdp.py: the scoring pass between a
+    backward and its optimizer step, in `sharded_fsdp_units_kept`); FSDP2's `fully_shard` is not, so it is refused."""
     from types import SimpleNamespace
 
     from composer.utils import dist
+    from torch.distributed.fsdp import FSDPModule
 
     from composer_algos.data_selection import DataSelection
 
     algo = DataSelection(strategy="random", select_ahead=True)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    with pytest.raises(ValueError, match=r"not supported under FSDP \(fsdp_config\) on several ranks \(world size 2\)"):
-        algo._wrap_loader(SimpleNamespace(fsdp_enabled=True, dataloader=[]))
+    block = torch.nn.Linear(2, 2)
+    block.__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})  # what fully_shard does to a module
+    fields = {"dataloader": [], "dataloader_len": 3, "auto_microbatching": False}
+    with pytest.raises(ValueError, match=r"not supported under FSDP2 \(parallelism_config.fsdp2\) on several ranks \(world size 2\)"):
+        algo._wrap_loader(SimpleNamespace(model=torch.nn.Sequential(block), **fields))
+    # Under FSDP1, or without FSDP, it goes on (to wrap the loader).
+    state = SimpleNamespace(model=torch.nn.Sequential(torch.nn.Linear(2, 2)), **fields)
+    state.dataloader_label, state.timestamp = "train", None
+    state.set_dataloader = lambda loader, label, length: setattr(state, "dataloader", loader)
+    algo._wrap_loader(state)
+    assert isinstance(state.dataloader, PeekableLoader)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +106,7 @@ def test_select_ahead_on_several_ranks_refuses_what_it_cannot_coordinate(monkeyp
 
     algo = DataSelection(strategy="random", select_ahead=True)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    fields = {"fsdp_enabled": False, "dataloader": [], "dataloader_len": 3, "auto_microbatching": False, **state}
+    fields = {"model": torch.nn.Linear(2, 2), "dataloader": [], "dataloader_len": 3, "auto_microbatching": False, **state}
     with pytest.raises(ValueError, match=message):
         algo._wrap_loader(SimpleNamespace(**fields))
 
