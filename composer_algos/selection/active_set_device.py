@@ -61,10 +61,10 @@ GRAPH_MIN_ROUNDS = 16
 # work, and a solve without one reads ceil(k / ROUNDS_PER_READ) times (once at the recipes' 8 picks a rank).
 ROUNDS_PER_READ = 64
 # Rounds in the first batch after a repair; the batches then double back to ROUNDS_PER_READ. Repairs come in
-# clusters: on bench_selection's pools (n = 2048, kappa = 512, seeds 0-11) 8 of the 10 repairs after the first of
-# a solve came at most 2 rounds after the one before, so a full batch after a repair mostly ran frozen (seed 7:
-# 910 rounds launched for 512 picks). A frozen round costs a GPU a few microseconds (its kernels return at once),
-# a read some tens: so 4, then 8, 16, ...
+# clusters (a drop, then a round or a few later the dropped element wants back in): bench_selection's seed 0
+# (n = 2048, kappa = 512) repairs rounds 486, 487, 492 and 497, and with a whole batch after each it launched 594
+# rounds for 512 picks, 554 with this. A frozen round costs a GPU a few microseconds (its kernels return at
+# once), a read some tens: so 4, then 8, 16, ...
 ROUNDS_AFTER_REPAIR = 4
 # With graphs, a repair's segments replay as CUDA graphs from their second use (`_RepairSteps`); False runs them
 # eagerly, as before 2026-11-27 (`tools/bench/bench_selection.py --triton` times both side by side).
