@@ -298,7 +298,12 @@ def sharded_fsdp_units_kept(model: nn.Module) -> Iterator[None]:
             flat = handle.flat_param
             if not handle.needs_unshard():  # a gathered copy is allocated (or in use): free it
                 _reshard(unit, handle, True)
-            flat.grad = grad
+            if flat.grad is not grad:
+                if grad is not None and grad.dtype != flat.dtype:  # keep_low_precision_grads: FSDP's own way to hold it
+                    flat.grad = torch.empty_like(flat)
+                    flat.grad.data = grad
+                else:
+                    flat.grad = grad
             if handle._use_orig_params:
                 handle._use_sharded_grad_views()
 

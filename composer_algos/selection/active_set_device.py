@@ -256,7 +256,7 @@ class _Workspace:
 
     CUDA graphs replay on the memory they were recorded on, so a solve on fresh tensors records its graphs
     afresh: a capture and an instantiation per graph, the host's time while the GPU waits (a solve at
-    kappa = 512 records up to four of rounds and six of a repair's segments). A training run solves the same
+    kappa = 512 records up to four of rounds and four of a repair's segments). A training run solves the same
     shapes every step, so its workspace, K copied
     in, replays the graphs the first solve recorded. Kept per thread, the last `_WORKSPACES_PER_THREAD`
     shapes; on CUDA a solve waits (on the device, not the host) for the previous solve's work on its

@@ -34,7 +34,7 @@ def _train_step(model, opt, batches: list[dict]) -> None:
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as tdist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -121,6 +121,26 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             some_grads=some_grads,
             ahead_err=ahead_err,
         )
+    # keep_low_precision_grads: bf16 gradients held on the fp32 flat parameters (FSDP's `.data` swap), put back so.
+    low = FSDP(
+        tiny_llama(seed=0),
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=True),
+    )
+    batch = make_batch(n=4, seed=60 + rank)
+    low(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+    before = [None if p.grad is None else p.grad.clone() for p in low.parameters()]
+    try:
+        with sharded_fsdp_units_kept(low):
+            GradFeatureExtractor(low, **{**opts, "normalization": "none"}).compute(pool, val)
+        results["low_precision_grads"] = [
+            None if p.grad is None else (str(p.grad.dtype), torch.equal(p.grad, a)) for a, p in zip(before, low.parameters())
+        ]
+    except RuntimeError as err:
+        results["low_precision_grads"] = repr(err)
     # Units that shard with use_orig_params=False hand the optimizer flat shards: refused, naming the yaml key.
     flat = FSDP(
         tiny_llama(seed=0),
@@ -179,6 +199,16 @@ def test_fsdp_features_match_unsharded(fsdp_results: list[dict], strategy: str) 
     if strategy == "NO_SHARD":
         # Whole parameters on every rank: nothing is sharded, the state is read as without FSDP.
         assert all(res[strategy]["empty_shards"] is None for res in fsdp_results)
+
+
+def test_scoring_before_the_step_keeps_low_precision_gradients(fsdp_results: list[dict]) -> None:
+    """`keep_low_precision_grads`: FSDP holds bf16 gradients on the fp32 flat parameters; `sharded_fsdp_units_kept`
+    puts them back the same way (assigning them as they are raised a dtype error, found in review)."""
+    for rank, res in enumerate(fsdp_results):
+        got = res["low_precision_grads"]
+        assert isinstance(got, list), f"rank {rank}: {got}"
+        kept = [g for g in got if g is not None]
+        assert kept and all(g == ("torch.bfloat16", True) for g in kept), f"rank {rank}: {got}"
 
 
 def test_fsdp_sharded_flat_parameters_are_refused_naming_the_yaml_key(fsdp_results: list[dict]) -> None:
