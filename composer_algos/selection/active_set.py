@@ -37,19 +37,28 @@ class LawsonHansonDrop(NamedTuple):
     flags_3: torch.Tensor  # [any z < 0, p, P_pp] in x's dtype: what the host reads to decide
 
 
-def first_to_zero(p_WW: torch.Tensor, x_W: torch.Tensor, z_W: torch.Tensor) -> LawsonHansonDrop:
+def first_to_zero(
+    p_WW: torch.Tensor, x_W: torch.Tensor, z_W: torch.Tensor, out: LawsonHansonDrop | None = None
+) -> LawsonHansonDrop:
     """From the feasible ``x`` towards the unconstrained optimum ``z``: the first slot whose weight reaches zero.
 
     Free slots hold ``x = z = 0`` exactly, so only active slots can have ``z < 0``; without one the
-    step is not taken (``flags_3[0]`` is 0).
+    step is not taken (``flags_3[0]`` is 0). ``out``: buffers to write the drop into (the device loop's, kept
+    across CUDA-graph replays), not new tensors.
     """
     neg_W = z_W < 0
     ratio_W = torch.where(neg_W, x_W / (x_W - z_W).clamp_min(torch.finfo(x_W.dtype).tiny), float("inf"))
-    alpha_1, p_1 = torch.min(ratio_W, 0, keepdim=True)
-    p_col_W = p_WW.index_select(1, p_1).view(-1)
-    p_pp_1 = p_col_W.index_select(0, p_1)
-    flags_3 = torch.cat([neg_W.any().view(1).to(x_W.dtype), p_1.to(x_W.dtype), p_pp_1])
-    return LawsonHansonDrop(alpha_1, p_1, p_col_W, p_pp_1, flags_3)
+    if out is None:
+        alpha_1, p_1 = torch.min(ratio_W, 0, keepdim=True)
+        p_col_W = p_WW.index_select(1, p_1).view(-1)
+        p_pp_1 = p_col_W.index_select(0, p_1)
+        flags_3 = torch.cat([neg_W.any().view(1).to(x_W.dtype), p_1.to(x_W.dtype), p_pp_1])
+        return LawsonHansonDrop(alpha_1, p_1, p_col_W, p_pp_1, flags_3)
+    torch.min(ratio_W, 0, keepdim=True, out=(out.alpha_1, out.p_1))
+    torch.index_select(p_WW, 1, out.p_1, out=out.p_col_W.view(-1, 1))
+    torch.index_select(out.p_col_W, 0, out.p_1, out=out.p_pp_1)
+    torch.cat([neg_W.any().view(1).to(x_W.dtype), out.p_1.to(x_W.dtype), out.p_pp_1], out=out.flags_3)
+    return out
 
 
 def drop_slot(p_WW: torch.Tensor, x_W: torch.Tensor, z_W: torch.Tensor, drop: LawsonHansonDrop) -> None:

@@ -694,6 +694,7 @@ class _RepairSteps:
         self.p_col_M = torch.zeros(m, dtype=dt, device=dev)
         self.p_pp_1 = torch.ones(1, dtype=dt, device=dev)
         self.read_6 = torch.zeros(6, dtype=dt, device=dev)
+        self._drop_bufs = LawsonHansonDrop(self.alpha_1, self.p_1, self.p_col_M, self.p_pp_1, self.read_6[2:5])
         self._segments = {"pick_and_enter": self._pick_and_enter, "reenter": self._reenter, "drop": self._drop,
                           "pack": self._pack}
         self._warm: set[str] = set()
@@ -719,7 +720,7 @@ class _RepairSteps:
         """The frozen round's pick (the round's bookkeeping: the selection, the penalty, the capacities), entered."""
         st = self.st
         # A fused Triton round's weights not yet copied (a frozen round leaves none; this keeps v_M whole regardless).
-        st.v_M.copy_(torch.where(st.pending_1, st.vnext_M, st.v_M))
+        torch.where(st.pending_1, st.vnext_M, st.v_M, out=st.v_M)
         st.pending_1.zero_()
         j_1 = self.j_1
         torch.max(st.grad_N + st.penalty_N, 0, keepdim=True, out=(self.g_1, j_1))
@@ -746,7 +747,7 @@ class _RepairSteps:
         qext_M = torch.mm(st.rows_MN.index_select(1, j_1).view(1, m), st.p_MM).view(m)
         qext_M.index_fill_(0, st.h_1, -1.0)
         t_N = torch.mv(st.rows_MN.T, qext_M)
-        schur_1 = st.ridge_1 - t_N.index_select(0, j_1)
+        schur_1 = torch.sub(st.ridge_1, t_N.index_select(0, j_1), out=self.read_6[0:1])  # read by the host
         z_j = self.g_1 / schur_1
         torch.addcmul(st.v_M, qext_M, z_j, value=-1.0, out=self.z_M)
         torch.addcmul(st.grad_N, t_N, z_j, out=self.grad_z_N)
@@ -755,24 +756,17 @@ class _RepairSteps:
         st.elem_M.index_copy_(0, st.h_1, j_1)
         st.used_M.index_fill_(0, st.h_1, True)
         self.x_M.copy_(st.v_M)
-        self.read_6[0:1].copy_(schur_1)
-        self.read_6[1:2].copy_(st.diag_N.index_select(0, j_1))
+        torch.index_select(st.diag_N, 0, j_1, out=self.read_6[1:2])
         self._first_to_zero()
 
     def _first_to_zero(self) -> None:
-        drop = first_to_zero(self.st.p_MM, self.x_M, self.z_M)
-        self.alpha_1.copy_(drop.alpha_1)
-        self.p_1.copy_(drop.p_1)
-        self.p_col_M.copy_(drop.p_col_W)
-        self.p_pp_1.copy_(drop.p_pp_1)
-        self.read_6[2:5].copy_(drop.flags_3)
+        first_to_zero(self.st.p_MM, self.x_M, self.z_M, out=self._drop_bufs)
 
     def _drop(self) -> None:
         """The host loop's Lawson-Hanson step (`active_set.drop_slot`) on the drop kept in the buffers: slot ``p``
         leaves (its element stays selected at weight zero)."""
         st = self.st
-        drop = LawsonHansonDrop(self.alpha_1, self.p_1, self.p_col_M, self.p_pp_1, self.read_6[2:5])
-        drop_slot(st.p_MM, self.x_M, self.z_M, drop)
+        drop_slot(st.p_MM, self.x_M, self.z_M, self._drop_bufs)
         st.used_M.index_fill_(0, self.p_1, False)
         st.inactive_N.index_fill_(0, st.elem_M.index_select(0, self.p_1), True)
         self._first_to_zero()
