@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
         # How Composer wrapped the model: FSDP units and activation-checkpoint wrappers, by class name.
         kinds = [type(m).__name__ for m in trainer.state.model.modules()]
         results[name]["wrappers"] = {k: kinds.count(k) for k in ("FullyShardedDataParallel", "CheckpointWrapper")}
-        _write(out_path, results)  # before close: a two-rank FSDP process on the CPU may crash at its teardown
+        _write(out_path, results)  # before close: a two-rank FSDP run on the CPU crashed saving its last checkpoint
         trainer.close()
 
 
