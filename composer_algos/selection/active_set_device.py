@@ -256,7 +256,7 @@ class _Workspace:
 
     CUDA graphs replay on the memory they were recorded on, so a solve on fresh tensors records its graphs
     afresh: a capture and an instantiation per graph, the host's time while the GPU waits (a solve at
-    kappa = 512 records up to four of rounds and four of a repair's segments). A training run solves the same
+    kappa = 512 records up to four of rounds and five of a repair's segments). A training run solves the same
     shapes every step, so its workspace, K copied
     in, replays the graphs the first solve recorded. Kept per thread, the last `_WORKSPACES_PER_THREAD`
     shapes; on CUDA a solve waits (on the device, not the host) for the previous solve's work on its
@@ -635,7 +635,8 @@ def _repair(st: _State, steps: _RepairSteps, tols: tuple[float, float]) -> _Repa
     else:
         out.ok = False
         return out
-    steps.run("pack")
+    # Without a drop no slot was freed: the slots in use are still [0, h), so the packing would move nothing.
+    steps.run("pack" if out.drops else "resume")
     return out
 
 
@@ -675,7 +676,7 @@ class _RepairSteps:
     Eager, a repair was about 115 ops with 3-4 reads: on an H100 the host's ~1.5 ms while the GPU waits, four
     times on bench_selection's seed 0 (docs/results/bench_gpu.md, 2026-11-27). The segments: an entry (the
     frozen round's pick, or a re-entry) or a drop, each ending with `_finish` where the weights came out
-    positive, so a repair reads once an entry or drop; and the packing. ``read_6``: what the host reads,
+    positive, so a repair reads once an entry or drop; and the packing after a drop (``resume`` without one). ``read_6``: what the host reads,
     ``[Schur complement, K_jj, a weight would turn negative, its slot, P_pp, an element at weight zero wants
     in]`` (the first two from the last entry).
     """
@@ -696,7 +697,7 @@ class _RepairSteps:
         self.read_6 = torch.zeros(6, dtype=dt, device=dev)
         self._drop_bufs = LawsonHansonDrop(self.alpha_1, self.p_1, self.p_col_M, self.p_pp_1, self.read_6[2:5])
         self._segments = {"pick_and_enter": self._pick_and_enter, "reenter": self._reenter, "drop": self._drop,
-                          "pack": self._pack}
+                          "pack": self._pack, "resume": self._resume}
         self._warm: set[str] = set()
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
 
@@ -798,4 +799,10 @@ class _RepairSteps:
         for buf in (st.rows_MN, st.v_M, st.elem_M, st.used_M):
             buf.copy_(buf.index_select(0, perm_M))
         st.p_MM.copy_(st.p_MM.index_select(0, perm_M).index_select(1, perm_M))
+        st.live_1.fill_(True)
+
+    def _resume(self) -> None:
+        """After a repair without a drop (its slots in use still the first ones): the rounds go on from the next slot."""
+        st = self.st
+        torch.sum(st.used_M.long(), 0, keepdim=True, out=st.h_1)
         st.live_1.fill_(True)

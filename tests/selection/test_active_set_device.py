@@ -192,7 +192,7 @@ def test_the_cuda_graph_rounds_control_flow_on_the_cpu(monkeypatch, per_graph):
     # none replays a round.
     segments = [g for g in recorded if g not in round_graphs]
     assert segments and all(g.replays and g.rounds == 0 for g in segments), [(g.fn, g.replays, g.rounds) for g in segments]
-    assert len(segments) == len({repr(g.fn) for g in segments}) <= 4  # an entry, a re-entry, a drop, the packing
+    assert len(segments) == len({repr(g.fn) for g in segments}) <= 5  # an entry, a re-entry, a drop, pack or resume
     # Every round the eager path ran: 20 picks, plus the rounds that froze and were run again by the repairs.
     monkeypatch.setattr(asd, "_Rounds", GraphOnCpu.__mro__[1])
     calls_graph = dict(calls)
@@ -426,16 +426,25 @@ def test_a_repair_reads_once_an_entry_or_a_drop(monkeypatch):
     drop: 2 reads for one drop, where it read 3 (and 4 for a re-entry alone, where it now reads 2)."""
     from composer_algos.selection import active_set_device as asd
 
-    repairs = []
-    real = asd._repair
-    monkeypatch.setattr(asd, "_repair", lambda *args: repairs.append(real(*args)) or repairs[-1])
+    repairs, segments = [], []
+    real, real_run = asd._repair, asd._RepairSteps.run
+    monkeypatch.setattr(asd._RepairSteps, "run", lambda self, name: segments.append(name) or real_run(self, name))
+
+    def repair(*args):
+        segments.clear()
+        repairs.append((real(*args), list(segments)))
+        return repairs[-1][0]
+
+    monkeypatch.setattr(asd, "_repair", repair)
     for seed in range(3):
         res = _device_solve(*make_instance(seed, 40, dim=8), 20, rounds_per_read=4)
         assert res.clean
-    assert sum(r.drops for r in repairs) >= 2 and sum(r.reentries for r in repairs) >= 2, repairs
-    assert any(r.drops == 0 < r.reentries for r in repairs), repairs  # a round frozen for a KKT re-entry alone
-    for r in repairs:
+    assert sum(r.drops for r, _ in repairs) >= 2 and sum(r.reentries for r, _ in repairs) >= 2, repairs
+    assert any(r.drops == 0 < r.reentries for r, _ in repairs), repairs  # a round frozen for a KKT re-entry alone
+    for r, ran in repairs:
         assert r.ok and r.reads == 1 + r.drops + r.reentries, r
+        # Only a drop frees a slot: without one the slots in use are still the first, and nothing is packed.
+        assert ran[-1] == ("pack" if r.drops else "resume"), (r, ran)
 
 
 def test_after_a_repair_the_batches_start_short_and_double_back(monkeypatch):
