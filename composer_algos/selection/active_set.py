@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 from typing import NamedTuple
@@ -23,7 +24,7 @@ from composer_algos.selection.types import SelectionNumericsError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ActiveSetState", "LawsonHansonDrop", "first_to_zero", "drop_slot"]
+__all__ = ["ActiveSetState", "LawsonHansonDrop", "first_to_zero", "drop_slot", "lawson_hanson_buffers"]
 
 
 
@@ -37,23 +38,25 @@ class LawsonHansonDrop(NamedTuple):
     flags_3: torch.Tensor  # [any z < 0, p, P_pp] in x's dtype: what the host reads to decide
 
 
+def lawson_hanson_buffers(x_W: torch.Tensor) -> LawsonHansonDrop:
+    """Tensors for `first_to_zero` to write a drop into: ``x_W``'s dtype and device, its number of slots."""
+    empty = functools.partial(torch.empty, dtype=x_W.dtype, device=x_W.device)
+    return LawsonHansonDrop(empty(1), torch.empty(1, dtype=torch.long, device=x_W.device), empty(x_W.shape[0]), empty(1), empty(3))
+
+
 def first_to_zero(
     p_WW: torch.Tensor, x_W: torch.Tensor, z_W: torch.Tensor, out: LawsonHansonDrop | None = None
 ) -> LawsonHansonDrop:
     """From the feasible ``x`` towards the unconstrained optimum ``z``: the first slot whose weight reaches zero.
 
     Free slots hold ``x = z = 0`` exactly, so only active slots can have ``z < 0``; without one the
-    step is not taken (``flags_3[0]`` is 0). ``out``: buffers to write the drop into (the device loop's, kept
-    across CUDA-graph replays), not new tensors.
+    step is not taken (``flags_3[0]`` is 0). ``out``: the buffers to write the drop into (the device loop's, kept
+    across CUDA-graph replays); None: new ones.
     """
     neg_W = z_W < 0
     ratio_W = torch.where(neg_W, x_W / (x_W - z_W).clamp_min(torch.finfo(x_W.dtype).tiny), float("inf"))
     if out is None:
-        alpha_1, p_1 = torch.min(ratio_W, 0, keepdim=True)
-        p_col_W = p_WW.index_select(1, p_1).view(-1)
-        p_pp_1 = p_col_W.index_select(0, p_1)
-        flags_3 = torch.cat([neg_W.any().view(1).to(x_W.dtype), p_1.to(x_W.dtype), p_pp_1])
-        return LawsonHansonDrop(alpha_1, p_1, p_col_W, p_pp_1, flags_3)
+        out = lawson_hanson_buffers(x_W)
     torch.min(ratio_W, 0, keepdim=True, out=(out.alpha_1, out.p_1))
     torch.index_select(p_WW, 1, out.p_1, out=out.p_col_W.view(-1, 1))
     torch.index_select(out.p_col_W, 0, out.p_1, out=out.p_pp_1)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from composer_algos.selection.active_set import LawsonHansonDrop, drop_slot, first_to_zero
+from composer_algos.selection.active_set import drop_slot, first_to_zero, lawson_hanson_buffers
 from composer_algos.selection.omp_triton import TritonRound, kernels_available
 
 __all__ = ["GRAPH_MIN_ROUNDS", "REPAIR_GRAPHS", "ROUNDS_AFTER_REPAIR", "ROUNDS_PER_GRAPH", "ROUNDS_PER_READ", "DeviceOMPResult", "omp_exact_on_device"]
@@ -228,7 +228,7 @@ def _solve(st: _State, rounds: _Rounds, k: int, tols: tuple[float, float], round
         # repair more rounds freeze (KKT re-entries, further drops), and a frozen last batch would waste the
         # factorisation (about 0.2 ms on a GPU at kappa = 512); then it waits for the read that says the rounds are done.
         final = _finalized(st) if done + batch == k and not repairs else None
-        r, h, live, bad, agrees = _read_status(st, final)
+        r, live, bad, agrees = _read_status(st, final)
         reads += 1
         if bad:
             return _result(final if final is not None else _finalized(st), False, drops, reentries, reads, launched)
@@ -369,13 +369,13 @@ def _reset(
     _close_full_domains(st.penalty_N, st.rem_C, st.dom_N)
 
 
-def _read_status(st: _State, final: tuple | None) -> tuple[int, int, bool, bool, bool]:
-    """The batch's one host read: ``(rounds done, slots in use, live, bad, final refactorisation agrees)``."""
-    parts = [st.r_1, st.h_1, st.live_1.long(), st.bad_1.long()]
+def _read_status(st: _State, final: tuple | None) -> tuple[int, bool, bool, bool]:
+    """The batch's one host read: ``(rounds done, live, bad, final refactorisation agrees)``."""
+    parts = [st.r_1, st.live_1.long(), st.bad_1.long()]
     if final is not None:
         parts.append(final[-1].long().view(1))
-    r, h, live, bad, *rest = torch.cat(parts).tolist()
-    return r, h, bool(live), bool(bad), bool(rest and rest[0])
+    r, live, bad, *rest = torch.cat(parts).tolist()
+    return r, bool(live), bool(bad), bool(rest and rest[0])
 
 
 def _result(final: tuple, clean: bool, drops: int, reentries: int, reads: int, rounds: int) -> DeviceOMPResult:
@@ -690,12 +690,9 @@ class _RepairSteps:
         self.x_M = torch.zeros(m, dtype=dt, device=dev)  # the feasible point Lawson-Hanson steps from, towards z
         self.z_M = torch.zeros(m, dtype=dt, device=dev)
         self.grad_z_N = torch.zeros(n, dtype=dt, device=dev)  # the gradient at z (kept when nothing drops)
-        self.alpha_1 = torch.zeros(1, dtype=dt, device=dev)  # the next drop: the step, the slot, P's column, P_pp
-        self.p_1 = torch.zeros(1, dtype=torch.long, device=dev)
-        self.p_col_M = torch.zeros(m, dtype=dt, device=dev)
-        self.p_pp_1 = torch.ones(1, dtype=dt, device=dev)
         self.read_6 = torch.zeros(6, dtype=dt, device=dev)
-        self._drop_bufs = LawsonHansonDrop(self.alpha_1, self.p_1, self.p_col_M, self.p_pp_1, self.read_6[2:5])
+        # The next drop (the step, the slot, P's column, P_pp), its flags part of what the host reads.
+        self._drop_bufs = lawson_hanson_buffers(self.x_M)._replace(flags_3=self.read_6[2:5])
         self._segments = {"pick_and_enter": self._pick_and_enter, "reenter": self._reenter, "drop": self._drop,
                           "pack": self._pack, "resume": self._resume}
         self._warm: set[str] = set()
@@ -768,8 +765,9 @@ class _RepairSteps:
         leaves (its element stays selected at weight zero)."""
         st = self.st
         drop_slot(st.p_MM, self.x_M, self.z_M, self._drop_bufs)
-        st.used_M.index_fill_(0, self.p_1, False)
-        st.inactive_N.index_fill_(0, st.elem_M.index_select(0, self.p_1), True)
+        p_1 = self._drop_bufs.p_1
+        st.used_M.index_fill_(0, p_1, False)
+        st.inactive_N.index_fill_(0, st.elem_M.index_select(0, p_1), True)
         self._first_to_zero()
         self._finish(after_drops=True)
 
@@ -793,16 +791,16 @@ class _RepairSteps:
         free slots keep zero ``P`` rows, columns and weights. The rounds go on from the first free slot."""
         st = self.st
         used_M = st.used_M.long()
-        torch.sum(used_M, 0, keepdim=True, out=st.h_1)
+        self._resume(used_M)  # h: the slots in use
         to_M = torch.where(st.used_M, used_M.cumsum(0) - 1, st.h_1 + (1 - used_M).cumsum(0) - 1)  # each slot's place
         perm_M = torch.empty_like(self.slots_M).scatter_(0, to_M, self.slots_M)
         for buf in (st.rows_MN, st.v_M, st.elem_M, st.used_M):
             buf.copy_(buf.index_select(0, perm_M))
         st.p_MM.copy_(st.p_MM.index_select(0, perm_M).index_select(1, perm_M))
-        st.live_1.fill_(True)
 
-    def _resume(self) -> None:
-        """After a repair without a drop (its slots in use still the first ones): the rounds go on from the next slot."""
+    def _resume(self, used_M: torch.Tensor | None = None) -> None:
+        """After a repair without a drop (its slots in use still the first ones): the rounds go on from the next slot.
+        ``used_M``: the slots in use as integers, where the caller has them."""
         st = self.st
-        torch.sum(st.used_M.long(), 0, keepdim=True, out=st.h_1)
+        torch.sum(st.used_M.long() if used_M is None else used_M, 0, keepdim=True, out=st.h_1)
         st.live_1.fill_(True)

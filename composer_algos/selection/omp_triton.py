@@ -207,7 +207,9 @@ def _apply_kernel(
     BLOCK_Z: tl.constexpr, KKT: tl.constexpr, PROMOTE: tl.constexpr, FUSED: tl.constexpr,
 ):
     # Long: one Triton kernel (its body cannot call plain Python helpers), whose two variants share the decision
-    # and the updates; the FUSED one also does the direction kernel's work (the module docstring).
+    # and the updates; the FUSED one also does the direction kernel's work (the module docstring). Its slot loop
+    # repeats `_direction_kernel`'s: a shared `triton.jit` helper would have to be wrapped when this module is
+    # imported, before `_jitted` reads TRITON_INTERPRET, so the interpreter and compiled kernels could not both run.
     pid = tl.program_id(0)
     if tl.load(flags + 1) != 0:  # live when the round began (a frozen state runs no round)
         h = tl.load(flags + 2).to(tl.int64)

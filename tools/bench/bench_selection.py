@@ -409,11 +409,11 @@ def _with_eager_repairs(fn):
     from composer_algos.selection import active_set_device as asd
 
     def call():
-        asd.REPAIR_GRAPHS = False
+        kept, asd.REPAIR_GRAPHS = asd.REPAIR_GRAPHS, False
         try:
             return fn()
         finally:
-            asd.REPAIR_GRAPHS = True
+            asd.REPAIR_GRAPHS = kept
 
     return call
 
