@@ -10,6 +10,7 @@ problem is collected and raised as one `ConfigError` that names the yaml path of
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import types
@@ -340,12 +341,52 @@ class TrainConfig:
         if self.device not in (None, "cpu", "gpu"):
             errs.append(f"device must be cpu or gpu (or unset for auto), got {self.device!r}")
         errs += self._validate_guide_fractions()
+        errs += fsdp_config_problems(self.fsdp_config)
         return errs
 
     def _validate_guide_fractions(self) -> list[str]:
         return guide_fraction_problems(
             self.algorithms.get("data_selection"), self.eval_loader, self.train_loader.dataset.shard_dir
         )
+
+
+_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def fsdp_config_problems(fsdp: dict[str, Any] | None) -> list[str]:
+    """What Composer's Trainer would reject in `fsdp_config`, or silently change, found before anything is built.
+
+    Composer 0.32.1 builds its `FSDPConfig` from the mapping when the Trainer is constructed, after the loaders and
+    the model: an unknown key is a bare TypeError there. And a hybrid strategy needs a two-dimensional device
+    mesh: without `data_parallel_replicate_degree` Composer warns and runs FULL_SHARD (or SHARD_GRAD_OP) over every
+    rank (composer/distributed/dist_strategy.py), so a multi-node run would shard across nodes. Imports Composer
+    (seconds) only when the run asks for FSDP, which builds it anyway.
+    """
+    if not fsdp:
+        return []
+    from composer.distributed.mosaic_parallelism import SHARDING_MAP
+    from composer.utils.parallelism import FSDPConfig
+
+    known = sorted(f.name for f in dataclasses.fields(FSDPConfig) if f.init)
+    errs = []
+    for key in fsdp:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            errs.append(f"fsdp_config.{key}: not an option of Composer's FSDPConfig; {hint}the options are "
+                        f"{', '.join(known)}")
+    strategy = str(fsdp.get("sharding_strategy", "FULL_SHARD")).upper()
+    if strategy not in SHARDING_MAP:
+        errs.append(f"fsdp_config.sharding_strategy must be one of {', '.join(SHARDING_MAP)}, "
+                    f"got {fsdp['sharding_strategy']!r}")
+    elif strategy in _HYBRID and fsdp.get("data_parallel_replicate_degree") is None:
+        errs.append(
+            f"fsdp_config.sharding_strategy {strategy} shards within a replica and replicates across replicas: give "
+            "fsdp_config.data_parallel_replicate_degree (how many replicas, e.g. the number of nodes; "
+            "data_parallel_shard_degree, default -1, takes the rest). Without it Composer runs "
+            f"{'FULL_SHARD' if strategy == 'HYBRID_SHARD' else 'SHARD_GRAD_OP'} over every rank, with only a warning"
+        )
+    return errs
 
 
 def guide_fraction_problems(

@@ -5,7 +5,7 @@ Usage: python -m tests.training.cpu_fsdp_runs OUT.json YAML RUNS.json
 
 RUNS.json maps a run name to its list of overrides; OUT.json gets, per run, the per-step
 `selection/selected_hash` and `loss/train/total` (an in-memory logger is added), and `wrappers`: how
-many FSDP units and activation-checkpoint wrappers the model ended with. Composer 0.32.1
+many FSDP units and activation-checkpoint wrappers the model ended with, and `sharding`, the units' strategies. Composer 0.32.1
 cannot build FSDP without CUDA: composer/distributed/dist_strategy.py passes
 `device_id=torch.cuda.current_device()` to FSDP unconditionally (the one call on the path of a run
 whose parameters are not on the meta device). This process answers that call with the CPU, so
@@ -43,6 +43,10 @@ def main(argv: list[str]) -> None:
         # How Composer wrapped the model: FSDP units and activation-checkpoint wrappers, by class name.
         kinds = [type(m).__name__ for m in trainer.state.model.modules()]
         results[name]["wrappers"] = {k: kinds.count(k) for k in ("FullyShardedDataParallel", "CheckpointWrapper")}
+        # The strategies the units ended with: Composer falls back from HYBRID_SHARD to FULL_SHARD, with only a
+        # warning, when the mesh has one dimension.
+        results[name]["sharding"] = sorted({m.sharding_strategy.name for m in trainer.state.model.modules()
+                                            if type(m).__name__ == "FullyShardedDataParallel"})
         _write(out_path, results)  # before close: a two-rank FSDP run on the CPU crashed saving its last checkpoint
         trainer.close()
 

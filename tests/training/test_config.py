@@ -237,3 +237,21 @@ def test_a_tilde_override_removes_a_key_and_a_missing_one_is_an_error(tmp_path):
         load_config(yaml, ["~callbacks.nosuch"])
     with pytest.raises(ConfigError, match="key=value"):
         load_config(yaml, ["max_duration"])
+
+
+def test_fsdp_config_typos_bad_strategies_and_a_hybrid_without_replicas_are_reported_before_build():
+    # Composer builds FSDPConfig only in the Trainer (an unknown key: a bare TypeError after the model is built), and
+    # runs HYBRID_SHARD on a one-dimensional mesh as FULL_SHARD over every rank with only a warning.
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["fsdp_config={sharding_stratgy: FULL_SHARD, use_orig_params: true}"])
+    assert "fsdp_config.sharding_stratgy" in str(info.value) and "did you mean sharding_strategy" in str(info.value)
+    with pytest.raises(ConfigError, match="fsdp_config.sharding_strategy must be one of .*got 'HALF_SHARD'"):
+        load_config(TINY, ["fsdp_config={sharding_strategy: HALF_SHARD}"])
+    for strategy, fallback in (("HYBRID_SHARD", "FULL_SHARD"), ("_hybrid_shard_zero2", "SHARD_GRAD_OP")):
+        with pytest.raises(ConfigError) as info:
+            load_config(TINY, [f"fsdp_config={{sharding_strategy: {strategy}}}"])
+        msg = str(info.value)
+        assert "data_parallel_replicate_degree" in msg and f"Composer runs {fallback} over every rank" in msg, msg
+    ok = load_config(TINY, ["fsdp_config={sharding_strategy: HYBRID_SHARD, data_parallel_replicate_degree: 2}"])
+    assert ok.fsdp_config["data_parallel_replicate_degree"] == 2
+    assert load_config(TINY, ["fsdp_config={sharding_strategy: full_shard}"]).fsdp_config is not None
