@@ -8,7 +8,7 @@ Examples:
         --out qa_tok --vocab-size 8192
 
     # The committed demo tokenizer (assets/tokenizer), from the in-memory sample corpus
-    python tools/train_tokenizer.py --out assets/tokenizer --vocab-size 4096 --seed 0
+    python tools/train_tokenizer.py --out assets/tokenizer --overwrite --vocab-size 4096 --seed 0
 
 With --input, every record the shard readers accept is used once, in file order (at most
 --max-records): pretraining text as is, instruction records as the rendered prompt (Alpaca
@@ -140,7 +140,8 @@ def train(texts: list[str] | Iterator[str], vocab_size: int, length: int | None 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="assets/tokenizer", help="output directory (default: assets/tokenizer)")
+    parser.add_argument("--out", required=True, help="output directory (a new one, or give --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --out")
     parser.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size incl. specials (default: 4096)")
     g = parser.add_argument_group("your corpus (any input tools/shard.py accepts)")
     g.add_argument("--input", nargs="+", metavar="INPUT", help="files or directories; without it, the demo corpus")
@@ -159,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--vocab-size must be >= 300 (256 bytes + specials + merges), got {args.vocab_size}")
     if args.max_records is not None and args.max_records < 1:
         parser.error(f"--max-records must be >= 1, got {args.max_records}")
+    existing = [f for f in ("tokenizer.json", "tokenizer_config.json") if (Path(args.out) / f).exists()]
+    if existing and not args.overwrite:
+        parser.error(f"--out {args.out} already holds a tokenizer ({', '.join(existing)}); give another directory, "
+                     "or --overwrite to replace it")
     from transformers import PreTrainedTokenizerFast
 
     reader = None

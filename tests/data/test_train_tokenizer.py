@@ -52,3 +52,20 @@ def test_train_tokenizer_reports_unreadable_input(tmp_path, capsys):
     assert code == 2
     assert "broken.json:1: malformed JSON in array element 0" in capsys.readouterr().err
     assert not (tmp_path / "tok").exists()
+
+
+def test_the_output_directory_is_required_and_an_existing_tokenizer_is_not_replaced_silently(tmp_path, capsys):
+    # --out defaulted to assets/tokenizer: run from the checkout, it replaced the demo tokenizer every yaml uses.
+    tool = load_tool("train_tokenizer")
+    with pytest.raises(SystemExit) as info:
+        tool.main(["--vocab-size", "400", "--scale", "0.03"])
+    assert info.value.code == 2 and "--out" in capsys.readouterr().err
+    out = tmp_path / "tok"
+    assert tool.main(["--out", str(out), "--vocab-size", "400", "--scale", "0.03"]) == 0
+    before = (out / "tokenizer.json").read_bytes()
+    with pytest.raises(SystemExit) as info:
+        tool.main(["--out", str(out), "--vocab-size", "500", "--scale", "0.03"])
+    assert info.value.code == 2 and f"--out {out} already holds a tokenizer" in capsys.readouterr().err
+    assert (out / "tokenizer.json").read_bytes() == before
+    assert tool.main(["--out", str(out), "--vocab-size", "500", "--scale", "0.03", "--overwrite"]) == 0
+    assert (out / "tokenizer.json").read_bytes() != before
