@@ -46,6 +46,9 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from pipeline.tokenizer import load_tokenizer
 
     cfg = type_components(cfg)  # a config from pipeline.config.load_config: its components checked first
+    if cfg.device_train_microbatch_size == "auto" and not torch.cuda.is_available():
+        raise ConfigError("device_train_microbatch_size: auto needs a GPU (Composer's search runs on CUDA only); "
+                          "give an integer on the CPU")
     reproducibility.seed_all(cfg.seed)
     world = dist.get_world_size()
     if cfg.global_train_batch_size % world:
@@ -54,9 +57,17 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         )
     device_batch = cfg.global_train_batch_size // world
 
-    tokenizer = load_tokenizer(cfg.tokenizer_name)
     data = cfg.train_loader.dataset
-    manifest = load_manifest(data.shard_dir)
+    # What the yaml names, read before anything is built: train.py reports these in one line.
+    try:
+        manifest = load_manifest(data.shard_dir)
+    except ValueError as e:
+        raise ConfigError(f"train_loader.dataset.shard_dir: {e}") from e
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer_name)
+        _check_shard_tokenizers(cfg, tokenizer, manifest)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
     domain_names = [d.name for d in manifest.domains]
     weights = stream_weights(data.domain_weights, data.domain_weights_file, where="train_loader.dataset")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -86,8 +97,6 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
 
     callbacks, loggers = _callbacks_and_loggers(cfg, context)
 
-    if cfg.device_train_microbatch_size == "auto" and not torch.cuda.is_available():
-        raise ValueError("device_train_microbatch_size: auto needs a GPU; give an integer on CPU")
     return Trainer(
         model=model,
         train_dataloader=train_loader,
@@ -102,6 +111,20 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         loggers=loggers,
         **_run_settings(cfg),
     )
+
+
+def _check_shard_tokenizers(cfg: TrainConfig, tokenizer: Any, manifest: Any) -> None:
+    """The training shards, and evaluation shards kept elsewhere, hold this run's tokenizer's ids (before any build)."""
+    from pipeline.manifest import load_manifest, tokenizer_mismatch
+
+    manifests = [manifest]
+    eval_dir = cfg.eval_loader.shard_dir if cfg.eval_loader is not None else None
+    same = eval_dir and os.path.abspath(eval_dir) == os.path.abspath(cfg.train_loader.dataset.shard_dir)
+    if eval_dir and not same and os.path.isfile(os.path.join(eval_dir, "manifest.json")):  # else: the loader says
+        manifests.append(load_manifest(eval_dir))
+    for m in manifests:
+        if problem := tokenizer_mismatch(m, tokenizer, str(cfg.tokenizer_name)):
+            raise ValueError(problem)
 
 
 def _run_settings(cfg: TrainConfig) -> dict[str, Any]:

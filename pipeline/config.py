@@ -610,16 +610,26 @@ def _convert(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
                 return _build(a, value, key + ".", problems)
             if _matches(a, value):
                 return _convert(a, value, key, problems)
+        if str in non_none and _is_number(value):
+            return str(value)  # as below
         problems.append(f"{key} has the wrong type: got {value!r}, expected {_type_name(tp)}")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".", problems)
+    if tp is str and _is_number(value):
+        # A yaml or command-line number where text is meant (`run_name=2024`, `max_duration=3`): the text, which
+        # the field's own check then judges ("must be a duration like 1000ba ..., got '3'").
+        return str(value)
     if not _matches(tp, value):
         problems.append(f"{key} has the wrong type: got {value!r}, expected {_type_name(tp)}")
         return value
     if tp is float and isinstance(value, int):
         return float(value)
     return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _matches(tp: Any, value: Any) -> bool:

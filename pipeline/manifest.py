@@ -23,6 +23,7 @@ __all__ = [
     "SplitStats",
     "load_manifest",
     "manifest_from_dict",
+    "tokenizer_mismatch",
     "verify_output",
     "write_manifest",
 ]
@@ -271,6 +272,24 @@ def manifest_from_dict(obj: Any, source: str = "manifest") -> Manifest:
     if problems:
         raise ValueError(f"{source}: invalid manifest:\n  " + "\n  ".join(problems))
     return manifest
+
+
+def tokenizer_mismatch(manifest: Manifest, tokenizer: Any, name: str, *, field: str = "tokenizer_name") -> str | None:
+    """Why `tokenizer` (named `name` by `field`) cannot read the shards of `manifest`, or None when it can.
+
+    The shards hold token ids of the tokenizer they were written with. A run with another one fails inside the
+    embedding (an id past the model's vocabulary: "index out of range"), or, when the ids happen to fit, trains
+    and evaluates on text it reads as something else. The vocabulary size and the EOS id the shards recorded
+    tell most tokenizers apart without loading the one they name (its path may be another machine's).
+    """
+    size, eos = len(tokenizer), tokenizer.eos_token_id
+    if (size, eos) == (manifest.vocab_size, manifest.eos_token_id):
+        return None
+    return (
+        f"{field} {name!r} (vocabulary {size}, EOS id {eos}) is not the tokenizer the shards in {manifest.root} were "
+        f"written with: {manifest.tokenizer!r} (vocabulary {manifest.vocab_size}, EOS id {manifest.eos_token_id}); "
+        f"set {field} to that tokenizer, or re-shard with tools/shard.py --tokenizer {name}"
+    )
 
 
 def write_manifest(manifest: Manifest, directory: str | Path) -> Path:

@@ -167,6 +167,9 @@ class DataSelectionOptions:
         unknown_val = sorted(set(cfg) - set(VALIDATION_KEYS))
         if unknown_val:
             problems.append(f"validation does not take {unknown_val}; allowed: {', '.join(VALIDATION_KEYS)}")
+        size = cfg.get("batch_size", 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            problems.append(f"validation.batch_size must be an integer > 0, got {size!r}")
         beta = cfg.get("average_beta", 0.0)
         if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
             problems.append(f"validation.average_beta must be in [0, 1), got {beta!r}")

@@ -79,6 +79,10 @@ def test_bad_values_name_field_and_value(tmp_path):
     assert "100sp" in msg and "optimizer.lr" in msg and "'step'" in msg
     with pytest.raises(ConfigError, match="global_train_batch_size"):
         load_config(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml", ["global_train_batch_size=abc"])
+    # A number where a duration is meant is told what a duration is, not "expected str" (a new-user review).
+    with pytest.raises(ConfigError, match=r"max_duration must be a duration like 1000ba, 2ep or 0.5dur, got '3'"):
+        load_config(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml", ["max_duration=3"])
+    assert load_config(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml", ["run_name=2024"]).run_name == "2024"
 
 
 def test_missing_yaml_file():
@@ -255,3 +259,66 @@ def test_fsdp_config_typos_bad_strategies_and_a_hybrid_without_replicas_are_repo
     ok = load_config(TINY, ["fsdp_config={sharding_strategy: HYBRID_SHARD, data_parallel_replicate_degree: 2}"])
     assert ok.fsdp_config["data_parallel_replicate_degree"] == 2
     assert load_config(TINY, ["fsdp_config={sharding_strategy: full_shard}"]).fsdp_config is not None
+
+
+def test_shards_of_another_tokenizer_are_refused_before_the_loaders_and_the_model_are_built(
+    corpus_dir, tmp_path, monkeypatch
+):
+    # Found by a new-user review: dm_math shards (SmolLM2's 49152 ids) under the tiny yaml's 4096-token tokenizer
+    # built everything, then failed inside torch.embedding with "index out of range in self".
+    import composer_algos.models.causal_lm
+    import pipeline.loaders
+    import shard as shard_tool
+    import train
+    from composer_algos.registry import load_run_config
+    from pipeline.manifest import load_manifest, tokenizer_mismatch
+    from pipeline.tokenizer import load_tokenizer
+    from tests.data.mds_helpers import load_tool
+    from tests.training.conftest import SEQ_LEN, tiny_overrides
+
+    other = tmp_path / "other_tokenizer"
+    assert load_tool("train_tokenizer").main(["--out", str(other), "--vocab-size", "400", "--scale", "0.03"]) == 0
+    shards = tmp_path / "shards"
+    assert shard_tool.main(["dolma", str(corpus_dir / "dolma" / "documents"), "--out", str(shards), "--tokenizer",
+                            str(other), "--max-seq-len", str(SEQ_LEN), "--val-count", "8", "--no-progress"]) == 0
+
+    def reached(*args, **kwargs):
+        raise AssertionError("a loader or the model was built before the shards' tokenizer was checked")
+
+    monkeypatch.setattr(pipeline.loaders, "train_dataloader_from_config", reached)
+    monkeypatch.setattr(composer_algos.models.causal_lm, "build_causal_lm", reached)
+    cfg = load_run_config(TINY, tiny_overrides(shards, tmp_path / "run"))
+    with pytest.raises(ValueError) as info:
+        train.build_trainer(cfg)
+    msg = str(info.value)
+    assert f"is not the tokenizer the shards in {shards} were written with: {str(other)!r} (vocabulary 400" in msg, msg
+    assert "vocabulary 4096" in msg and "tokenizer_name" in msg
+    assert tokenizer_mismatch(load_manifest(shards), load_tokenizer(other), str(other)) is None
+
+
+def test_a_missing_shard_directory_or_tokenizer_is_one_line_and_exit_2(dolma_shards, tmp_path, capsys):
+    # They were tracebacks from build_trainer (found by a new-user review); nothing is built before them.
+    import train
+
+    for overrides, expected in (
+        ([f"variables.shard_dir={tmp_path / 'nope'}"], "train_loader.dataset.shard_dir: "),
+        ([f"variables.shard_dir={dolma_shards}", f"tokenizer_name={tmp_path / 'no_tokenizer'}"], "could not be loaded"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            train.main([str(TINY), *overrides, "save_folder=null"])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and expected in err and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU's refusal")
+def test_a_zero_validation_batch_and_auto_microbatches_on_the_cpu_are_refused_before_anything_is_built(
+    nothing_is_built,
+):
+    # Both came after the model was built: the first at fit's start as a traceback (a new-user review).
+    import train
+
+    with pytest.raises(ConfigError, match="validation.batch_size must be an integer > 0, got 0"):
+        load_run_config(TINY, [f"{SEL}.validation.batch_size=0"])
+    cfg = load_run_config(TINY, ["device_train_microbatch_size=auto"])
+    with pytest.raises(ConfigError, match="device_train_microbatch_size: auto needs a GPU"):
+        train.build_trainer(cfg)
