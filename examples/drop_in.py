@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> Trainer:
         seed=0,
     )
     trainer.fit()
-    print(f"trained {args.steps} steps on {args.batch_size} of {pool} candidates each ({args.strategy})")
+    if args.strategy == "none":  # no selection: every candidate trains
+        print(f"trained {args.steps} steps on all {pool} candidates each (none: no selection)")
+    else:
+        print(f"trained {args.steps} steps on {args.batch_size} of {pool} candidates each ({args.strategy})")
     return trainer
 
 

@@ -9,7 +9,7 @@ mixture_steps.csv next to each mixture.json, when present).
 
 Example:
     python tools/compare_mixtures.py \\
-        --doremi runs/demo-doremi-proxy/doremi/mixture.json \\
+        --doremi runs/doremi-demo-proxy/doremi/mixture.json \\
         --runs runs/demo-partitionsel/mixture.json random=runs/demo-random \\
         --manifest demo_out/shards/dolma --out runs/compare
 """
@@ -56,14 +56,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.doremi is None and not args.runs:
         parser.error("give --doremi and/or --runs")
 
-    doremi = read_mixture_json(args.doremi) if args.doremi is not None else None
-    runs = [read_labelled(spec) for spec in args.runs]
     if args.units == "tokens" and args.manifest is None:
         parser.error("--units tokens needs --manifest (tokens per example come from the shard manifest)")
-    natural = None
-    if args.manifest is not None:
-        shares = natural_token_shares if args.units == "tokens" else natural_sample_shares
-        natural = shares(args.manifest, args.split)
+    option = "--doremi"
+    try:  # the inputs, all read before anything is written: a missing or unreadable one is one line
+        doremi = read_mixture_json(args.doremi) if args.doremi is not None else None
+        runs = []
+        for spec in args.runs:
+            option = f"--runs {spec}"
+            runs.append(read_labelled(spec))
+        natural = None
+        if args.manifest is not None:
+            option = "--manifest"
+            shares = natural_token_shares if args.units == "tokens" else natural_sample_shares
+            natural = shares(args.manifest, args.split)
+    except (OSError, ValueError) as e:
+        print(f"compare_mixtures.py: {option}: {e}", file=sys.stderr)
+        return 2
     if args.units == "tokens":
         if doremi is not None:
             doremi.weights = to_token_shares(dict(doremi.weights), args.manifest, args.split)

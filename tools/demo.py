@@ -249,15 +249,18 @@ def _train_with_progress(cmd: list[str], log_path: Path, steps: int) -> float:
             cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         assert proc.stdout is not None
+        loss = ""  # the last training loss read: the postfix again once an evaluation is over
         try:
             for line in proc.stdout:
                 log.write(line)
                 if m := _BATCH_RE.search(line):
+                    bar.set_postfix_str(loss, refresh=False)
                     bar.update(int(m.group(1)) - bar.n)
                 elif line.startswith("[Eval"):
                     bar.set_postfix_str("evaluating", refresh=True)
                 elif m := _LOSS_RE.search(line):
-                    bar.set_postfix_str(f"loss {m.group(1)}", refresh=False)
+                    loss = f"loss {m.group(1)}"
+                    bar.set_postfix_str(loss, refresh=False)
             rc = proc.wait()
         except BaseException:
             proc.kill()

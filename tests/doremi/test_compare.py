@@ -111,6 +111,19 @@ def test_tool_requires_inputs(capsys):
     assert exc.value.code == 2 and "--doremi" in capsys.readouterr().err
 
 
+def test_a_missing_input_is_one_line_naming_its_option_and_nothing_is_written(tmp_path, capsys):
+    # A raw FileNotFoundError traceback before (a new-user review).
+    (tmp_path / "sel").mkdir()
+    _write_run(tmp_path / "sel", "partitionsel", [0.3, 0.2, 0.5])
+    out = tmp_path / "cmp"
+    for args, option in ((["--doremi", str(tmp_path / "nope.json")], "--doremi"),
+                         (["--runs", str(tmp_path / "sel"), f"x={tmp_path / 'gone'}"], f"--runs x={tmp_path / 'gone'}")):
+        assert _tool().main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"compare_mixtures.py: {option}: " in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
 def _tool():
     spec = importlib.util.spec_from_file_location("compare_mixtures", REPO_ROOT / "tools" / "compare_mixtures.py")
     assert spec is not None and spec.loader is not None

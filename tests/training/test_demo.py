@@ -87,3 +87,15 @@ def test_demo_help_imports_nothing_heavy():
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout
     assert "HEAVY []" in result.stdout, result.stdout[-500:]
+
+
+def test_the_progress_bar_shows_the_loss_again_after_an_evaluation(tmp_path, capsys):
+    # It kept "evaluating" for the rest of training (a new-user review). A stand-in for train.py prints Composer's
+    # console lines: a logged step, an evaluation, then a step whose loss line has not come yet.
+    from demo import _train_with_progress
+
+    lines = ["[batch=1/3]:", "Train loss/train/total: 2.5000", "[Eval batch=1/1] Eval on eval data", "[batch=2/3]:"]
+    script = "; ".join(f"print({ln!r}, flush=True)" for ln in lines)
+    _train_with_progress([sys.executable, "-c", script], tmp_path / "log.txt", steps=3)
+    final = capsys.readouterr().err.split("\r")[-1]
+    assert "2/3" in final and "loss 2.5000" in final and "evaluating" not in final, final

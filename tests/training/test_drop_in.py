@@ -137,6 +137,11 @@ def test_drop_in_example_trains_without_train_py(tmp_path, capsys):
     assert algo.domain_names == ["domain_0", "domain_1"] and algo.fallbacks == 0
     assert "trained 3 steps on 8 of 16 candidates" in capsys.readouterr().out
     trainer.close()
+    # `none` trains every candidate, and says so (it printed "8 of 16", a new-user review found).
+    trainer = drop_in.main(["--out", str(tmp_path / "none"), "--steps", "1", "--strategy", "none"])
+    assert int(trainer.state.timestamp.batch.value) == 1 and trainer.state.batch["input_ids"].shape[0] == 16
+    assert "trained 1 steps on all 16 candidates each (none: no selection)" in capsys.readouterr().out
+    trainer.close()
 
 
 # ---------------------------------------------------------------- the validation running average
