@@ -288,7 +288,7 @@ def tokenizer_mismatch(manifest: Manifest, tokenizer: Any, name: str, *, field: 
     return (
         f"{field} {name!r} (vocabulary {size}, EOS id {eos}) is not the tokenizer the shards in {manifest.root} were "
         f"written with: {manifest.tokenizer!r} (vocabulary {manifest.vocab_size}, EOS id {manifest.eos_token_id}); "
-        f"set {field} to that tokenizer, or re-shard with tools/shard.py --tokenizer {name}"
+        f"use that one, or re-shard with tools/shard.py --tokenizer {name}"
     )
 
 

@@ -25,8 +25,10 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from pipeline.evaluation.math_suites import SUITES, resolve_suite_path
+from pipeline.prompts import CHAT, PROMPT_TEMPLATES
 
 log = logging.getLogger("evaluate")
 
@@ -47,16 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    model_args = _model_arguments()
-    _add_math_command(sub, model_args)
-    _add_mol_command(sub, model_args)
-    _add_ppl_command(sub, model_args)
-    _add_answers_command(sub, model_args)
+    _add_math_command(sub, _model_arguments("prompts per generate call"))
+    _add_mol_command(sub, _model_arguments("prompts per generate call"))
+    _add_ppl_command(sub, _model_arguments("sequences of the shards per forward pass"))
+    _add_answers_command(sub, _model_arguments("questions per generate call"))
     return parser
 
 
-def _model_arguments() -> argparse.ArgumentParser:
-    """The options of the model every subcommand loads (a parent parser, its `model` group)."""
+def _model_arguments(batch_size_help: str) -> argparse.ArgumentParser:
+    """The options of the model every subcommand loads (a parent parser, its `model` group); `batch_size_help`
+    says what --batch-size counts in that subcommand."""
     model_args = argparse.ArgumentParser(add_help=False)
     g = model_args.add_argument_group("model")
     g.add_argument("--model", help="HF model folder, .gguf file (converted once, cached), PEFT adapter folder, or Composer checkpoint (.pt)")
@@ -65,7 +67,7 @@ def _model_arguments() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", help="tokenizer folder or .gguf file (default: from the checkpoint or model folder)")
     g.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda when available)")
     g.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="default: bf16 on GPU, fp32 on CPU")
-    g.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per generate call (default 8)")
+    g.add_argument("--batch-size", type=_positive_int, default=8, help=f"{batch_size_help} (default 8)")
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return model_args
 
@@ -84,7 +86,8 @@ def _add_math_command(sub: argparse._SubParsersAction, model_args: argparse.Argu
     m.add_argument(
         "--prompt-template",
         default="metamath",
-        help="'metamath' (default), a string with {query}, or a pipeline.prompts template name/string",
+        help="'metamath' (default), a string with {query}, or a pipeline.prompts template name/string "
+        "('chat': the tokenizer's chat template, as tools/shard.py --prompt-template chat)",
     )
     m.add_argument("--out", help="summary JSON path (predictions go to <stem>.predictions.jsonl)")
     m.add_argument("--predictions-out", help="predictions JSONL path (default: beside --out)")
@@ -100,7 +103,11 @@ def _add_mol_command(sub: argparse._SubParsersAction, model_args: argparse.Argum
     mol.add_argument("--split", default="test", help="metadata.split to keep (default test; 'all' keeps all)")
     mol.add_argument("--limit", type=_positive_int, help="first N records of each task")
     mol.add_argument("--max-new-tokens", type=_positive_int, default=256, help="default 256")
-    mol.add_argument("--prompt-template", default="alpaca", help="pipeline.prompts template (default alpaca)")
+    mol.add_argument(
+        "--prompt-template",
+        default="alpaca",
+        help="pipeline.prompts template (default alpaca; 'chat': the tokenizer's chat template, as tools/shard.py)",
+    )
     mol.add_argument(
         "--keep-invalid",
         action="store_true",
@@ -184,6 +191,7 @@ def run_math(args: argparse.Namespace) -> int:
     if not args.model:
         raise SystemExit("math: --model is required")
     suites = _select_suites(args.suites, args.data_dir)
+    _check_chat_template(args)
     model, tokenizer = load_model_and_tokenizer(
         args.model,
         adapter=args.adapter,
@@ -192,6 +200,7 @@ def run_math(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=_torch_dtype(args.dtype),
     )
+    _check_chat_template(args, tokenizer)
     result = evaluate_math(
         model,
         tokenizer,
@@ -234,6 +243,7 @@ def run_mol(args: argparse.Namespace) -> int:
         )
         if not examples:
             raise SystemExit(f"mol: no records with metadata.split == {args.split!r} in {args.data}")
+        _check_chat_template(args)
         model, tokenizer = load_model_and_tokenizer(
             args.model,
             adapter=args.adapter,
@@ -242,6 +252,7 @@ def run_mol(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=_torch_dtype(args.dtype),
         )
+        _check_chat_template(args, tokenizer)
         metrics, records = evaluate_mol_generation(
             model,
             tokenizer,
@@ -268,6 +279,7 @@ def run_ppl(args: argparse.Namespace) -> int:
 
     if not args.model:
         raise SystemExit("ppl: --model is required")
+    _check_shard_tokenizer(args)
     model, tokenizer = load_model_and_tokenizer(
         args.model,
         adapter=args.adapter,
@@ -276,6 +288,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=_torch_dtype(args.dtype),
     )
+    _check_shard_tokenizer(args, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     results = domain_log_perplexity(
         model,
@@ -294,6 +307,55 @@ def run_ppl(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps({"domains": results, "run": _run_info(args)}, indent=2))
         print(f"wrote {args.out}")
     return 0
+
+
+def _check_shard_tokenizer(args: argparse.Namespace, tokenizer: Any = None) -> None:
+    """ppl: exit when the shards hold another tokenizer's ids (`pipeline.manifest.tokenizer_mismatch`); without
+    `tokenizer`, with the one the model will be loaded with where it can be found first (`find_tokenizer`)."""
+    from pipeline.manifest import load_manifest, tokenizer_mismatch
+
+    if tokenizer is None:
+        from pipeline.evaluation.checkpoint import find_tokenizer
+
+        tokenizer = find_tokenizer(args.model, adapter=args.adapter, tokenizer=args.tokenizer, base_model=args.base_model)
+        if tokenizer is None:  # only loading the model tells
+            return
+    name = args.tokenizer or getattr(tokenizer, "name_or_path", None) or args.model
+    try:
+        manifest = load_manifest(args.shards)
+    except ValueError as e:
+        raise SystemExit(f"ppl: --shards: {e}") from None
+    if problem := tokenizer_mismatch(manifest, tokenizer, str(name), field="the model's tokenizer"):
+        raise SystemExit(f"ppl: --shards: {problem}")
+
+
+def _check_chat_template(args: argparse.Namespace, tokenizer: Any = None) -> None:
+    """With --prompt-template chat, exit naming the tokenizer when it has no chat template.
+
+    Without `tokenizer`, the one the model will be loaded with, where it can be found without
+    loading the model (`find_tokenizer`), so the error comes before the model loads.
+    """
+    if args.prompt_template != CHAT:
+        return
+    if tokenizer is None:
+        from pipeline.evaluation.checkpoint import find_tokenizer
+
+        tokenizer = find_tokenizer(args.model, adapter=args.adapter, tokenizer=args.tokenizer, base_model=args.base_model)
+        if tokenizer is None:  # only loading the model tells (a Composer checkpoint may hold its tokenizer)
+            return
+    if getattr(tokenizer, "chat_template", None):
+        return
+    source = (
+        f"--tokenizer {args.tokenizer}"
+        if args.tokenizer
+        else f"the tokenizer of --model {args.model} ({getattr(tokenizer, 'name_or_path', '?')})"
+    )
+    others = (["metamath"] if args.command == "math" else []) + sorted(set(PROMPT_TEMPLATES) - {CHAT})
+    raise SystemExit(
+        f"{args.command}: --prompt-template chat puts each prompt in the tokenizer's chat template, and {source} "
+        f"has none; use the --prompt-template the model was fine-tuned with ({', '.join(others)} or a template "
+        "string), or --tokenizer with an instruct model's tokenizer"
+    )
 
 
 def _select_suites(spec: str, data_dir: str) -> list[str]:

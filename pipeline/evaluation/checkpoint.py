@@ -14,7 +14,7 @@ import torch
 from pipeline.evaluation.generate import default_dtype, resolve_device
 from pipeline.gguf import gguf_model_dir, is_gguf, resolve_pretrained
 
-__all__ = ["load_composer_checkpoint", "load_model_and_tokenizer", "load_tokenizer"]
+__all__ = ["find_tokenizer", "load_composer_checkpoint", "load_model_and_tokenizer", "load_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -68,34 +68,55 @@ def load_model_and_tokenizer(
     dtype = dtype or default_dtype(dev)
     path = _existing(model_path, "model_path")
     stored_tokenizer = None
-    tokenizer_dirs: list[Path] = []
 
     if path.is_file():
         model, stored_tokenizer = load_composer_checkpoint(path, base_model=base_model, dtype=dtype)
     elif (path / "config.json").exists():
         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
-        tokenizer_dirs.append(path)
     elif (path / "adapter_config.json").exists():
         base = _base_for_adapter(path, base_model)
         model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=dtype, local_files_only=True)
         model = _merge_adapter(model, path)
-        tokenizer_dirs += [path, base]
     else:
         raise ValueError(
             f"`model_path` {path} is a folder without config.json or adapter_config.json; pass a Hugging "
             "Face model folder, a PEFT adapter folder or a Composer checkpoint file (.pt)"
         )
     if adapter is not None:
-        adapter_dir = _existing(adapter, "adapter")
-        model = _merge_adapter(model, adapter_dir)
-        tokenizer_dirs.append(adapter_dir)
-    if base_model is not None:
-        tokenizer_dirs.append(Path(resolve_pretrained(base_model, "base_model")))
+        model = _merge_adapter(model, _existing(adapter, "adapter"))
 
-    tok = _choose_tokenizer(tokenizer, stored_tokenizer, tokenizer_dirs)
+    tok = _choose_tokenizer(tokenizer, stored_tokenizer, _tokenizer_dirs(path, adapter, base_model))
 
     model = model.to(device=dev, dtype=dtype).eval()
     return model, tok
+
+
+def find_tokenizer(
+    model_path: str | Path,
+    *,
+    adapter: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    base_model: str | Path | None = None,
+) -> Any | None:
+    """The tokenizer `load_model_and_tokenizer` returns for these arguments, loaded without the model.
+
+    So a problem with the tokenizer shows before the model loads. None when only loading the
+    model tells: a Composer checkpoint without ``tokenizer`` (it may hold its own), or a
+    folder `load_model_and_tokenizer` refuses.
+
+    Args:
+        model_path, adapter, tokenizer, base_model: As for `load_model_and_tokenizer`.
+
+    Raises:
+        FileNotFoundError: If a path does not exist.
+        ValueError: If no tokenizer can be found (the error `load_model_and_tokenizer` would raise).
+    """
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    path = _existing(model_path, "model_path")
+    if path.is_file() or not ((path / "config.json").exists() or (path / "adapter_config.json").exists()):
+        return None
+    return _choose_tokenizer(None, None, _tokenizer_dirs(path, adapter, base_model))
 
 
 def load_tokenizer(path: str | Path):
@@ -189,6 +210,20 @@ def _choose_tokenizer(tokenizer: str | Path | None, stored_tokenizer: Any, token
         searched = ", ".join(str(d) for d in tokenizer_dirs) or "(nothing)"
         raise ValueError(f"no tokenizer files found in {searched}; pass `tokenizer` (--tokenizer DIR)")
     return load_tokenizer(found)
+
+
+def _tokenizer_dirs(path: Path, adapter: str | Path | None, base_model: str | Path | None) -> list[Path]:
+    """The folders a tokenizer is looked for in, in order, when none is named and the checkpoint holds none."""
+    dirs: list[Path] = []
+    if path.is_dir() and (path / "config.json").exists():
+        dirs.append(path)
+    elif path.is_dir() and (path / "adapter_config.json").exists():
+        dirs += [path, _base_for_adapter(path, base_model)]
+    if adapter is not None:
+        dirs.append(_existing(adapter, "adapter"))
+    if base_model is not None:
+        dirs.append(Path(resolve_pretrained(base_model, "base_model")))
+    return dirs
 
 
 def _huggingface_parts(state: Any, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Prompt templates and batched greedy decoding (left padding, stop at EOS) for evaluation."""
+"""Prompt templates, chat-template prompts and batched greedy decoding (left padding, stop at EOS) for evaluation."""
 
 # Shapes: B prompts in a batch, T padded prompt tokens, S = T + generated tokens, N generated tokens.
 
@@ -11,8 +11,11 @@ from collections.abc import Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from pipeline.prompts import chat_prompt_affixes
+
 __all__ = [
     "METAMATH_PROMPT",
+    "chat_prompt_ids",
     "default_dtype",
     "format_prompt",
     "generate_greedy",
@@ -57,6 +60,34 @@ def format_prompt(template: str, fields: Mapping[str, str]) -> str:
     return template.format_map(dict(fields))
 
 
+def chat_prompt_ids(tokenizer, messages: Sequence[str], *, name: str | None = None) -> list[list[int]]:
+    """The token ids of each message as the user turn of the tokenizer's chat template, the assistant's turn opened.
+
+    Built as `tools/shard.py --prompt-template chat` builds the prompt of a fine-tuning example
+    (`pipeline.sharding`): the ids `pipeline.prompts.chat_prompt_affixes` gives around the message,
+    the message encoded on its own with special-token text kept as text (a question holding
+    "<|im_end|>" cannot end its turn). So evaluation sees the fine-tuning prompt token for token.
+
+    Args:
+        tokenizer: A transformers tokenizer with a chat template.
+        messages: The user messages (`pipeline.prompts.render_prompt("chat", ...)`).
+        name: How an error names the tokenizer (default: its ``name_or_path``).
+
+    Returns:
+        One list of token ids per message.
+
+    Raises:
+        ValueError: If the tokenizer has no chat template, or its template does not render the
+            message exactly once.
+    """
+    name = name or f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r}"
+    prefix, suffix = chat_prompt_affixes(tokenizer, name=name)
+    if not messages:
+        return []
+    encoded = tokenizer(list(messages), add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return [[*prefix, *ids, *suffix] for ids in encoded]
+
+
 def resolve_device(device: str | None = None) -> torch.device:
     """``device`` if given, else CUDA when available, else CPU."""
     if device:
@@ -73,7 +104,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def generate_greedy(
     model: torch.nn.Module,
     tokenizer,
-    prompts: Sequence[str],
+    prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
     batch_size: int = 8,
     max_new_tokens: int = 512,
@@ -87,11 +118,12 @@ def generate_greedy(
     the first batch and padding is minimal), left-padded, decoded greedily until EOS or
     ``max_new_tokens``, and returned in the input order. Only the new tokens are decoded;
     special tokens are dropped and the text is cut at the first of ``stop_strings``.
+    A prompt given as token ids (`chat_prompt_ids`) is used as it is.
 
     Args:
         model: A Hugging Face causal LM (``generate``-capable), already on its device.
         tokenizer: Its tokenizer. Without a pad token the EOS token is used for padding.
-        prompts: Prompt strings.
+        prompts: Prompt strings (encoded with the tokenizer's special tokens) or token-id lists.
         batch_size: Prompts per ``generate`` call (default 8).
         max_new_tokens: Generation budget per prompt (default 512).
         stop_strings: Completions are truncated at the first occurrence of any of these.
@@ -119,7 +151,9 @@ def generate_greedy(
     if not prompts:
         return []
 
-    encoded = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded_texts = iter(tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else [])
+    encoded = [list(next(encoded_texts)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
     config = GenerationConfig(
         do_sample=False,
@@ -131,28 +165,32 @@ def generate_greedy(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # generation continues from the last position of every row
     completions: list[str] = [""] * len(prompts)
     try:
         with tqdm(total=len(prompts), desc=desc, disable=not show_progress, unit="prompt") as bar:
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
-                texts = _generate_batch(model, tokenizer, [prompts[i] for i in idx], device, config)
+                texts = _generate_batch(model, tokenizer, [encoded[i] for i in idx], device, config)
                 for i, text in zip(idx, texts):
                     completions[i] = _truncate(text, stop_strings)
                 bar.update(len(idx))
     finally:
-        tokenizer.padding_side = old_side
         model.train(was_training)
     return completions
 
 
-def _generate_batch(model: torch.nn.Module, tokenizer, prompts: list[str], device: torch.device, config) -> list[str]:
-    """The decoded new tokens (special tokens dropped) of one left-padded ``generate`` call over ``prompts``."""
-    batch = tokenizer(prompts, padding=True, return_tensors="pt")
-    input_ids_BT = batch["input_ids"].to(device)
-    attention_mask_BT = batch["attention_mask"].to(device)
+def _generate_batch(
+    model: torch.nn.Module, tokenizer, prompts: list[list[int]], device: torch.device, config
+) -> list[str]:
+    """The decoded new tokens (special tokens dropped) of one ``generate`` call over token-id prompts, left-padded
+    (generation continues from the last position of every row)."""
+    width = max(len(ids) for ids in prompts)
+    input_ids_BT = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask_BT = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids_BT[row, width - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
+        attention_mask_BT[row, width - len(ids) :] = 1
+    input_ids_BT, attention_mask_BT = input_ids_BT.to(device), attention_mask_BT.to(device)
     out_BS = model.generate(  # type: ignore[operator]
         input_ids=input_ids_BT, attention_mask=attention_mask_BT, generation_config=config
     )

@@ -12,14 +12,15 @@ from typing import Any
 import torch
 
 from pipeline.evaluation.answers import extract_answer, is_equivalent
-from pipeline.evaluation.generate import METAMATH_PROMPT, format_prompt, generate_greedy
+from pipeline.evaluation.generate import METAMATH_PROMPT, chat_prompt_ids, format_prompt, generate_greedy
 from pipeline.evaluation.math_suites import SUITES, MathExample, load_suite
-from pipeline.prompts import render_prompt
+from pipeline.prompts import CHAT, render_prompt
 
 __all__ = [
     "MATH_PROMPT_TEMPLATES",
     "MathEvalResult",
     "SuiteResult",
+    "build_math_prompts",
     "evaluate_math",
     "format_math_table",
     "render_math_prompt",
@@ -77,7 +78,8 @@ def render_math_prompt(template: str, query: str) -> str:
         template: ``"metamath"`` (MetaMath's evaluation prompt, the default of the CLI), a string
             with a ``{query}`` placeholder, or anything `pipeline.prompts.render_prompt` accepts (a
             training template name such as ``"alpaca"``, or a string with ``{instruction}``), so the
-            evaluation prompt can match the fine-tuning prompt exactly.
+            evaluation prompt can match the fine-tuning prompt exactly. For ``"chat"`` this is the
+            user message only: `build_math_prompts` puts it in the tokenizer's chat template.
         query: The problem text (options included).
 
     Returns:
@@ -91,6 +93,26 @@ def render_math_prompt(template: str, query: str) -> str:
     if "{query}" in template:
         return format_prompt(template, {"query": query})
     return render_prompt(template, query)
+
+
+def build_math_prompts(tokenizer, template: str, queries: Sequence[str]) -> list[str] | list[list[int]]:
+    """The prompts of problems, as `evaluate_math` gives them to the model.
+
+    Args:
+        tokenizer: The evaluated model's tokenizer.
+        template: See `render_math_prompt`. ``"chat"`` gives token ids: the problem as the user
+            turn of the tokenizer's chat template, exactly the prompt of a fine-tuning example
+            sharded with ``--prompt-template chat`` (`pipeline.evaluation.generate.chat_prompt_ids`).
+        queries: The problem texts.
+
+    Returns:
+        One prompt per problem: text, or token ids for ``"chat"``.
+
+    Raises:
+        ValueError: If the template is invalid, or is ``"chat"`` and the tokenizer has no chat template.
+    """
+    messages = [render_math_prompt(template, q) for q in queries]
+    return chat_prompt_ids(tokenizer, messages) if template == CHAT else messages
 
 
 def score_completions(
@@ -169,7 +191,8 @@ def evaluate_math(
         The per-suite results and all predictions.
 
     Raises:
-        ValueError: For an unknown suite or a template without usable placeholders.
+        ValueError: For an unknown suite, a template without usable placeholders, or ``"chat"`` with
+            a tokenizer that has no chat template.
         FileNotFoundError: If a suite file is missing.
     """
     # Load everything first so a missing file fails before hours of generation.
@@ -178,7 +201,7 @@ def evaluate_math(
     for examples in loaded:
         if not examples:
             continue
-        prompts = [render_math_prompt(prompt_template, ex.query) for ex in examples]
+        prompts = build_math_prompts(tokenizer, prompt_template, [ex.query for ex in examples])
         completions = generate_greedy(
             model,
             tokenizer,

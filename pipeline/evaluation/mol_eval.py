@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 
-from pipeline.evaluation.generate import generate_greedy
+from pipeline.evaluation.generate import chat_prompt_ids, generate_greedy
 from pipeline.evaluation.math_suites import read_json_records
 from pipeline.evaluation.mol_metrics import evaluate_predictions
-from pipeline.prompts import render_prompt
+from pipeline.prompts import CHAT, render_prompt
 
 __all__ = [
     "MolExample",
+    "build_mol_prompts",
     "evaluate_mol_generation",
     "format_mol_table",
     "load_mol_instructions",
@@ -96,6 +97,27 @@ def load_mol_instructions(
     return out
 
 
+def build_mol_prompts(tokenizer, template: str, examples: Sequence[MolExample]) -> list[str] | list[list[int]]:
+    """The prompts of examples, as `evaluate_mol_generation` gives them to the model.
+
+    Args:
+        tokenizer: The evaluated model's tokenizer.
+        template: A `pipeline.prompts` template name or string. ``"chat"`` gives token ids: the
+            instruction (and input) as the user turn of the tokenizer's chat template, exactly the
+            prompt of a fine-tuning example sharded with ``--prompt-template chat``
+            (`pipeline.evaluation.generate.chat_prompt_ids`).
+        examples: From `load_mol_instructions`.
+
+    Returns:
+        One prompt per example: text, or token ids for ``"chat"``.
+
+    Raises:
+        ValueError: If the template is invalid, or is ``"chat"`` and the tokenizer has no chat template.
+    """
+    messages = [render_prompt(template, ex.instruction, ex.input) for ex in examples]
+    return chat_prompt_ids(tokenizer, messages) if template == CHAT else messages
+
+
 def evaluate_mol_generation(
     model: torch.nn.Module,
     tokenizer,
@@ -116,14 +138,14 @@ def evaluate_mol_generation(
         batch_size: Prompts per generate call (default 8).
         max_new_tokens: Generation budget (default 256).
         prompt_template: A `pipeline.prompts` template name or string (default ``"alpaca"``, the
-            fine-tuning prompt; Mol-Instructions also uses Alpaca's prompt).
+            fine-tuning prompt; Mol-Instructions also uses Alpaca's prompt); see `build_mol_prompts`.
         drop_invalid: Mol-Instructions' protocol of scoring valid molecules only (default True).
         show_progress: tqdm bar.
 
     Returns:
         ``(metrics per task plus "average", prediction records {task, index, prediction, reference})``.
     """
-    prompts = [render_prompt(prompt_template, ex.instruction, ex.input) for ex in examples]
+    prompts = build_mol_prompts(tokenizer, prompt_template, examples)
     completions = generate_greedy(
         model,
         tokenizer,
@@ -187,9 +209,11 @@ def write_mol_results(
 def _fmt(value: float | None) -> str:
     if value is None:
         return "-"
+    if isinstance(value, int):  # a count (n, n_scored)
+        return str(value)
     if value != value:  # NaN
         return "nan"
-    return str(int(value)) if float(value).is_integer() and value > 1 else f"{value:.4f}"
+    return f"{value:.4f}"
 
 
 def _nan_to_none(obj: Any) -> Any:

@@ -153,7 +153,7 @@ def molecule_metrics(
 
     Returned keys:
 
-    - ``n``: examples; ``n_scored``: examples BLEU/exact/``levenshtein_selfies`` were computed on.
+    - ``n``: examples; ``n_scored``: examples BLEU/exact/``levenshtein_selfies`` were computed on (integers).
     - ``validity``: valid predictions / n.
     - ``bleu``: character-level corpus BLEU on the SELFIES strings, in [0, 1] (what the paper and
       Mol-Instructions report as BLEU).
@@ -191,8 +191,8 @@ def molecule_metrics(
     fps = [f for f in (fingerprint_similarities(p, r) for p, r in pairs) if f is not None]
     smiles_levs = [levenshtein(p, r) for p, r in pairs]
     return {
-        "n": float(len(preds)),
-        "n_scored": float(len(scored)),
+        "n": len(preds),
+        "n_scored": len(scored),
         "validity": sum(p is not None for p in pred_smi) / len(preds),
         "bleu": char_bleu([preds[i] for i in scored], [refs[i] for i in scored]),
         "levenshtein": _mean(smiles_levs),
@@ -208,7 +208,7 @@ def molecule_metrics(
 def text_metrics(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
     """Metrics for tasks whose outputs are text or numbers (no molecule checks).
 
-    Returns ``n``, ``bleu`` (sacrebleu corpus BLEU with its default ``13a`` word tokenizer, in
+    Returns ``n`` (an integer), ``bleu`` (sacrebleu corpus BLEU with its default ``13a`` word tokenizer, in
     [0, 1]), ``levenshtein`` (mean character edit distance) and ``exact_match`` (after stripping).
 
     Raises:
@@ -223,7 +223,7 @@ def text_metrics(predictions: Sequence[str], references: Sequence[str]) -> dict[
     preds = [p.strip() for p in predictions]
     refs = [r.strip() for r in references]
     return {
-        "n": float(len(preds)),
+        "n": len(preds),
         "bleu": BLEU().corpus_score(preds, [refs]).score / 100.0,
         "levenshtein": _mean([levenshtein(p, r) for p, r in zip(preds, refs)]),
         "exact_match": _mean([float(p == r) for p, r in zip(preds, refs)]),

@@ -266,9 +266,10 @@ def test_shards_of_another_tokenizer_are_refused_before_the_loaders_and_the_mode
 ):
     # Found by a new-user review: dm_math shards (SmolLM2's 49152 ids) under the tiny yaml's 4096-token tokenizer
     # built everything, then failed inside torch.embedding with "index out of range in self".
+    import shard as shard_tool
+
     import composer_algos.models.causal_lm
     import pipeline.loaders
-    import shard as shard_tool
     import train
     from composer_algos.registry import load_run_config
     from pipeline.manifest import load_manifest, tokenizer_mismatch

@@ -45,3 +45,23 @@ def test_ppl_matches_training_evaluators_and_cli(dolma_shards, tmp_path):
     for name, value in during.items():
         assert saved[name]["log_ppl"] == pytest.approx(value, rel=1e-5)
     assert "average" in result.stdout
+
+
+def test_ppl_refuses_shards_of_another_tokenizer_before_the_model_loads(dolma_shards, tmp_path, monkeypatch):
+    # Found by a new-user review: a model of another vocabulary failed in the embedding ("index out of range").
+    import pipeline.evaluation.checkpoint
+    from tests.data.mds_helpers import load_tool
+
+    other = tmp_path / "tok"
+    assert load_tool("train_tokenizer").main(["--out", str(other), "--vocab-size", "400", "--scale", "0.03"]) == 0
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model was loaded before the shards' tokenizer was checked")
+
+    monkeypatch.setattr(pipeline.evaluation.checkpoint, "load_model_and_tokenizer", loads)
+    with pytest.raises(SystemExit) as info:
+        load_tool("evaluate").main(["ppl", "--model", str(tmp_path / "model.pt"), "--tokenizer", str(other),
+                                    "--shards", str(dolma_shards), "--no-progress"])
+    msg = str(info.value.code)
+    assert msg.startswith(f"ppl: --shards: the model's tokenizer {str(other)!r} (vocabulary 400, EOS id 0) is not the "
+                          f"tokenizer the shards in {dolma_shards} were written with"), msg
