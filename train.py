@@ -42,8 +42,6 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from composer_algos.registry import type_components
     from pipeline.dataset import split_samples
     from pipeline.loaders import train_dataloader_from_config
-    from pipeline.manifest import load_manifest
-    from pipeline.tokenizer import load_tokenizer
 
     cfg = type_components(cfg)  # a config from pipeline.config.load_config: its components checked first
     if cfg.device_train_microbatch_size == "auto" and not torch.cuda.is_available():
@@ -58,16 +56,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     device_batch = cfg.global_train_batch_size // world
 
     data = cfg.train_loader.dataset
-    # What the yaml names, read before anything is built: train.py reports these in one line.
-    try:
-        manifest = load_manifest(data.shard_dir)
-    except ValueError as e:
-        raise ConfigError(f"train_loader.dataset.shard_dir: {e}") from e
-    try:
-        tokenizer = load_tokenizer(cfg.tokenizer_name)
-        _check_shard_tokenizers(cfg, tokenizer, manifest)
-    except (ValueError, FileNotFoundError) as e:
-        raise ConfigError(str(e)) from e
+    tokenizer, manifest = _tokenizer_and_shards(cfg)
     domain_names = [d.name for d in manifest.domains]
     weights = stream_weights(data.domain_weights, data.domain_weights_file, where="train_loader.dataset")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -113,8 +102,26 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     )
 
 
+def _tokenizer_and_shards(cfg: TrainConfig) -> tuple[Any, Any]:
+    """The run's tokenizer and the training shards' manifest, read before anything is built; what is wrong with
+    them (missing, unreadable, another tokenizer's shards) is a `ConfigError`, which train.py reports in one line."""
+    from pipeline.manifest import load_manifest
+    from pipeline.tokenizer import load_tokenizer
+
+    try:
+        manifest = load_manifest(cfg.train_loader.dataset.shard_dir)
+    except ValueError as e:
+        raise ConfigError(f"train_loader.dataset.shard_dir: {e}") from e
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer_name)
+        _check_shard_tokenizers(cfg, tokenizer, manifest)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+    return tokenizer, manifest
+
+
 def _check_shard_tokenizers(cfg: TrainConfig, tokenizer: Any, manifest: Any) -> None:
-    """The training shards, and evaluation shards kept elsewhere, hold this run's tokenizer's ids (before any build)."""
+    """The training shards, and evaluation shards kept elsewhere, hold this run's tokenizer's ids."""
     from pipeline.manifest import load_manifest, tokenizer_mismatch
 
     manifests = [manifest]

@@ -127,6 +127,7 @@ def build_domain_shards(*, tokenizer: Any, device_batch_size: int | float, **cfg
 
     loader = _checked(FoundryTrainLoader, cfg, "train_loader")
     data = loader.dataset
+    _check_tokenizer(data.shard_dir, tokenizer, "train_loader")
     pool = int(round(_rows(device_batch_size, "device_train_batch_size") * loader.oversampling))
     return train_dataloader_from_config(
         loader,
@@ -151,6 +152,7 @@ def build_domain_shards_eval(*, tokenizer: Any, device_batch_size: int | float, 
 
     loader = _checked(FoundryEvalLoader, cfg, "eval_loader")
     data = loader.dataset
+    _check_tokenizer(data.shard_dir, tokenizer, "eval_loader")
     return build_heldout_dataloader(
         shard_dir=data.shard_dir,
         domains=eval_domains(data.shard_dir, data.split, data.domains),
@@ -323,6 +325,18 @@ def _rows(device_batch_size: int | float, key: str) -> int:
     if float(device_batch_size) != int(device_batch_size) or device_batch_size < 1:
         raise ValueError(f"{key} must be a whole number of rows >= 1 for the domain-shard loaders, got {device_batch_size}")
     return int(device_batch_size)
+
+
+def _check_tokenizer(shard_dir: str, tokenizer: Any, where: str) -> None:
+    """The shards hold the ids of the run's tokenizer (`pipeline.manifest.tokenizer_mismatch`), checked where the
+    manifest is on local disk (else the loader reports the shards)."""
+    from pipeline.manifest import load_manifest, tokenizer_mismatch
+
+    if tokenizer is None or not os.path.isfile(os.path.join(shard_dir, "manifest.json")):
+        return
+    name = str(getattr(tokenizer, "name_or_path", "") or "?")
+    if problem := tokenizer_mismatch(load_manifest(shard_dir), tokenizer, name, field="tokenizer.name"):
+        raise ConfigError(f"{where}.dataset.shard_dir: {problem}")
 
 
 def _pad_id(tokenizer: Any) -> int:

@@ -46,32 +46,18 @@ def main(argv: list[str] | None = None) -> int:
         format_markdown,
         format_table,
         load_trajectory,
-        natural_sample_shares,
-        natural_token_shares,
-        read_labelled,
         to_token_shares,
     )
-    from composer_algos.mixture_io import read_mixture_json
 
     if args.doremi is None and not args.runs:
         parser.error("give --doremi and/or --runs")
 
     if args.units == "tokens" and args.manifest is None:
         parser.error("--units tokens needs --manifest (tokens per example come from the shard manifest)")
-    option = "--doremi"
-    try:  # the inputs, all read before anything is written: a missing or unreadable one is one line
-        doremi = read_mixture_json(args.doremi) if args.doremi is not None else None
-        runs = []
-        for spec in args.runs:
-            option = f"--runs {spec}"
-            runs.append(read_labelled(spec))
-        natural = None
-        if args.manifest is not None:
-            option = "--manifest"
-            shares = natural_token_shares if args.units == "tokens" else natural_sample_shares
-            natural = shares(args.manifest, args.split)
-    except (OSError, ValueError) as e:
-        print(f"compare_mixtures.py: {option}: {e}", file=sys.stderr)
+    try:
+        doremi, runs, natural = _read_inputs(args)
+    except _InputError as e:
+        print(f"compare_mixtures.py: {e}", file=sys.stderr)
         return 2
     if args.units == "tokens":
         if doremi is not None:
@@ -106,6 +92,33 @@ def main(argv: list[str] | None = None) -> int:
         print("no mixture_steps.csv next to the inputs; trajectories.png not written", file=sys.stderr)
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+class _InputError(Exception):
+    """An input that is missing or unreadable, with the option that named it."""
+
+
+def _read_inputs(args: argparse.Namespace) -> tuple:
+    """DoReMi's mixture, the runs' (label, mixture, path) and the natural shares, all read before anything is
+    written, so a missing or unreadable one is one line naming its option."""
+    from composer_algos.doremi.compare import natural_sample_shares, natural_token_shares, read_labelled
+    from composer_algos.mixture_io import read_mixture_json
+
+    option = "--doremi"
+    try:
+        doremi = read_mixture_json(args.doremi) if args.doremi is not None else None
+        runs = []
+        for spec in args.runs:
+            option = f"--runs {spec}"
+            runs.append(read_labelled(spec))
+        natural = None
+        if args.manifest is not None:
+            option = "--manifest"
+            shares = natural_token_shares if args.units == "tokens" else natural_sample_shares
+            natural = shares(args.manifest, args.split)
+    except (OSError, ValueError) as e:
+        raise _InputError(f"{option}: {e}") from e
+    return doremi, runs, natural
 
 
 if __name__ == "__main__":

@@ -125,6 +125,29 @@ def test_the_train_loader_delivers_the_pool_with_domain_ids(dolma_shards, tmp_pa
     assert set(batch) >= {"attention_mask", "labels", "sample_id"}
 
 
+def test_shards_of_another_tokenizer_are_refused_by_both_loaders(dolma_shards, tmp_path):
+    # The shards hold assets/tokenizer's ids; a run under another tokenizer would fail in the embedding or misread.
+    from llmfoundry.data.dataloader import build_dataloader
+    from transformers import PreTrainedTokenizerFast
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    try:
+        from train_tokenizer import EOS, PAD, corpus_texts, train
+    finally:
+        sys.path.pop(0)
+    other = PreTrainedTokenizerFast(tokenizer_object=train(corpus_texts(0, 0.03), 400), eos_token=EOS, pad_token=PAD)
+    cfg = foundry.complete_config(_tiny(dolma_shards, tmp_path))
+    for key in ("train_loader", "eval_loader"):
+        with pytest.raises(ConfigError, match=rf"{key}.dataset.shard_dir: tokenizer.name .*\(vocabulary 400, EOS id 0\) "
+                                              r"is not the tokenizer the shards .* \(vocabulary 4096, EOS id 0\)"):
+            build_dataloader(cfg[key] if key == "train_loader" else _first_eval(cfg), other, 4)
+
+
+def _first_eval(cfg: dict) -> dict:
+    ev = cfg["eval_loader"]
+    return ev[0] if isinstance(ev, list) else ev
+
+
 def test_the_loader_reads_fine_tuning_shards_with_the_prompt_masked(math_shards, tmp_path):
     from llmfoundry.data.dataloader import build_dataloader
     from transformers import AutoTokenizer
