@@ -13,8 +13,12 @@ Every run uses the same shards, model and kappa (`global_train_batch_size`); onl
 initialisation and the selection and validation draws; the data order stays the yaml's
 `train_loader.dataset.shuffle_seed`, so every strategy chooses from the same sequence of pools
 (pass `-- train_loader.dataset.shuffle_seed=N` to vary it too). Extra `key=value` arguments after
-`--` are passed to every run (e.g. `-- optimizer.lr=1e-3`). Runs already finished in `--out`
-are reused unless `--rerun`.
+`--` are passed to every run (e.g. `-- optimizer.lr=1e-3`). A run already finished in `--out` is
+reused (unless `--rerun`) when its saved config.yaml is the configuration this invocation would
+train, its save folder, name and evaluation interval aside; one finished with other settings
+(another `-- optimizer.lr`, other steps) is trained again, and the line saying so names the
+settings that differ; the finished run is moved to OUT/replaced/. A training always starts in an
+empty run folder (a `--reuse-from` link is removed, not trained through; `--rerun` replaces a run).
 
 Variants: `--variant NAME=STRATEGY[,yaml.key=value...]` adds a named configuration that is run,
 reported and paired like a strategy (e.g. `ps_w=partitionsel,algorithms.data_selection.weighted_loss=true`),
@@ -23,9 +27,11 @@ for one-at-a-time studies of a setting.
 Budgets (one of):
 - `--steps N`: every run trains N steps (equal steps).
 - `--compute-budget B`: equal compute. B is `LABEL=N` (what N steps of LABEL cost, e.g.
-  `random=200`) or `S`/`Ss` (S seconds of training). Each configuration's cost per step (seconds
-  of training: Composer's wall-clock account of data loading, selection and the training step,
-  evaluation excluded) is first measured by a calibration run (`--step-costs calibrate`, the
+  `random=200`; LABEL one of `--strategies`, a `--variant`'s name or a label of the given
+  `--step-costs`, checked before anything runs) or `S`/`Ss` (S seconds of training). Each
+  configuration's cost per step (seconds of training: Composer's wall-clock account of data
+  loading, selection and the training step, evaluation excluded) is first measured by a
+  calibration run (`--step-costs calibrate`, the
   default: the first seed, `--calibration-warmup` steps left out, then `--calibration-steps`
   timed, no evaluation; OUT/calibration.json, reused by any later plan, or `--calibration FILE`;
   `--calibration-from DIR` takes the timed steps of finished runs of the same configurations, e.g.
@@ -81,6 +87,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -114,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     given_costs = _settle_compute_options(parser, args, budget)
     if args.paired_baseline is not None and args.paired_baseline not in strategies:
         parser.error(f"--paired-baseline {args.paired_baseline!r} must be one of --strategies {strategies}")
+    if budget is not None and budget.reference is not None and budget.reference not in [*strategies, *(given_costs or {})]:
+        # LABEL=N is the cost of N steps of a run's label, measured (calibrated) or given with --step-costs.
+        costs = f" or of --step-costs {list(given_costs)}" if given_costs else ""
+        parser.error(
+            f"--compute-budget {args.compute_budget!r}: {budget.reference!r} must be one of --strategies {strategies}{costs}"
+        )
 
     gpus = [g for g in (args.gpus or "").split(",") if g]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -130,9 +143,14 @@ def main(argv: list[str] | None = None) -> int:
                 steps_of[sensitivity_label(label, n)] = n
     else:
         steps_of = {label: args.steps for label in strategies}
-    todo = _queue_runs(args, runs_of, steps_of, seeds, extra, plan)
+    from pipeline.config import ConfigError
+
+    try:
+        todo, changed = _queue_runs(args, runs_of, steps_of, seeds, extra, plan)
+    except ConfigError as e:  # the settings a finished run is compared with do not load
+        parser.error(str(e))
     if args.report_only:
-        if not _report_only_ready(args, todo, seeds):
+        if not _report_only_ready(args, todo, changed, seeds):
             return 2
         todo = []
     failed = _run_queue(todo, jobs=args.jobs, gpus=gpus, budget_seconds=args.budget_seconds)
@@ -269,9 +287,15 @@ def _queue_runs(
     seeds: list[int],
     extra: list[str],
     plan: dict[str, Any] | None,
-) -> list[tuple[Path, list[str]]]:
-    """(run folder, train.py command) of every run still to train, in `plan_runs`' order; finished runs are reused."""
-    todo = []
+) -> tuple[list[tuple[Path, list[str]]], list[str]]:
+    """(run folder, train.py command) of every run still to train, in `plan_runs`' order, and the names of
+    those among them that finished with other settings.
+
+    A finished run is reused when it was trained with the settings this invocation gives it
+    (`_finished_with_other_settings`); otherwise it is queued again, saying which settings differ,
+    and moved out of the way (`_move_aside`; a `--reuse-from` link is replaced when it trains).
+    """
+    todo, changed = [], []
     # With several jobs at once, the costlier runs of each seed start first (plan_runs).
     cost = expected_costs(args, steps_of, runs_of, extra, plan) if args.jobs > 1 and not args.report_only else None
     for label, seed in plan_runs(list(steps_of), seeds, cost):
@@ -292,18 +316,53 @@ def _queue_runs(
             extra=extra + variant_overrides,
         )
         if not args.rerun and not run_dir.exists() and args.reuse_from:
-            reuse_finished_run(run_dir, args.reuse_from, steps=steps, command=cmd)
+            if reuse_finished_run(run_dir, args.reuse_from, steps=steps, command=cmd) is not None:
+                continue
         if (run_dir / "eval_results.json").exists() and not args.rerun:
-            done = json.loads((run_dir / "eval_results.json").read_text()).get("steps")
-            note = "" if done in (None, steps) else f" (it trained {done} steps, {steps} now; --rerun to redo it)"
-            print(f"{run_dir.name}: already done, reusing{note}", flush=True)
-            continue
+            differ = _finished_with_other_settings(run_dir, cmd, steps=steps, budget_seconds=args.budget_seconds)
+            if not differ:
+                note = "" if (run_dir / "config.yaml").exists() else " (it has no config.yaml: only its steps were compared)"
+                print(f"{run_dir.name}: already done, reusing{note}", flush=True)
+                continue
+            changed.append(run_dir.name)
+            if args.report_only:
+                then = ""
+            elif run_dir.is_symlink():
+                then = "; training it again here (the run it links to stays)"
+            else:
+                then = f"; training it again (the finished run moved to {_move_aside(run_dir)})"
+            print(f"{run_dir.name}: finished with other settings ({_some(differ)}){then}", flush=True)
         todo.append((run_dir, cmd))
-    return todo
+    return todo, changed
 
 
-def _report_only_ready(args: argparse.Namespace, todo: list[tuple[Path, list[str]]], seeds: list[int]) -> bool:
-    """`--report-only`: list the unfinished runs; False (said on stderr) when the paired baseline has no finished run."""
+def _move_aside(run_dir: Path) -> Path:
+    """Move a finished run of other settings, with its log, to OUT/replaced/<name> (numbered when taken); its new path."""
+    dest, n = run_dir.parent / "replaced" / run_dir.name, 1
+    while dest.exists() or dest.is_symlink():
+        n += 1
+        dest = run_dir.parent / "replaced" / f"{run_dir.name}.{n}"
+    dest.parent.mkdir(exist_ok=True)
+    run_dir.rename(dest)
+    log = run_dir.with_suffix(".log")  # `_run_queue`'s
+    if log.is_file():
+        log.rename(dest / log.name)
+    return dest
+
+
+def _report_only_ready(
+    args: argparse.Namespace, todo: list[tuple[Path, list[str]]], changed: list[str], seeds: list[int]
+) -> bool:
+    """`--report-only`: list the unfinished runs; False (said on stderr) when a run finished with other settings
+    (the tables would report it as one of these) or the paired baseline has no finished run."""
+    if changed:
+        print(
+            f"--report-only: {len(changed)} runs in {args.out} finished with other settings than these: "
+            f"{', '.join(changed)}; give the settings they were trained with, or run without --report-only to "
+            "train them again",
+            file=sys.stderr,
+        )
+        return False
     if todo:
         print(f"--report-only: {len(todo)} runs not finished, left out: {', '.join(d.name for d, _ in todo)}")
     base = args.paired_baseline
@@ -341,14 +400,51 @@ def reuse_finished_run(run_dir: Path, sources: list[Path], *, steps: int, comman
             continue
         if wanted is None:
             wanted = _run_config(Path(command[2]), command[3:])
-        if _run_config(None, [], saved=src / "config.yaml") != wanted:
-            print(f"{run_dir.name}: {src} finished with other settings; training it here", flush=True)
+        differ = _settings_differences(_run_config(None, [], saved=src / "config.yaml"), wanted)
+        if differ:
+            print(f"{run_dir.name}: {src} finished with other settings ({_some(differ)}); training it here", flush=True)
             continue
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         run_dir.symlink_to(os.path.relpath(src.resolve(), run_dir.parent.resolve()), target_is_directory=True)
         print(f"{run_dir.name}: reusing the finished run {src} ({steps} steps)", flush=True)
         return src
     return None
+
+
+def _finished_with_other_settings(run_dir: Path, command: list[str], *, steps: int, budget_seconds: float | None) -> list[str]:
+    """How the run finished in `run_dir` was trained otherwise than `command` would train it (empty: the same run).
+
+    Its saved `config.yaml` is compared with what `command` resolves to, as `reuse_finished_run`
+    does, but for `_RUN_ONLY_KEYS` (`_settings_differences`). A run without one (train.py always
+    writes it; a folder made otherwise) can only be compared by its steps: the steps planned, or
+    at most them with `--budget-seconds`, which stops runs early.
+    """
+    if (run_dir / "config.yaml").exists():
+        wanted = _run_config(Path(command[2]), command[3:])
+        return _settings_differences(_run_config(None, [], saved=run_dir / "config.yaml"), wanted)
+    done = json.loads((run_dir / "eval_results.json").read_text()).get("steps")
+    if done is None or done == steps or (budget_seconds is not None and done < steps):
+        return []
+    return [f"steps: {done} -> {steps}"]
+
+
+def _settings_differences(saved: Any, wanted: Any, prefix: str = "") -> list[str]:
+    """`key: saved -> wanted` for every setting (a dotted key) whose value differs between two `_run_config`s."""
+    if isinstance(saved, dict) and isinstance(wanted, dict):
+        differ = []
+        for key in dict.fromkeys([*saved, *wanted]):
+            differ += _settings_differences(saved.get(key, "(unset)"), wanted.get(key, "(unset)"), f"{prefix}{key}.")
+        return differ
+    if saved == wanted:
+        return []
+    saved_text, wanted_text = (text if len(text := str(v)) <= 24 else text[:21] + "..." for v in (saved, wanted))
+    return [f"{prefix.removesuffix('.')}: {saved_text} -> {wanted_text}"]
+
+
+def _some(differ: list[str], at_most: int = 3) -> str:
+    """The first differences, and how many more."""
+    more = f" and {len(differ) - at_most} more" if len(differ) > at_most else ""
+    return ", ".join(differ[:at_most]) + more
 
 
 def _run_config(yaml: Path | None, overrides: list[str], *, saved: Path | None = None) -> dict[str, Any]:
@@ -797,7 +893,8 @@ def _add_compute_budget_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compute-budget",
         default=None,
-        help="equal compute: LABEL=N (the cost of N steps of LABEL, e.g. random=200) or SECONDS of training; "
+        help="equal compute: LABEL=N (the cost of N steps of LABEL, one of --strategies, a --variant's name or a "
+        "label of --step-costs; e.g. random=200) or SECONDS of training; "
         "each run trains the steps its measured step cost fits, its schedule (warm-up, decay) over its own steps",
     )
     parser.add_argument(
@@ -904,7 +1001,8 @@ def _add_queue_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--report-only",
         action="store_true",
-        help="train nothing: write the tables from the runs already finished in --out (the rest are listed as missing)",
+        help="train nothing: write the tables from the runs already finished in --out (the rest are listed as "
+        "missing; a run finished with other settings stops it)",
     )
     parser.add_argument(
         "--jobs",
@@ -1412,7 +1510,7 @@ def _run_queue(
     while todo or running:
         while todo and len(running) < jobs:
             run_dir, cmd = todo.pop(0)
-            run_dir.mkdir(parents=True, exist_ok=True)
+            _empty_run_dir(run_dir)
             env = run_env(
                 dict(os.environ), jobs=jobs, cores=cores, gpu=gpus[started % len(gpus)] if gpus else None
             )
@@ -1438,6 +1536,21 @@ def _run_queue(
             else:
                 print(f"  {run_dir.name} done in {time.perf_counter() - t0:.0f}s", flush=True)
     return failed
+
+
+def _empty_run_dir(run_dir: Path) -> None:
+    """An empty `run_dir` for a training to start in.
+
+    What an earlier training left there goes: evaluations are appended to `eval_history.csv`, and a
+    result or log the new run does not rewrite (its `eval_results.json` while it trains, a
+    `selected_ids.jsonl` it does not log) would be read as its own. A link (`--reuse-from`) is
+    removed, not trained through: the run it links to, another experiment's, stays as it is.
+    """
+    if run_dir.is_symlink():
+        run_dir.unlink()
+    elif run_dir.is_dir():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
 
 
 def _wait_until_training(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:

@@ -677,15 +677,17 @@ def test_equal_compute_flags_without_a_compute_budget_are_rejected(flag, tmp_pat
     assert f"{flag[0]} only apply with --compute-budget" in capsys.readouterr().err
 
 
-def test_a_finished_run_of_another_plan_is_reused_with_a_note(fake_training, tmp_path, capsys):
+def test_a_finished_run_of_another_plan_is_trained_again_and_says_why(fake_training, tmp_path, capsys):
+    # It was reused with a note, and the report then called its 20 steps 25 (a new-user review). The stub writes
+    # no config.yaml, so the steps are what is compared (tests/tools/test_run_experiment_reuse.py: the settings).
     tool, launched = fake_training
     args = _compute_args(tmp_path, "--compute-budget", "random=40", "--step-costs", "random=0.5,partitionsel=1.0")
     assert tool.main(args) == 0
     launched.clear()
     args[args.index("random=0.5,partitionsel=1.0")] = "random=0.5,partitionsel=0.8"  # now 25 steps
     assert tool.main(args) == 0
-    assert launched == []
-    assert "partitionsel-seed1: already done, reusing (it trained 20 steps, 25 now; --rerun to redo it)" in (
+    assert sorted(_arg(c, "max_duration") for c, _ in launched) == ["25ba", "25ba"]
+    assert "partitionsel-seed1: finished with other settings (steps: 20 -> 25); training it again" in (
         capsys.readouterr().out
     )
 
