@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ConfigError, TrainConfig, config_to_dict
@@ -121,17 +122,30 @@ def _tokenizer_and_shards(cfg: TrainConfig) -> tuple[Any, Any]:
 
 
 def _check_shard_tokenizers(cfg: TrainConfig, tokenizer: Any, manifest: Any) -> None:
-    """The training shards, and evaluation shards kept elsewhere, hold this run's tokenizer's ids."""
+    """The training shards, and evaluation and validation shards kept elsewhere, hold this run's tokenizer's ids."""
     from pipeline.manifest import load_manifest, tokenizer_mismatch
 
-    manifests = [manifest]
-    eval_dir = cfg.eval_loader.shard_dir if cfg.eval_loader is not None else None
-    same = eval_dir and os.path.abspath(eval_dir) == os.path.abspath(cfg.train_loader.dataset.shard_dir)
-    if eval_dir and not same and os.path.isfile(os.path.join(eval_dir, "manifest.json")):  # else: the loader says
-        manifests.append(load_manifest(eval_dir))
-    for m in manifests:
+    train_dir = os.path.abspath(cfg.train_loader.dataset.shard_dir)
+    selection = cfg.algorithms.get("data_selection")
+    validation = getattr(selection, "validation", None) if selection is not None else None
+    if isinstance(validation, (str, os.PathLike)):
+        validation = {"shard_dir": validation}
+    others = {
+        "eval_loader.shard_dir": cfg.eval_loader.shard_dir if cfg.eval_loader is not None else None,
+        "algorithms.data_selection.validation.shard_dir": (
+            validation.get("shard_dir") if isinstance(validation, Mapping) else None
+        ),
+    }
+    checked = [("train_loader.dataset.shard_dir", manifest)]
+    for key, path in others.items():  # shards not on local disk yet: their loader reports them
+        if path and os.path.abspath(path) != train_dir and os.path.isfile(os.path.join(path, "manifest.json")):
+            try:
+                checked.append((key, load_manifest(path)))
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from e
+    for key, m in checked:
         if problem := tokenizer_mismatch(m, tokenizer, str(cfg.tokenizer_name)):
-            raise ValueError(problem)
+            raise ValueError(f"{key}: {problem}")
 
 
 def _run_settings(cfg: TrainConfig) -> dict[str, Any]:

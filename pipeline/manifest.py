@@ -25,6 +25,7 @@ __all__ = [
     "manifest_from_dict",
     "tokenizer_mismatch",
     "verify_output",
+    "vocab_fingerprint",
     "write_manifest",
 ]
 
@@ -115,6 +116,8 @@ class Manifest:
             readable domain, or a domain with nothing written).
         filtered_out: Records excluded by the split filter (`split_filter`).
         split_filter: The split label kept (e.g. "train"), or None.
+        vocab_sha256: `vocab_fingerprint` of the tokenizer over its `vocab_size` ids, or None (shards written
+            before it was recorded).
         root: The directory the manifest belongs to.
     """
 
@@ -139,6 +142,7 @@ class Manifest:
     rejected_other: int = 0
     filtered_out: int = 0
     split_filter: str | None = None
+    vocab_sha256: str | None = None
     root: Path | None = field(default=None, compare=False)
 
     @property
@@ -261,6 +265,7 @@ def manifest_from_dict(obj: Any, source: str = "manifest") -> Manifest:
         rejected_other=get(obj, "rejected_other", (int,), "", optional=True) or 0,
         filtered_out=get(obj, "filtered_out", (int,), "", optional=True) or 0,
         split_filter=get(obj, "split_filter", (str,), "", optional=True),
+        vocab_sha256=get(obj, "vocab_sha256", (str,), "", optional=True),
     )
     if not problems and inputs:
         read = sum(i.records for i in inputs)
@@ -274,21 +279,38 @@ def manifest_from_dict(obj: Any, source: str = "manifest") -> Manifest:
     return manifest
 
 
+def vocab_fingerprint(tokenizer: Any, size: int) -> str:
+    """sha256 of the tokens `tokenizer` gives ids 0 .. size-1, one a line: what the ids of shards mean."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
+    return hashlib.sha256("\n".join(str(t) for t in tokens).encode("utf-8")).hexdigest()
+
+
 def tokenizer_mismatch(manifest: Manifest, tokenizer: Any, name: str, *, field: str = "tokenizer_name") -> str | None:
     """Why `tokenizer` (named `name` by `field`) cannot read the shards of `manifest`, or None when it can.
 
     The shards hold token ids of the tokenizer they were written with. A run with another one fails inside the
     embedding (an id past the model's vocabulary: "index out of range"), or, when the ids happen to fit, trains
-    and evaluates on text it reads as something else. The vocabulary size and the EOS id the shards recorded
-    tell most tokenizers apart without loading the one they name (its path may be another machine's).
+    and evaluates on text it reads as something else. With the shards' `vocab_sha256`, `tokenizer` must give
+    their ids the same tokens (`vocab_fingerprint` over the shards' `vocab_size`): a base model's and its
+    instruct model's tokenizer, which differ in their EOS only, read the same shards, and so does a tokenizer
+    with tokens added after the shards' (a GGUF file's padded vocabulary). Shards written before the
+    fingerprint was recorded compare the vocabulary size alone. The tokenizer the manifest names is not loaded:
+    its path may be another machine's.
     """
-    size, eos = len(tokenizer), tokenizer.eos_token_id
-    if (size, eos) == (manifest.vocab_size, manifest.eos_token_id):
+    size = len(tokenizer)
+    if manifest.vocab_sha256 is None:
+        if size == manifest.vocab_size:
+            return None
+        why = f"vocabulary {size}, the shards' {manifest.vocab_size}"
+    elif size >= manifest.vocab_size and vocab_fingerprint(tokenizer, manifest.vocab_size) == manifest.vocab_sha256:
         return None
+    elif size < manifest.vocab_size:
+        why = f"vocabulary {size}, smaller than the shards' {manifest.vocab_size}"
+    else:
+        why = f"its ids 0-{manifest.vocab_size - 1} are other tokens than the shards'"
     return (
-        f"{field} {name!r} (vocabulary {size}, EOS id {eos}) is not the tokenizer the shards in {manifest.root} were "
-        f"written with: {manifest.tokenizer!r} (vocabulary {manifest.vocab_size}, EOS id {manifest.eos_token_id}); "
-        f"use that one, or re-shard with tools/shard.py --tokenizer {name}"
+        f"{field} {name!r} is not the tokenizer the shards in {manifest.root} were written with "
+        f"({manifest.tokenizer!r}): {why}; use that one, or re-shard with tools/shard.py --tokenizer {name}"
     )
 
 

@@ -49,6 +49,7 @@ from pipeline.manifest import (
     InputInfo,
     Manifest,
     SplitStats,
+    vocab_fingerprint,
     write_manifest,
 )
 from pipeline.prompts import CHAT, chat_prompt_affixes, render_prompt, resolve_prompt_template
@@ -587,6 +588,7 @@ def _shard_manifest(
         rejected_other=writer.rejected_other,
         filtered_out=writer.filtered_out,
         split_filter=spec.split if spec.split_field is not None else None,
+        vocab_sha256=vocab_fingerprint(tokenizer, len(tokenizer)),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -131,3 +132,35 @@ def test_committed_tokenizer_is_reproduced_by_the_script(tmp_path):
     tool = load_tool("train_tokenizer")
     assert tool.main(["--out", str(tmp_path / "tok")]) == 0
     assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == (REPO_ROOT / "assets" / "tokenizer" / "tokenizer.json").read_bytes()
+
+
+def test_a_tokenizer_reads_the_shards_when_it_gives_their_ids_the_same_tokens(output, tmp_path):
+    # The shards (`output`) hold the demo tokenizer's ids and its fingerprint.
+    from transformers import AutoTokenizer
+
+    from pipeline.manifest import tokenizer_mismatch, vocab_fingerprint
+
+    m = load_manifest(output)
+    demo = load_tokenizer(DEMO_TOKENIZER)
+    assert m.vocab_sha256 == vocab_fingerprint(demo, 4096) and tokenizer_mismatch(m, demo, "demo") is None
+    # Tokens added after the shards' (a GGUF file's padded vocabulary) and another EOS (a base model's tokenizer
+    # and its instruct model's): the shards' ids mean what they meant.
+    grown = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    grown.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "eos_token": "<|im_end|>"})
+    assert len(grown) == 4098 and grown.eos_token_id != m.eos_token_id
+    assert tokenizer_mismatch(m, grown, "grown") is None
+    # Another tokenizer of the same size gives the ids other tokens; a smaller one cannot hold them.
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(demo.backend_tokenizer.to_str())
+    ids = spec["model"]["vocab"]
+    a, b = (next(t for t, i in ids.items() if i == k) for k in (300, 301))
+    ids[a], ids[b] = 301, 300  # two tokens trade ids
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="<|endoftext|>")
+    assert len(other) == 4096 and other.convert_ids_to_tokens(300) == b
+    assert "its ids 0-4095 are other tokens than the shards'" in tokenizer_mismatch(m, other, "other")
+    # Shards written before the fingerprint: the vocabulary size alone.
+    old = dataclasses.replace(m, vocab_sha256=None)
+    assert tokenizer_mismatch(old, other, "other") is None
+    assert "vocabulary 4098, the shards' 4096" in tokenizer_mismatch(old, grown, "grown")

@@ -138,8 +138,8 @@ def test_shards_of_another_tokenizer_are_refused_by_both_loaders(dolma_shards, t
     other = PreTrainedTokenizerFast(tokenizer_object=train(corpus_texts(0, 0.03), 400), eos_token=EOS, pad_token=PAD)
     cfg = foundry.complete_config(_tiny(dolma_shards, tmp_path))
     for key in ("train_loader", "eval_loader"):
-        with pytest.raises(ConfigError, match=rf"{key}.dataset.shard_dir: tokenizer.name .*\(vocabulary 400, EOS id 0\) "
-                                              r"is not the tokenizer the shards .* \(vocabulary 4096, EOS id 0\)"):
+        with pytest.raises(ConfigError, match=rf"{key}.dataset.shard_dir: tokenizer.name .* is not the tokenizer the "
+                                              r"shards .*: vocabulary 400, smaller than the shards' 4096"):
             build_dataloader(cfg[key] if key == "train_loader" else _first_eval(cfg), other, 4)
 
 

@@ -79,10 +79,14 @@ def test_bad_values_name_field_and_value(tmp_path):
     assert "100sp" in msg and "optimizer.lr" in msg and "'step'" in msg
     with pytest.raises(ConfigError, match="global_train_batch_size"):
         load_config(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml", ["global_train_batch_size=abc"])
-    # A number where a duration is meant is told what a duration is, not "expected str" (a new-user review).
-    with pytest.raises(ConfigError, match=r"max_duration must be a duration like 1000ba, 2ep or 0.5dur, got '3'"):
+    # A number where a duration is meant is told what a duration needs, not only "expected str" (a new-user
+    # review); a number for a text field is refused, not read as text: the yaml has made 007 of it 7.
+    with pytest.raises(ConfigError, match=r"max_duration has the wrong type: got 3, expected str \(a duration has a "
+                                          r"unit: 3ba, 3ep"):
         load_config(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml", ["max_duration=3"])
-    assert load_config(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml", ["run_name=2024"]).run_name == "2024"
+    with pytest.raises(ConfigError, match=r"run_name has the wrong type: got 7, .*quote it to give it as text"):
+        load_config(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml", ["run_name=007"])
+    assert load_config(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml", ["run_name='007'"]).run_name == "007"
 
 
 def test_missing_yaml_file():
@@ -262,7 +266,7 @@ def test_fsdp_config_typos_bad_strategies_and_a_hybrid_without_replicas_are_repo
 
 
 def test_shards_of_another_tokenizer_are_refused_before_the_loaders_and_the_model_are_built(
-    corpus_dir, tmp_path, monkeypatch
+    corpus_dir, dolma_shards, tmp_path, monkeypatch
 ):
     # Found by a new-user review: dm_math shards (SmolLM2's 49152 ids) under the tiny yaml's 4096-token tokenizer
     # built everything, then failed inside torch.embedding with "index out of range in self".
@@ -292,9 +296,16 @@ def test_shards_of_another_tokenizer_are_refused_before_the_loaders_and_the_mode
     with pytest.raises(ValueError) as info:
         train.build_trainer(cfg)
     msg = str(info.value)
-    assert f"is not the tokenizer the shards in {shards} were written with: {str(other)!r} (vocabulary 400" in msg, msg
-    assert "vocabulary 4096" in msg and "tokenizer_name" in msg
+    # The run's tokenizer is the larger (4096 ids): the shards' ids fit it, and it would read them as other tokens.
+    assert f"tokenizer_name 'assets/tokenizer' is not the tokenizer the shards in {shards} were written with " \
+           f"({str(other)!r}): its ids 0-399 are other tokens than the shards'" in msg, msg
     assert tokenizer_mismatch(load_manifest(shards), load_tokenizer(other), str(other)) is None
+    # The guide's shards kept apart: the run's tokenizer (400 ids) cannot hold the demo tokenizer's.
+    cfg = load_run_config(TINY, tiny_overrides(shards, tmp_path / "run2", f"tokenizer_name={other}",
+                                               f"{SEL}.validation.shard_dir={dolma_shards}"))
+    with pytest.raises(ValueError, match=rf"^{SEL}.validation.shard_dir: tokenizer_name .* is not the tokenizer the "
+                                         r"shards .*: vocabulary 400, smaller than the shards' 4096"):
+        train.build_trainer(cfg)
 
 
 def test_a_missing_shard_directory_or_tokenizer_is_one_line_and_exit_2(dolma_shards, tmp_path, capsys):
