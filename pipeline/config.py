@@ -354,10 +354,12 @@ _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
 def fsdp_config_problems(fsdp: dict[str, Any] | None) -> list[str]:
-    """What Composer's Trainer would reject in `fsdp_config`, or silently change, found before anything is built.
+    """What Composer would silently ignore or change in `fsdp_config`, or reject late, found before anything is built.
 
     Composer 0.32.1 builds its `FSDPConfig` from the mapping when the Trainer is constructed, after the loaders and
-    the model: an unknown key is a bare TypeError there. And a hybrid strategy needs a two-dimensional device
+    the model, and its `__init__` sets every key it is given as an attribute: a misspelt key
+    (`sharding_stratgy: HYBRID_SHARD`) is ignored and the default used, with no message. An unknown strategy is a
+    KeyError there. And a hybrid strategy needs a two-dimensional device
     mesh: without `data_parallel_replicate_degree` Composer warns and runs FULL_SHARD (or SHARD_GRAD_OP) over every
     rank (composer/distributed/dist_strategy.py), so a multi-node run would shard across nodes. Imports Composer
     (seconds) only when the run asks for FSDP, which builds it anyway.
@@ -610,26 +612,29 @@ def _convert(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
                 return _build(a, value, key + ".", problems)
             if _matches(a, value):
                 return _convert(a, value, key, problems)
-        if str in non_none and _is_number(value):
-            return str(value)  # as below
-        problems.append(f"{key} has the wrong type: got {value!r}, expected {_type_name(tp)}")
+        problems.append(f"{key} has the wrong type: got {value!r}, expected {_type_name(tp)}{_text_hint(key, value)}")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".", problems)
-    if tp is str and _is_number(value):
-        # A yaml or command-line number where text is meant (`run_name=2024`, `max_duration=3`): the text, which
-        # the field's own check then judges ("must be a duration like 1000ba ..., got '3'").
-        return str(value)
     if not _matches(tp, value):
-        problems.append(f"{key} has the wrong type: got {value!r}, expected {_type_name(tp)}")
+        problems.append(f"{key} has the wrong type: got {value!r}, expected {_type_name(tp)}{_text_hint(key, value)}")
         return value
     if tp is float and isinstance(value, int):
         return float(value)
     return value
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+_DURATION_KEYS = ("max_duration", "eval_interval", "save_interval", "console_log_interval", "t_warmup")
+
+
+def _text_hint(key: str, value: Any) -> str:
+    """What a number given where text is meant needs. Not converted: the yaml has already read `007` as 7 and
+    `0123` as 83, so the number's text is not what was typed."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return ""
+    if key.rsplit(".", 1)[-1] in _DURATION_KEYS:
+        return f" (a duration has a unit: {value}ba, {value}ep, or a fraction of the run such as 0.5dur)"
+    return f" (a number: quote it to give it as text, {key}='{value}')"
 
 
 def _matches(tp: Any, value: Any) -> bool:
