@@ -59,6 +59,12 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     data = cfg.train_loader.dataset
     tokenizer, manifest = _tokenizer_and_shards(cfg)
     domain_names = [d.name for d in manifest.domains]
+    if "doremi" in cfg.algorithms and data.domains is not None and set(data.domains) != set(domain_names):
+        raise ConfigError(
+            f"algorithms.doremi learns a weight for every domain of the shards ({', '.join(domain_names)}), and "
+            f"train_loader.dataset.domains streams only {list(data.domains)}: the others would get weights from no "
+            "data. Shard only the domains to weigh, or stream them all"
+        )
     weights = stream_weights(data.domain_weights, data.domain_weights_file, where="train_loader.dataset")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     run_dir = cfg.save_folder or os.path.join("runs", cfg.run_name or "run")

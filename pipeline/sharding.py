@@ -73,6 +73,7 @@ __all__ = [
     "ShardOptions",
     "ShardResult",
     "columns_for_mode",
+    "domain_dirs",
     "format_summary",
     "shard_corpus",
     "truncate_example",
@@ -912,7 +913,7 @@ class _CorpusWriter:
             if state.stats["train"].records + state.stats["val"].records == 0:
                 logger.warning("domain %r has no valid records (%d rejected); it is left out of the manifest", state.name, state.rejected)
                 self.rejected_other += state.rejected
-        dirs = _domain_dirs([s.name for s in kept])
+        dirs = domain_dirs([s.name for s in kept])
         infos = []
         for state in kept:
             for split in state.writers:
@@ -947,7 +948,7 @@ class _HeapItem:
         return (self.item.hash, self.item.seq) > (other.item.hash, other.item.seq)
 
 
-def _domain_dirs(names: list[str]) -> dict[str, str]:
+def domain_dirs(names: list[str]) -> dict[str, str]:
     """Filesystem-safe, unique (case-insensitively) directory names, assigned in sorted-name order."""
     dirs: dict[str, str] = {}
     used: set[str] = set()

@@ -18,9 +18,12 @@ one when the domain has more documents than parts), and the rest go to `--rest` 
 The partition depends only on the seed, the ids and the fractions (not on file order or layout),
 and a part's documents stay in it when a later part's fraction changes.
 
-Output: OUT/<part>/<domain>/part-000.jsonl.gz (the input lines, unchanged, in input order) and
-OUT/split.json (the settings, and documents and characters per part and domain). The domain is the
-Dolma record's `source` (`--domain-from dir`: its directory), as `tools/shard.py dolma` reads it.
+Output: OUT/<part>/<domain dir>/part-000.jsonl.gz (the input lines, unchanged, in input order) and
+OUT/split.json (the settings, each domain's directory, and documents and characters per part and
+domain). The domain is the Dolma record's `source` (`--domain-from dir`: its directory), as
+`tools/shard.py dolma` reads it; its directory is named as `tools/shard.py` names a domain's (a
+filesystem-safe name, unique case-insensitively: `a/b` -> a_b, `../up` -> up, `Wiki` and `wiki` ->
+Wiki and wiki-2), the same in every part. Inputs with no documents are an error (exit 2).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from pipeline.corpora import (  # noqa: E402
     make_corpus_spec,
     parse_record,
 )
+from pipeline.sharding import domain_dirs  # noqa: E402  (tools/shard.py's domain -> directory names)
 
 
 def parse_part(text: str) -> tuple[str, float]:
@@ -123,26 +127,36 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--out {args.out} holds no split.json: refusing to delete a directory this tool did not write")
 
     records = _read_records(args)
+    if not records:
+        print(f"error: no documents in the inputs ({', '.join(map(str, args.inputs))}): nothing to split; "
+              "check the files (blank lines are not documents)", file=sys.stderr)
+        return 2
 
     ids_by_domain: dict[str, list[str]] = defaultdict(list)
     for domain, doc_id, _, _ in records:
         ids_by_domain[domain].append(doc_id)
     assignment = assign_parts(dict(ids_by_domain), parts, seed=args.seed, rest=args.rest)
+    dirs = domain_dirs(list(ids_by_domain))
 
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    stats = _write_parts(records, assignment, tmp, names)
-    summary = {
-        "inputs": [str(x) for x in args.inputs],
-        "parts": dict(parts),
-        "rest": args.rest,
-        "seed": args.seed,
-        "id_field": args.id_field,
-        "domain_from": args.domain_from,
-        "stats": stats,
-    }
-    (tmp / "split.json").write_text(json.dumps(summary, indent=1) + "\n")
+    try:
+        stats = _write_parts(records, assignment, dirs, tmp, names)
+        summary = {
+            "inputs": [str(x) for x in args.inputs],
+            "parts": dict(parts),
+            "rest": args.rest,
+            "seed": args.seed,
+            "id_field": args.id_field,
+            "domain_from": args.domain_from,
+            "directories": dirs,
+            "stats": stats,
+        }
+        (tmp / "split.json").write_text(json.dumps(summary, indent=1) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if args.out.exists():
         shutil.rmtree(args.out)
     tmp.rename(args.out)
@@ -150,9 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         docs = sum(e["documents"] for e in stats[name].values())
         chars = sum(e["characters"] for e in stats[name].values())
         print(f"{name}: {docs} documents, {chars / 1e6:.2f} M characters, "
-              + ", ".join(f"{d} {e['documents']}" for d, e in sorted(stats[name].items())))
+              + ", ".join(f"{_shown(d, dirs[d])} {e['documents']}" for d, e in sorted(stats[name].items())))
     print(f"wrote {args.out}")
     return 0
+
+
+def _shown(domain: str, directory: str) -> str:
+    """The domain as the table shows it: with its directory when that is named differently."""
+    return domain if directory == domain else f"{domain} (-> {directory}/)"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -201,9 +220,14 @@ def _read_records(args: argparse.Namespace) -> list[tuple[str, str, bytes, int]]
 
 
 def _write_parts(
-    records: list[tuple[str, str, bytes, int]], assignment: dict[str, dict[str, str]], tmp: Path, names: list[str]
+    records: list[tuple[str, str, bytes, int]],
+    assignment: dict[str, dict[str, str]],
+    dirs: dict[str, str],
+    tmp: Path,
+    names: list[str],
 ) -> dict[str, dict[str, dict[str, int]]]:
-    """Write each document's line to TMP/<part>/<domain>/part-000.jsonl.gz; documents and characters per part and domain."""
+    """Write each document's line to TMP/<part>/<dirs[domain]>/part-000.jsonl.gz; documents and characters per part and domain."""
+    tmp.mkdir(parents=True)
     stats: dict[str, dict[str, dict[str, int]]] = {n: {} for n in names}
     writers: dict[tuple[str, str], gzip.GzipFile] = {}
     try:
@@ -211,7 +235,7 @@ def _write_parts(
             part = assignment[domain][doc_id]
             key = (part, domain)
             if key not in writers:
-                path = tmp / part / domain / "part-000.jsonl.gz"
+                path = tmp / part / dirs[domain] / "part-000.jsonl.gz"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 writers[key] = gzip.GzipFile(path, "wb", mtime=0)  # mtime 0: byte-identical reruns
             writers[key].write(line + b"\n")

@@ -428,8 +428,9 @@ def read_domain_weights_file(path: str | os.PathLike) -> dict[str, float]:
     """Domain weights (summing to 1) from a DoReMi run's weights file, in either of two formats.
 
     - This project's `mixture.json` (`composer_algos.mixture_io`, what the DoReMi algorithm and
-      `MixtureMonitor` write): its `weights`. A run directory stands for its `mixture.json`
-      (DoReMi's is under `doremi/` when the directory has no `mixture.json` itself).
+      `MixtureMonitor` write): its `weights`. A run directory stands for DoReMi's learned weights,
+      `doremi/mixture.json`, where it has them (a DoReMi proxy run's own `mixture.json` is the mixture it
+      was fed, which `MixtureMonitor` writes into every run directory), else for its `mixture.json`.
     - The official DoReMi JSON (github.com/sangmichaelxie/doremi, `configs/*.json`): its
       `train_domain_weights` mapping (`eval_domain_weights` and other keys are ignored).
 
@@ -440,7 +441,7 @@ def read_domain_weights_file(path: str | os.PathLike) -> dict[str, float]:
     """
     p = Path(path)
     if p.is_dir():
-        for candidate in (p / "mixture.json", p / "doremi" / "mixture.json"):
+        for candidate in (p / "doremi" / "mixture.json", p / "mixture.json"):
             if candidate.is_file():
                 p = candidate
                 break

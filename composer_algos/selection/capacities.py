@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -63,8 +64,9 @@ def compute_capacities(
         ``(C,)`` int64 capacities on ``pool_counts.device``, summing to ``min(kappa, n)``.
 
     Raises:
-        ValueError: on a bad argument, or when the fractions put all their mass on domains that
-            together hold fewer than ``min(kappa, n)`` examples (the request is impossible).
+        ValueError: on a bad argument. When the domains with a positive fraction hold fewer than
+            ``min(kappa, n)`` examples of the pool, the rest comes from the others (`_spill`, with a
+            warning).
     """
     if not isinstance(pool_counts, torch.Tensor) or pool_counts.dim() != 1 or pool_counts.dtype.is_floating_point:
         raise ValueError(f"`pool_counts` must be a 1-D integer tensor, got {pool_counts!r}")
@@ -199,8 +201,8 @@ def _systematic_round(quotas: list[Fraction], k: int, generator: torch.Generator
 
 
 def _water_fill(counts: list[int], k: int, fractions: list[float]) -> list[Fraction]:
-    """Exact quotas for ``fractions``: ``k f_c``, capped at ``counts`` with the excess re-spread."""
-    _check_room(counts, k, fractions)
+    """Exact quotas for ``fractions``: ``k f_c``, capped at ``counts`` with the excess re-spread (`_spill`)."""
+    fractions = _spill(counts, k, fractions)
     weights = [Fraction(f) for f in fractions]
     quotas = [Fraction(0)] * len(counts)
     open_ = [c for c in range(len(counts)) if weights[c] > 0]
@@ -212,7 +214,7 @@ def _water_fill(counts: list[int], k: int, fractions: list[float]) -> list[Fract
             for c in open_:
                 quotas[c] = remaining * weights[c] / total
             break
-        # The room check guarantees some open domain can absorb the rest, so this loop ends.
+        # `_spill` leaves room for k in the open domains, so some open domain absorbs the rest: the loop ends.
         for c in over:
             quotas[c] = Fraction(counts[c])
             remaining -= counts[c]
@@ -220,22 +222,32 @@ def _water_fill(counts: list[int], k: int, fractions: list[float]) -> list[Fract
     return quotas
 
 
-def _check_room(counts: list[int], k: int, fractions: list[float]) -> None:
-    """Raise when the domains with a positive fraction hold fewer than ``k`` examples."""
+_SPILL_WARNING = (
+    "capacities: the domains with a positive fraction held fewer than kappa examples of a pool; the rest came from "
+    "the domains of fraction 0, in proportion to their pool counts (logged once)"
+)
+
+
+def _spill(counts: list[int], k: int, fractions: list[float]) -> list[float]:
+    """`fractions`, or, when the domains with a positive fraction hold fewer than ``k`` examples of this pool, with
+    the domains of fraction 0 given the rest.
+
+    Each of those gets a weight in proportion to its pool count, so small (1e-9 of the smallest positive fraction
+    over the pool) that water-filling fills every weighted domain first. Whether a pool has the room depends on
+    the draw, so refusing it (as this did) stopped a run at whichever step first drew such a pool.
+    """
     room = sum(c for c, f in zip(counts, fractions) if f > 0)
-    if room < k:
-        wanted = [c for c in range(len(counts)) if fractions[c] > 0]
-        raise ValueError(
-            f"`fractions` {fractions} put all their mass on domains {wanted}, which hold only {room} "
-            f"examples of this pool (counts {counts}), but {k} must be selected; give the other "
-            "domains a positive fraction or lower kappa"
-        )
+    if room >= k:
+        return fractions
+    warnings.warn(_SPILL_WARNING, RuntimeWarning, stacklevel=4)
+    tiny = min(f for f in fractions if f > 0) * 1e-9 / max(sum(counts), 1)
+    return [f if f > 0 else tiny * c for c, f in zip(counts, fractions)]
 
 
 def _from_fractions(counts: list[int], k: int, fractions: list[float]) -> list[int]:
     """Water-filling: apportion ``k`` by ``fractions``, capping at ``counts`` and re-spreading."""
     num_domains = len(counts)
-    _check_room(counts, k, fractions)
+    fractions = _spill(counts, k, fractions)
     caps = [0] * num_domains
     open_ = [c for c in range(num_domains) if fractions[c] > 0]
     while k - sum(caps) > 0:

@@ -198,6 +198,15 @@ def test_doremi_weights_file_in_both_formats(tmp_path):
         policy = parse_capacity_policy({"policy": "fractions", "file": str(path)})
         policy.bind(["a", "b", "c"], ["a", "b", "c"])
         assert policy.fractions() == pytest.approx([0.5, 0.3, 0.2])
+    # A DoReMi proxy run's directory holds the mixture it was fed (MixtureMonitor's mixture.json) beside the weights
+    # it learnt: the directory stands for the learnt ones (it gave the fed mixture, a second review found).
+    proxy = tmp_path / "proxy"
+    (proxy / "doremi").mkdir(parents=True)
+    write_mixture_json(proxy / "mixture.json", method="natural", domain_names=["a", "b", "c"], weights=[0.2, 0.2, 0.6],
+                       steps=10)
+    write_mixture_json(proxy / "doremi" / "mixture.json", method="doremi", domain_names=["a", "b", "c"],
+                       weights=[0.5, 0.3, 0.2], steps=10)
+    assert read_domain_weights_file(proxy) == pytest.approx({"a": 0.5, "b": 0.3, "c": 0.2})
 
 
 def test_doremi_weights_file_missing_a_trained_domain_is_named(tmp_path):

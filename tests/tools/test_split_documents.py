@@ -110,3 +110,33 @@ def test_repeated_id_and_existing_output_are_errors(tmp_path):
     with pytest.raises(SystemExit):
         split_documents.main([str(root), "--out", str(tmp_path / "busy"), "--part", "eval=0.5", "--overwrite"])
     assert (tmp_path / "busy" / "keep.txt").exists()  # not a directory this tool wrote: never deleted
+
+
+def test_inputs_without_documents_are_one_error_line_exit_2_and_leave_no_temp_dir(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    empty = tmp_path / "in" / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "s0"
+    assert split_documents.main([str(empty), "--out", str(out), "--part", "guide=0.1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no documents") and str(empty) in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # neither OUT nor .OUT.tmp
+
+
+def test_domain_directories_are_named_as_shard_names_them_and_stay_inside_the_part(tmp_path, capsys):
+    sources = ["Wiki", "wiki", "a/b", "../up"]
+    docs = [{"id": f"{s}-{i}", "text": f"text {i}", "source": s} for s in sources for i in range(5)]
+    _write(tmp_path / "in" / "all.jsonl.gz", docs)
+    out = tmp_path / "out"
+    assert split_documents.main([str(tmp_path / "in"), "--out", str(out), "--part", "guide=0.2"]) == 0
+    expected = {"Wiki": "Wiki", "wiki": "wiki-2", "a/b": "a_b", "../up": "up"}
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.jsonl.gz") if "in" not in p.parts)
+    assert written == sorted(f"out/{part}/{d}/part-000.jsonl.gz" for part in ("guide", "train") for d in expected.values())
+    parts = _read_parts(out)
+    for source, directory in expected.items():
+        for part, n in (("guide", 1), ("train", 4)):
+            assert [json.loads(x)["source"] for x in parts[part][directory]] == [source] * n
+    assert json.loads((out / "split.json").read_text())["directories"] == expected
+    table = capsys.readouterr().out
+    assert "../up (-> up/) 4" in table and "a/b (-> a_b/) 4" in table and "wiki (-> wiki-2/) 4" in table
+    assert "Wiki 4" in table and "Wiki (->" not in table

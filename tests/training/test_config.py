@@ -334,3 +334,16 @@ def test_a_zero_validation_batch_and_auto_microbatches_on_the_cpu_are_refused_be
     cfg = load_run_config(TINY, ["device_train_microbatch_size=auto"])
     with pytest.raises(ConfigError, match="device_train_microbatch_size: auto needs a GPU"):
         train.build_trainer(cfg)
+
+
+def test_doremi_on_a_subset_of_the_shards_domains_is_refused_before_anything_is_built(dolma_shards, tmp_path):
+    # It learnt weights for the domains it never streamed (58% of the mass on three unseen domains), and stage
+    # (c) then refused its file (a second new-user review).
+    import train
+
+    proxy = REPO_ROOT / "yamls" / "doremi" / "demo_proxy.yaml"
+    cfg = load_run_config(proxy, [f"variables.shard_dir={dolma_shards}", f"variables.runs={tmp_path}",
+                                  "train_loader.dataset.domains=[wiki, spam]"])
+    with pytest.raises(ConfigError, match=r"algorithms.doremi learns a weight for every domain of the shards .*"
+                                          r"streams only \['wiki', 'spam'\]"):
+        train.build_trainer(cfg)
