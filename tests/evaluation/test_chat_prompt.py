@@ -89,17 +89,7 @@ def test_math_chat_prompt_is_the_sharded_fine_tuning_prompt(tiny, tmp_path, monk
         "".join(json.dumps({"question": q, "answer": "#### 4"}) + "\n" for q in MATH.values())
     )
     seen = _spy_prompts(monkeypatch, "math_eval")
-    argv = [
-        "math",
-        "--model",
-        str(gguf.path),
-        "--data-dir",
-        str(data),
-        "--suites",
-        "gsm8k",
-        "--prompt-template",
-        "chat",
-    ]
+    argv = ["math", "--model", str(gguf.path), "--data-dir", str(data), "--suites", "gsm8k", "--prompt-template", "chat"]
     assert _tool().main([*argv, "--max-new-tokens", "2", "--device", "cpu", "--no-progress"]) == 0
     assert seen == [sharded[d] for d in MATH]
     tok = load_tokenizer(gguf.path)
@@ -119,17 +109,7 @@ def test_mol_chat_prompt_is_the_sharded_fine_tuning_prompt(tiny, tmp_path, monke
     data = tmp_path / "mol.json"
     data.write_text(json.dumps(records))
     seen = _spy_prompts(monkeypatch, "mol_eval")
-    argv = [
-        "mol",
-        "--model",
-        str(gguf.path),
-        "--data",
-        str(data),
-        "--split",
-        "train",
-        "--prompt-template",
-        "chat",
-    ]
+    argv = ["mol", "--model", str(gguf.path), "--data", str(data), "--split", "train", "--prompt-template", "chat"]
     assert _tool().main([*argv, "--max-new-tokens", "2", "--device", "cpu", "--no-progress"]) == 0
     assert seen == [sharded[t] for t in MOL]
 
