@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ConfigError, TrainConfig, config_to_dict
@@ -129,22 +128,20 @@ def _tokenizer_and_shards(cfg: TrainConfig) -> tuple[Any, Any]:
 
 def _check_shard_tokenizers(cfg: TrainConfig, tokenizer: Any, manifest: Any) -> None:
     """The training shards, and evaluation and validation shards kept elsewhere, hold this run's tokenizer's ids."""
+    from composer_algos.data_selection.options import validation_config
     from pipeline.manifest import load_manifest, tokenizer_mismatch
 
-    train_dir = os.path.abspath(cfg.train_loader.dataset.shard_dir)
     selection = cfg.algorithms.get("data_selection")
-    validation = getattr(selection, "validation", None) if selection is not None else None
-    if isinstance(validation, (str, os.PathLike)):
-        validation = {"shard_dir": validation}
+    validation = validation_config(getattr(selection, "validation", None) if selection is not None else None)
     others = {
         "eval_loader.shard_dir": cfg.eval_loader.shard_dir if cfg.eval_loader is not None else None,
-        "algorithms.data_selection.validation.shard_dir": (
-            validation.get("shard_dir") if isinstance(validation, Mapping) else None
-        ),
+        "algorithms.data_selection.validation.shard_dir": validation.get("shard_dir"),
     }
     checked = [("train_loader.dataset.shard_dir", manifest)]
+    seen = {os.path.abspath(cfg.train_loader.dataset.shard_dir)}  # each directory read and fingerprinted once
     for key, path in others.items():  # shards not on local disk yet: their loader reports them
-        if path and os.path.abspath(path) != train_dir and os.path.isfile(os.path.join(path, "manifest.json")):
+        if path and os.path.abspath(path) not in seen and os.path.isfile(os.path.join(path, "manifest.json")):
+            seen.add(os.path.abspath(path))
             try:
                 checked.append((key, load_manifest(path)))
             except ValueError as e:

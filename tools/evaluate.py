@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,17 +159,13 @@ def run_answers(args: argparse.Namespace) -> int:
     """``answers`` subcommand: the metric the `answer_accuracy` callback logs at the end of training."""
     import json
 
-    from pipeline.evaluation.checkpoint import load_model_and_tokenizer
     from pipeline.evaluation.heldout_answers import answer_accuracy, heldout_datasets, heldout_questions
 
     if not args.model:
         raise SystemExit("answers: --model is required")
     domains = [d for d in args.domains.split(",") if d] if args.domains else None
     datasets = heldout_datasets(args.shards, split=args.split, guide_fraction=args.guide_fraction, domains=domains)
-    model, tokenizer = load_model_and_tokenizer(
-        args.model, adapter=args.adapter, tokenizer=args.tokenizer, base_model=args.base_model, device=args.device,
-        dtype=_torch_dtype(args.dtype),
-    )
+    model, tokenizer = _load(args)
     questions = heldout_questions(datasets, tokenizer, per_domain=args.per_domain)
     result = answer_accuracy(model, tokenizer, questions, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     width = max(len(d) for d in result["per_domain"]) + 2
@@ -185,22 +182,12 @@ def run_answers(args: argparse.Namespace) -> int:
 
 def run_math(args: argparse.Namespace) -> int:
     """``math`` subcommand."""
-    from pipeline.evaluation.checkpoint import load_model_and_tokenizer
     from pipeline.evaluation.math_eval import evaluate_math, format_math_table, write_math_results
 
     if not args.model:
         raise SystemExit("math: --model is required")
     suites = _select_suites(args.suites, args.data_dir)
-    _check_chat_template(args)
-    model, tokenizer = load_model_and_tokenizer(
-        args.model,
-        adapter=args.adapter,
-        tokenizer=args.tokenizer,
-        base_model=args.base_model,
-        device=args.device,
-        dtype=_torch_dtype(args.dtype),
-    )
-    _check_chat_template(args, tokenizer)
+    model, tokenizer = _load(args, _check_chat_template if args.prompt_template == CHAT else None)
     result = evaluate_math(
         model,
         tokenizer,
@@ -236,23 +223,12 @@ def run_mol(args: argparse.Namespace) -> int:
     else:
         if not args.model:
             raise SystemExit("mol: --data needs --model to generate predictions")
-        from pipeline.evaluation.checkpoint import load_model_and_tokenizer
-
         examples = load_mol_instructions(
             args.data, split=None if args.split == "all" else args.split, limit_per_task=args.limit
         )
         if not examples:
             raise SystemExit(f"mol: no records with metadata.split == {args.split!r} in {args.data}")
-        _check_chat_template(args)
-        model, tokenizer = load_model_and_tokenizer(
-            args.model,
-            adapter=args.adapter,
-            tokenizer=args.tokenizer,
-            base_model=args.base_model,
-            device=args.device,
-            dtype=_torch_dtype(args.dtype),
-        )
-        _check_chat_template(args, tokenizer)
+        model, tokenizer = _load(args, _check_chat_template if args.prompt_template == CHAT else None)
         metrics, records = evaluate_mol_generation(
             model,
             tokenizer,
@@ -274,21 +250,11 @@ def run_ppl(args: argparse.Namespace) -> int:
     """``ppl`` subcommand."""
     import json
 
-    from pipeline.evaluation.checkpoint import load_model_and_tokenizer
     from pipeline.evaluation.perplexity import domain_log_perplexity, format_ppl_table
 
     if not args.model:
         raise SystemExit("ppl: --model is required")
-    _check_shard_tokenizer(args)
-    model, tokenizer = load_model_and_tokenizer(
-        args.model,
-        adapter=args.adapter,
-        tokenizer=args.tokenizer,
-        base_model=args.base_model,
-        device=args.device,
-        dtype=_torch_dtype(args.dtype),
-    )
-    _check_shard_tokenizer(args, tokenizer)
+    model, tokenizer = _load(args, _check_shard_tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     results = domain_log_perplexity(
         model,
@@ -309,17 +275,33 @@ def run_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_shard_tokenizer(args: argparse.Namespace, tokenizer: Any = None) -> None:
-    """ppl: exit when the shards hold another tokenizer's ids (`pipeline.manifest.tokenizer_mismatch`); without
-    `tokenizer`, with the one the model will be loaded with where it can be found first (`find_tokenizer`)."""
+def _load(args: argparse.Namespace, check: Callable[[argparse.Namespace, Any], None] | None = None) -> tuple[Any, Any]:
+    """The subcommand's model and tokenizer (`load_model_and_tokenizer`), `check(args, tokenizer)` run once: before
+    the model loads where the tokenizer it will come with can be found first (`find_tokenizer`), else after."""
+    from pipeline.evaluation.checkpoint import find_tokenizer, load_model_and_tokenizer
+
+    early = None
+    if check is not None:
+        early = find_tokenizer(args.model, adapter=args.adapter, tokenizer=args.tokenizer, base_model=args.base_model)
+        if early is not None:
+            check(args, early)
+    model, tokenizer = load_model_and_tokenizer(
+        args.model,
+        adapter=args.adapter,
+        tokenizer=args.tokenizer,
+        base_model=args.base_model,
+        device=args.device,
+        dtype=_torch_dtype(args.dtype),
+    )
+    if check is not None and early is None:  # only loading the model told (a Composer checkpoint's own tokenizer)
+        check(args, tokenizer)
+    return model, tokenizer
+
+
+def _check_shard_tokenizer(args: argparse.Namespace, tokenizer: Any) -> None:
+    """ppl: exit when the shards hold another tokenizer's ids (`pipeline.manifest.tokenizer_mismatch`)."""
     from pipeline.manifest import load_manifest, tokenizer_mismatch
 
-    if tokenizer is None:
-        from pipeline.evaluation.checkpoint import find_tokenizer
-
-        tokenizer = find_tokenizer(args.model, adapter=args.adapter, tokenizer=args.tokenizer, base_model=args.base_model)
-        if tokenizer is None:  # only loading the model tells
-            return
     name = args.tokenizer or getattr(tokenizer, "name_or_path", None) or args.model
     try:
         manifest = load_manifest(args.shards)
@@ -329,20 +311,8 @@ def _check_shard_tokenizer(args: argparse.Namespace, tokenizer: Any = None) -> N
         raise SystemExit(f"ppl: --shards: {problem}")
 
 
-def _check_chat_template(args: argparse.Namespace, tokenizer: Any = None) -> None:
-    """With --prompt-template chat, exit naming the tokenizer when it has no chat template.
-
-    Without `tokenizer`, the one the model will be loaded with, where it can be found without
-    loading the model (`find_tokenizer`), so the error comes before the model loads.
-    """
-    if args.prompt_template != CHAT:
-        return
-    if tokenizer is None:
-        from pipeline.evaluation.checkpoint import find_tokenizer
-
-        tokenizer = find_tokenizer(args.model, adapter=args.adapter, tokenizer=args.tokenizer, base_model=args.base_model)
-        if tokenizer is None:  # only loading the model tells (a Composer checkpoint may hold its tokenizer)
-            return
+def _check_chat_template(args: argparse.Namespace, tokenizer: Any) -> None:
+    """--prompt-template chat: exit naming the tokenizer when it has no chat template."""
     if getattr(tokenizer, "chat_template", None):
         return
     source = (

@@ -21,6 +21,7 @@ __all__ = [
     "SELECTION_STRATEGIES",
     "VALIDATION_KEYS",
     "VALIDATION_TARGETS",
+    "validation_config",
 ]
 
 # Strategies the algorithm accepts: the selection registry's plus "none" (train on the whole pool).
@@ -84,7 +85,7 @@ class DataSelectionOptions:
     @functools.cached_property
     def validation_cfg(self) -> dict[str, Any]:
         """`validation` as a mapping: a shard directory or an iterable of batches become one key."""
-        return _validation_config(self.validation)
+        return validation_config(self.validation)
 
     @functools.cached_property
     def known_strategies(self) -> tuple[str, ...]:
@@ -293,7 +294,7 @@ def _average_beta_conflicts(beta: float, features: Mapping[str, Any]) -> list[st
     ]
 
 
-def _validation_config(validation: Any) -> dict[str, Any]:
+def validation_config(validation: Any) -> dict[str, Any]:
     """The `validation` argument as a mapping: a shard directory or an iterable of batches become one key."""
     if validation is None:
         return {}
