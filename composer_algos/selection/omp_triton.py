@@ -35,7 +35,8 @@ n = 2048, kappa = 512 a round's three kernels take 3.5, 3.8 and 2.6 us (docs/res
 2026-11-27). The arithmetic is `_round`'s; the reductions run in their own order (as inductor's do), so the
 picks are the eager rounds' but among near-ties, and the weights may differ in the last bits.
 
-`BLOCKS["fused"]` (off by default, not yet timed on a GPU) makes a round before the first drop two kernels: the
+`BLOCKS["fused"]` (on by default since an H200 timed it: 0.90x the three kernels' solve on bench_selection's seed 0,
+0.89x on seed 1, docs/results/bench_gpu.md, 2026-11-28) makes a round before the first drop two kernels: the
 apply kernel with ``FUSED`` does the second's work itself. The third pass needs only scalars of the second, the Schur
 complement and whether a new weight turns negative, which every program can compute itself (513 loads); only
 the KKT check, after a drop, needs the whole pool's new gradient, so those rounds stay three kernels. Its
@@ -70,10 +71,10 @@ __all__ = ["BLOCKS", "SWEEP", "TritonRound", "kernels_available"]
 # At n = 2048, kappa = 512 the grids are 17, 64 and 64 + 33 programs, and each loop over the slots takes up to
 # 5 steps (each waits for its loads: few steps, each loading more, hide more of that latency); "warps" is the
 # launches' num_warps; "fused" 1 runs the rounds before the first drop as two kernels (the apply kernel's
-# FUSED variant). Chosen on paper; on an H100 (`tools/bench/bench_selection.py --triton-sweep`,
-# docs/results/bench_gpu.md, 2026-11-27) no alternative beat them beyond the runs' noise, but only the warps
-# were compared in steady solves (the other settings' solves there recorded their graphs every time).
-BLOCKS = {"slots": 32, "pool": 32, "reduce": 128, "p_rows": 16, "argmax": 2048, "warps": 4, "fused": 0}
+# FUSED variant). The sizes were chosen on paper; on an H200 (`tools/bench/bench_selection.py --triton-sweep`,
+# docs/results/bench_gpu.md, 2026-11-28, steady solves) no other size beat them by more than 2% on both seeds,
+# and "fused" 1 took 0.90x (seed 0) and 0.89x (seed 1) the three kernels' time: its default since.
+BLOCKS = {"slots": 32, "pool": 32, "reduce": 128, "p_rows": 16, "argmax": 2048, "warps": 4, "fused": 1}
 # What the sweep tries beside `BLOCKS` (each entry overrides some of them).
 SWEEP = (
     {"warps": 8},
@@ -85,8 +86,9 @@ SWEEP = (
     {"p_rows": 32},
     {"reduce": 256, "pool": 16, "slots": 16},
     {"reduce": 256, "warps": 8},
-    {"fused": 1},
-    {"fused": 1, "warps": 8},
+    {"fused": 0},
+    {"warps": 8, "fused": 0},
+    {"pool": 16, "slots": 16, "fused": 0},
 )
 
 def _interpreting() -> bool:

@@ -11,7 +11,7 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
   ``--compiled`` ``exact, compiled rounds`` with ``solver_loop: device_compiled`` (each round
   compiled into a few fused kernels; the count is printed from inductor's code) and ``exact, on
   the CPU`` with ``solver_loop: cpu`` (K and mu copied to the CPU once, the solve there), and with ``--triton``
-  ``exact, Triton rounds`` with ``solver_loop: device_triton`` (each round three hand-written Triton kernels,
+  ``exact, Triton rounds`` with ``solver_loop: device_triton`` (each round two or three hand-written Triton kernels,
   16 rounds to a CUDA graph; on a CPU that setting runs the eager rounds, so the arm times nothing new there)
   and ``exact, Triton, eager repairs`` (the same with the repairs' segments run eagerly, not as CUDA graphs:
   their graphs' gain, side by side); which is fastest on a GPU is what this measures there;
@@ -386,7 +386,9 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
         if not kernels_available(torch.device(args.device)):
             note = " (on a CPU: the eager rounds; Triton's kernels run on GPUs)"
         else:
-            note = "; 3 kernels a round" + ("" if args.device == "cuda" else ", in Triton's interpreter (not a GPU's times)")
+            from composer_algos.selection.omp_triton import BLOCKS
+
+            note = ("; 2 kernels a round (3 after a drop)" if BLOCKS["fused"] else "; 3 kernels a round") + ("" if args.device == "cuda" else ", in Triton's interpreter (not a GPU's times)")
         ratio("Triton rounds", "triton", note)
         (w_tr, _, res_tr), (w_te, _, res_te) = timed["triton"], timed["triton_eager_repairs"]
         print(
@@ -403,17 +405,20 @@ def _reads_and_rounds(res, k: int) -> str:
     return f"; {res.info['device_loop_reads']} reads, {res.info['device_loop_rounds']} rounds launched for {k} picks"
 
 
-def _with_eager_repairs(fn):
-    """``fn`` with the device loop's repairs run eagerly (`active_set_device.REPAIR_GRAPHS` off for the call): on
-    CUDA their graphed segments' gain, side by side; on a CPU the same solve (nothing is graphed there)."""
+def _with_switches(fn, **switches):
+    """``fn`` with `active_set_device`'s module switches set for the call (``REPAIR_GRAPHS=False``: the repairs'
+    segments eagerly): on CUDA their gain, side by side; on a CPU the same solve (nothing is graphed there)."""
     from composer_algos.selection import active_set_device as asd
 
     def call():
-        kept, asd.REPAIR_GRAPHS = asd.REPAIR_GRAPHS, False
+        kept = {name: getattr(asd, name) for name in switches}
+        for name, value in switches.items():
+            setattr(asd, name, value)
         try:
             return fn()
         finally:
-            asd.REPAIR_GRAPHS = kept
+            for name, value in kept.items():
+                setattr(asd, name, value)
 
     return call
 
@@ -446,7 +451,7 @@ def _case_variants(args: argparse.Namespace, case: dict, common: dict, features)
     if args.triton:
         fns["triton"] = lambda: select_partitionsel(**common, refit="exact", solver_loop="device_triton")
         repeats["triton"] = args.repeats
-        fns["triton_eager_repairs"] = _with_eager_repairs(fns["triton"])
+        fns["triton_eager_repairs"] = _with_switches(fns["triton"], REPAIR_GRAPHS=False)
         repeats["triton_eager_repairs"] = args.repeats
     warmup = dict.fromkeys(fns, True)
     if not args.skip_pool:

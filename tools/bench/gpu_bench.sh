@@ -27,14 +27,14 @@
 #             code of a compiled round in $OUT/2_round_code.py) and ops and syncs per pick (target: <= 10 ms; the first GPU run measured 116 ms): host loop,
 #             device loop (eager rounds, CUDA graphs of 16 rounds), compiled rounds (solver_loop:
 #             device_compiled, inductor's Triton kernels in the graphs; its kernels a round counted: 12 on the H200), Triton rounds
-#             (solver_loop: device_triton, 3 hand-written kernels a round, 16 rounds a graph, replayed from the
-#             second solve on: 15.7 ms on seed 0, 9.1 on seed 1 on an H100; beside it the same with the repairs'
-#             segments eager, their CUDA graphs' gain, built after that run), cpu. Seed 0
+#             (solver_loop: device_triton, 2 hand-written kernels a round until the first drop and 3 after, 16
+#             rounds a graph, replayed from the second solve on: 15.7 ms on seed 0, 9.1 on seed 1 on an H100 with
+#             3 kernels; beside it the same with the repairs' segments eager, their graphs' gain), cpu. Seed 0
 #             drops weights: the device loops repair those rounds on the device (a read every 64 rounds
 #             and a few a repair) where they handed the solve to the host loop before; seed 1 drops none
 #   2''       bench_selection.py --triton-sweep: the Triton rounds under each block-size setting of
-#             omp_triton.SWEEP against the default (chosen on paper), each compiled on first use, among them
-#             the two-kernel rounds ({"fused": 1}: off by default until a GPU says it is faster); 2''' the
+#             omp_triton.SWEEP against the default, each compiled on first use, among them the three-kernel
+#             rounds ({"fused": 0}: the default until an H200 timed the two-kernel ones at 0.90x); 2''' the
 #             same on seed 1 (no drops): a default changes only where both seeds say so
 #   3 tests   pytest -m gpu tests/gpu but the bench's own test: features, solver (the CUDA-graph rounds
 #             bit for bit), trainer, and a selection step's host syncs counted by torch
@@ -150,7 +150,7 @@ run_step "6 features (compiled forward)" 180 6_features.log \
   echo "### 1. Step cost at the recipe's shape (t=64: selecting at the step; 64+la: select_ahead: true)"
   echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/1_step.log"; echo '```'
   echo "### 2. The exact OMP solve"
-  echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  compiled rounds|^  one compiled round|^  cpu solve|^  kernels of one solve" "$OUT/2_solver.log"; echo '```'
+  echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  compiled rounds|^  one compiled round|^  Triton rounds|^  cpu solve|^  kernels of one solve" "$OUT/2_solver.log"; echo '```'
   echo "### 3. GPU tests (host syncs of one selection step by torch's count among them)"
   echo '```'; grep -E "passed|failed|PASSED|FAILED|Error" "$OUT/3_tests.log" | tail -15; echo '```'
   echo "### 4. Optimizer step"
