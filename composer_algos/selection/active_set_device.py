@@ -10,7 +10,7 @@ gradient, its Schur complement is well above the pivot and float32 promotion tol
 weight turns negative and no element left at weight zero wants back in. `omp_exact_on_device` runs
 every round as that common round, written with masks (a pick whose gradient is not positive
 selects at weight zero, as the host loop does), and reads the device once every `ROUNDS_PER_READ`
-rounds, and at the end together with the final refactorisation's check:
+rounds, and once more for the final refactorisation's check (a solve within one batch reads it with the batch):
 
 - A round that would need a Lawson-Hanson drop, or (once a weight has dropped) a KKT re-entry, applies
   nothing and freezes the state, so the rest of its batch of rounds changes nothing. The read finds
@@ -58,7 +58,8 @@ __all__ = ["GRAPH_MIN_ROUNDS", "REPAIR_GRAPHS", "ROUNDS_AFTER_REPAIR", "ROUNDS_P
 # a few eager rounds launch, and every replayed round saves about 60 launches.
 GRAPH_MIN_ROUNDS = 16
 # Rounds between two host reads: a round frozen for a repair wastes at most this many rounds of device
-# work, and a solve without one reads ceil(k / ROUNDS_PER_READ) times (once at the recipes' 8 picks a rank).
+# work, and a solve without one reads ceil(k / ROUNDS_PER_READ) times and once for its final check (once in all
+# within one batch, as the recipes' 8 picks a rank).
 ROUNDS_PER_READ = 64
 # Rounds in the first batch after a repair; the batches then double back to ROUNDS_PER_READ. Repairs come in
 # clusters (a drop, then a round or a few later the dropped element wants back in): bench_selection's seed 0
@@ -224,10 +225,11 @@ def _solve(st: _State, rounds: _Rounds, k: int, tols: tuple[float, float], round
         batch = min(per_read, k - done)  # 0 after a repair of the last round: only the final check
         rounds.run(batch, kkt=drops > 0)
         launched += batch
-        # The final refactorisation rides on the last batch's read, unless a round has been repaired: after a
-        # repair more rounds freeze (KKT re-entries, further drops), and a frozen last batch would waste the
-        # factorisation (about 0.2 ms on a GPU at kappa = 512); then it waits for the read that says the rounds are done.
-        final = _finalized(st) if done + batch == k and not repairs else None
+        # The final refactorisation rides on the read of a solve's only batch (a small solve, as the recipes' 8
+        # picks a rank: one read in all). A longer solve reads its last batch first: rounds freeze late, as the
+        # support grows (bench_selection's seed 0 froze at round 486 of 512 picks), and a frozen last batch wastes
+        # the factorisation (0.35 ms of an H200's time at kappa = 512), where the extra read costs some microseconds.
+        final = _finalized(st) if done == 0 and batch == k else None
         r, live, bad, agrees = _read_status(st, final)
         reads += 1
         if bad:
