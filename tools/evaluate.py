@@ -165,7 +165,8 @@ def run_answers(args: argparse.Namespace) -> int:
         raise SystemExit("answers: --model is required")
     domains = [d for d in args.domains.split(",") if d] if args.domains else None
     datasets = heldout_datasets(args.shards, split=args.split, guide_fraction=args.guide_fraction, domains=domains)
-    model, tokenizer = _load(args)
+    # The prompts are the shards' token ids: under another tokenizer the model would read other words.
+    model, tokenizer = _load(args, _check_shard_tokenizer)
     questions = heldout_questions(datasets, tokenizer, per_domain=args.per_domain)
     result = answer_accuracy(model, tokenizer, questions, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     width = max(len(d) for d in result["per_domain"]) + 2
@@ -299,16 +300,16 @@ def _load(args: argparse.Namespace, check: Callable[[argparse.Namespace, Any], N
 
 
 def _check_shard_tokenizer(args: argparse.Namespace, tokenizer: Any) -> None:
-    """ppl: exit when the shards hold another tokenizer's ids (`pipeline.manifest.tokenizer_mismatch`)."""
+    """ppl, answers: exit when the shards hold another tokenizer's ids (`pipeline.manifest.tokenizer_mismatch`)."""
     from pipeline.manifest import load_manifest, tokenizer_mismatch
 
     name = args.tokenizer or getattr(tokenizer, "name_or_path", None) or args.model
     try:
         manifest = load_manifest(args.shards)
     except ValueError as e:
-        raise SystemExit(f"ppl: --shards: {e}") from None
+        raise SystemExit(f"{args.command}: --shards: {e}") from None
     if problem := tokenizer_mismatch(manifest, tokenizer, str(name), field="the model's tokenizer"):
-        raise SystemExit(f"ppl: --shards: {problem}")
+        raise SystemExit(f"{args.command}: --shards: {problem}")
 
 
 def _check_chat_template(args: argparse.Namespace, tokenizer: Any) -> None:
