@@ -486,9 +486,36 @@ def load_config(
             del node[key]
     settings = [o for o in overrides if not o.startswith("~")]
     if settings:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(settings))
+        cfg = OmegaConf.merge(cfg, *(_override(path, o) for o in settings))
     assert isinstance(cfg, DictConfig)
     return parse_config(cfg, source=str(path), parse_component=parse_component)
+
+
+def _override(path: Path, override: str) -> DictConfig:
+    """One ``key=value`` override as a config (its value read as YAML), or a `ConfigError` naming it: for a value
+    YAML cannot read, and for a mapping key with a colon and no value (``{lr:0.1}`` is YAML's key ``lr:0.1``,
+    not ``lr`` at 0.1, which would otherwise fail later as an unknown field or pass unnoticed)."""
+    try:
+        part = OmegaConf.from_dotlist([override])
+    except Exception as e:  # yaml's scanner and parser errors, omegaconf's own
+        problem = str(e).strip().splitlines()
+        raise ConfigError(
+            f"{path}: override {override!r}: its value is not valid YAML ({' '.join(problem[:3]).strip()}); "
+            "quote the value (key='...') or fix its brackets"
+        ) from None
+    pending: list[Any] = [OmegaConf.to_container(part)]
+    while pending:
+        node = pending.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            if isinstance(key, str) and ":" in key and value is None:
+                name, _, value_text = key.partition(":")
+                raise ConfigError(
+                    f"{path}: override {override!r}: YAML reads {key!r} as one key without a value; a mapping "
+                    f"needs a space after each colon ({name}: {value_text})"
+                )
+            pending.append(value)
+    return part
 
 
 def parse_config(

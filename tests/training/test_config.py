@@ -56,6 +56,29 @@ def test_overrides_apply(tmp_path):
     assert cfg.optimizer.lr == 0.5 and cfg.max_duration == "7ba"
 
 
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        # YAML reads `{strategy:random}` as the key "strategy:random" with no value: unknown field, or unnoticed.
+        ("algorithms.data_selection={strategy:random}", "'strategy:random' as one key without a value; a mapping "
+         "needs a space after each colon (strategy: random)"),
+        ("variables.extra={a: 1, b:2}", "(b: 2)"),
+        ("optimizer.lr=[1,2", "its value is not valid YAML (while parsing a flow sequence"),
+        ("optimizer.lr='x", "its value is not valid YAML (while scanning a quoted scalar"),
+    ],
+)
+def test_an_override_yaml_cannot_read_or_reads_as_a_key_with_a_colon_is_named(override, says):
+    """A second new-user review: such overrides raised yaml's scanner errors (`found character that cannot start
+    any token`, naming no override), or became a key with a colon in it."""
+    path = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["optimizer.lr=0.5", override])
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: override {override!r}: "), msg
+    assert says in msg, msg
+    assert load_config(path, ["optimizer.lr=0.5", "variables.note='a:b'", "variables.url=http://x"]).optimizer.lr == 0.5
+
+
 def test_unknown_and_missing_keys_are_all_listed(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
