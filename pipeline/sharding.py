@@ -114,7 +114,8 @@ class ShardOptions:
             or "skip" (drop it).
         val_fraction: Hold out each record of a domain with this probability (by a seeded hash of
             its content, so duplicates share a split), or None.
-        val_count: Hold out exactly this many records per domain (the smallest hashes), or None.
+        val_count: Hold out this many records per domain (the smallest hashes; a domain of at most this many keeps
+            one for training), or None.
             A domain always keeps at least one training record.
         val_inputs: Files or directories whose records all form the validation split (an existing
             train/test pair); the split filter does not apply to them. Excludes `val_fraction`

@@ -111,7 +111,12 @@ def _add_shard_args(p: argparse.ArgumentParser, fmt: str) -> None:
     g = p.add_argument_group("validation split (deterministic: a seeded hash of each record's content)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--val-fraction", type=float, help="hold out each record with this probability, per domain")
-    x.add_argument("--val-count", type=int, help="hold out exactly this many records per domain (a domain keeps >= 1 training record)")
+    x.add_argument(
+        "--val-count", type=int,
+        help="hold out this many records per domain, those of the smallest content hashes (the same whatever the "
+        "input order); a domain of at most this many keeps one record for training. Without --val-fraction, "
+        "--val-count or --val-file there is no validation split",
+    )
     x.add_argument(
         "--val-file",
         nargs="+",
