@@ -228,7 +228,7 @@ def _solve(st: _State, rounds: _Rounds, k: int, tols: tuple[float, float], round
         # The final refactorisation rides on the read of a solve's only batch (a small solve, as the recipes' 8
         # picks a rank: one read in all). A longer solve reads its last batch first: rounds freeze late, as the
         # support grows (bench_selection's seed 0 froze at round 486 of 512 picks), and a frozen last batch wastes
-        # the factorisation (0.35 ms of an H200's time at kappa = 512), where the extra read costs some microseconds.
+        # the factorisation (0.27 ms of an H200's kernels at kappa = 512), where the extra read costs some microseconds.
         final = _finalized(st) if done == 0 and batch == k else None
         r, live, bad, agrees = _read_status(st, final)
         reads += 1

@@ -344,10 +344,10 @@ def test_a_solve_of_several_batches_factorises_once_after_its_last_batch_is_read
 
 
 def test_after_a_repair_the_final_refactorisation_waits_for_the_rounds_to_finish(monkeypatch):
-    """The final refactorisation (a Cholesky factorisation of kappa + 1 slots, about 0.2 ms on a GPU) rides on
-    the last batch's read; once a round has been repaired, it waits for a read that says the last batch ran
-    through. With all 20 rounds in one batch the drop instance freezes and is repaired several times: at most
-    one factorisation is wasted (the one before the first repair), where each frozen last batch wasted one."""
+    """A solve within one batch (all 20 rounds) computes the final refactorisation with the batch, to read it
+    with the batch; the drop instance freezes there and is repaired several times, and after the first repair the
+    factorisation waits for a read that says the rounds ran through: at most one is wasted (the one before the
+    first repair), where each frozen last batch wasted one."""
     from composer_algos.selection import active_set_device as asd
 
     features, val, dom, _ = _drop_instance()
