@@ -32,8 +32,13 @@ __all__ = [
 # Two jobs whose datasets start at the same moment both find the same free prefix and the second
 # dies with `FileExistsError: '/000000_locals'` (seen with tools/run_experiment.py --jobs 2). Local
 # leaders (the process of each job and node that creates the prefix) take this machine-wide lock
-# around the registration, so they register one after the other; other ranks only look the
-# prefix up and take no lock (a leader holds it across Streaming's barriers).
+# around the registration, so they register one after the other. The other ranks take no lock (a
+# leader holds it across Streaming's barriers), and in Streaming 0.13 each of them scans for the
+# free prefix itself, before the leader registers (prefix.py:213-216): another process that takes or
+# frees a prefix between the leader's scan and theirs makes them look for one the leader did not
+# register ("prefix=0 was not registered by local leader", seen beside another test run). The CPU
+# FSDP tests give the ranks their leader's number (tests/training/cpu_fsdp_runs.py); a run here
+# does not yet (its all-gather on NCCL is untested).
 PREFIX_LOCK = os.path.join(tempfile.gettempdir(), "partitionsel_streaming_prefix.lock")
 
 
