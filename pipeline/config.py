@@ -234,6 +234,12 @@ class EvalConfig:
     guide_fraction: float = 0.5
 
 
+# The largest share of every weight the optimizer may decay away in one step at the peak learning rate
+# (`OptimizerConfig.validate`): the references' weight decay 0.1 at lr 4e-4 is 4e-5; 0.1 a step (the 1B recipe's
+# DecoupledAdamW decay of 0.1 until 2026-11-28) erases a weight's value in a few dozen steps.
+MAX_DECAY_PER_STEP = 0.05
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     name: str = "decoupled_adamw"
@@ -250,6 +256,19 @@ class OptimizerConfig:
             errs.append(f"optimizer.lr must be > 0, got {self.lr}")
         if len(self.betas) != 2:
             errs.append(f"optimizer.betas must have 2 values, got {self.betas}")
+        if not self.weight_decay >= 0:
+            errs.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        # The share of every weight decayed away a step at the peak lr: torch's AdamW multiplies by 1 - lr x wd,
+        # Composer's DecoupledAdamW by 1 - (lr / initial lr) x wd (Adam's decay is an L2 term in the gradient).
+        shrink = {"adamw": self.lr * self.weight_decay, "decoupled_adamw": self.weight_decay}.get(self.name, 0.0)
+        if self.lr > 0 and shrink >= MAX_DECAY_PER_STEP:
+            usual = f"{0.1 * self.lr:g} (0.1 x lr)" if self.name == "decoupled_adamw" else "0.1"
+            errs.append(
+                f"optimizer.weight_decay {self.weight_decay:g} with {self.name} at lr {self.lr:g} decays every weight "
+                f"by {shrink:.0%} a step at the peak lr (at most {MAX_DECAY_PER_STEP:.0%} is allowed); the usual weight "
+                f"decay 0.1 is {usual} here: {self.name} multiplies the weights by "
+                + ("1 - lr x weight_decay a step" if self.name == "adamw" else "1 - (lr / initial lr) x weight_decay a step")
+            )
         return errs
 
 

@@ -370,3 +370,35 @@ def test_doremi_on_a_subset_of_the_shards_domains_is_refused_before_anything_is_
     with pytest.raises(ConfigError, match=r"algorithms.doremi learns a weight for every domain of the shards .*"
                                           r"streams only \['wiki', 'spam'\]"):
         train.build_trainer(cfg)
+
+
+@pytest.mark.parametrize(
+    ("name", "weight_decay", "says"),
+    [
+        # torch's AdamW: x(1 - lr wd) a step. The 1B recipe had 250 (x0.9 a step at lr 4e-4) until a review.
+        ("adamw", 250.0, "decays every weight by 10% a step at the peak lr (at most 5% is allowed); the usual weight "
+         "decay 0.1 is 0.1 here"),
+        # Composer's DecoupledAdamW: x(1 - (lr / initial lr) wd), so its 0.1 is 10% a step too.
+        ("decoupled_adamw", 0.1, "by 10% a step at the peak lr (at most 5% is allowed); the usual weight decay 0.1 is "
+         "4e-05 (0.1 x lr) here"),
+    ],
+)
+def test_a_weight_decay_that_erases_the_weights_is_refused_and_the_usual_value_named(name, weight_decay, says):
+    path = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+    with pytest.raises(ConfigError, match="optimizer.weight_decay") as info:
+        load_config(path, [f"optimizer.name={name}", "optimizer.lr=4e-4", f"optimizer.weight_decay={weight_decay}"])
+    assert says in str(info.value), str(info.value)
+    usual = 0.1 if name == "adamw" else 4e-5
+    cfg = load_config(path, [f"optimizer.name={name}", "optimizer.lr=4e-4", f"optimizer.weight_decay={usual}"])
+    assert cfg.optimizer.weight_decay == usual
+
+
+def test_the_1b_recipes_decay_as_the_references_weight_decay_of_0_1():
+    """Torch's AdamW at 0.1 and Composer's DecoupledAdamW at 0.1 x lr: the same update, 4e-5 a step at the peak."""
+    import yaml
+
+    ours = load_config(REPO_ROOT / "yamls" / "llama1b_dolma.yaml").optimizer
+    foundry = yaml.safe_load((REPO_ROOT / "yamls" / "foundry" / "llama1b_dolma.yaml").read_text())["optimizer"]
+    assert (ours.name, ours.weight_decay) == ("adamw", 0.1)
+    assert foundry["name"] == "decoupled_adamw"
+    assert foundry["weight_decay"] == pytest.approx(0.1 * ours.lr) and foundry["lr"] == ours.lr

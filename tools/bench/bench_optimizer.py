@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-LR, WEIGHT_DECAY = 4e-4, 0.1  # yamls/llama1b_dolma.yaml's learning rate and DecoupledAdamW decay
+LR, WEIGHT_DECAY = 4e-4, 4e-5  # yamls/foundry/llama1b_dolma.yaml's learning rate and DecoupledAdamW decay (torch AdamW's 0.1)
 
 
 def _model(hidden: int, layers: int, device: str):
