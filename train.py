@@ -66,7 +66,10 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         )
     weights = stream_weights(data.domain_weights, data.domain_weights_file, where="train_loader.dataset")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    run_dir = cfg.save_folder or os.path.join("runs", cfg.run_name or "run")
+    run_dir = cfg.run_dir
+    if cfg.save_folder and "://" in cfg.save_folder:
+        log.warning("save_folder %s is remote: Composer uploads the checkpoints there; the run's own files (the mixture, "
+                    "the selection log, config.yaml, the log) go to %s on this machine", cfg.save_folder, run_dir)
     context = {
         "domain_names": domain_names,
         "natural_weights": [split_samples(d, "train") for d in manifest.domains],
@@ -211,7 +214,7 @@ def _callbacks_and_loggers(cfg: TrainConfig, context: dict[str, Any]) -> tuple[l
     callbacks = [build_component("callback", n, kw, context) for n, kw in callback_cfgs.items()]
     loggers = [build_component("logger", n, kw, context) for n, kw in cfg.loggers.items()]
     if cfg.save_folder and not any(isinstance(lg, FileLogger) for lg in loggers):
-        log_file = os.path.join(cfg.save_folder, "log-rank{rank}.txt")
+        log_file = os.path.join(cfg.run_dir, "log-rank{rank}.txt")
         loggers.append(AppendFileLogger(filename=log_file, flush_interval=50))  # kept across autoresume
     return callbacks, loggers
 
@@ -261,8 +264,8 @@ def main(argv: list[str]) -> Trainer:
     try:
         trainer = build_trainer(cfg)
         if cfg.save_folder and dist.get_global_rank() == 0:
-            os.makedirs(cfg.save_folder, exist_ok=True)
-            OmegaConf.save(OmegaConf.create(config_to_dict(cfg)), os.path.join(cfg.save_folder, "config.yaml"))
+            os.makedirs(cfg.run_dir, exist_ok=True)
+            OmegaConf.save(OmegaConf.create(config_to_dict(cfg)), os.path.join(cfg.run_dir, "config.yaml"))
         trainer.fit()
     except ConfigError as e:  # a setting only the data could refute (shards not readable up front): one line
         print(f"train.py: {e}", file=sys.stderr)

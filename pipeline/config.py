@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import os
 import re
+import string
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -361,7 +362,18 @@ class TrainConfig:
             errs.append(f"device must be cpu or gpu (or unset for auto), got {self.device!r}")
         errs += self._validate_guide_fractions()
         errs += fsdp_config_problems(self.fsdp_config)
+        errs += save_folder_problems(self.save_folder, self.run_name)
         return errs
+
+    @property
+    def run_dir(self) -> str:
+        """Where the run's own files go on the local disk (the selection's mixture and logs, config.yaml, the log
+        file): `save_folder` with ``{run_name}`` filled in as Composer fills it; ``runs/<run_name>`` when it is
+        unset or remote (Composer uploads the checkpoints there; the run's files stay local)."""
+        folder = self.save_folder
+        if folder is None or "://" in folder:
+            return os.path.join("runs", self.run_name or "run")
+        return folder.replace("{run_name}", self.run_name or "")
 
     def _validate_guide_fractions(self) -> list[str]:
         return guide_fraction_problems(
@@ -370,6 +382,26 @@ class TrainConfig:
 
 
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def save_folder_problems(save_folder: str | None, run_name: str | None) -> list[str]:
+    """A `save_folder` whose placeholders the run's own files could not follow: Composer formats ``{run_name}``
+    (and ``{rank}`` and the like) into the checkpoints' folder, and the run's files must land beside them."""
+    if not save_folder or "{" not in save_folder:
+        return []
+    fields = sorted({f for _, f, _, _ in string.Formatter().parse(save_folder) if f is not None})
+    if fields == ["run_name"] and run_name:
+        return []
+    if fields == ["run_name"]:
+        return [
+            f"save_folder {save_folder!r} names {{run_name}} and run_name is unset: Composer makes one up when the run "
+            "starts, after the selection's files are placed; set run_name"
+        ]
+    return [
+        f"save_folder {save_folder!r} uses {', '.join('{' + f + '}' for f in fields if f != 'run_name')}: the run's "
+        "files (the mixture, the selection log, config.yaml) are written once, by rank 0, beside the checkpoints; "
+        "use a folder without them ({run_name} may stay)"
+    ]
 
 
 def fsdp_config_problems(fsdp: dict[str, Any] | None) -> list[str]:

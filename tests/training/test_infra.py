@@ -324,3 +324,26 @@ def test_an_autoresumed_run_keeps_a_selection_log_written_with_fewer_columns(dol
         assert after["made_ahead"] == ""
     mixture = [k for k in header if k.startswith("mixture/")]
     assert all(abs(sum(float(r[k]) for k in mixture) - 1.0) < 1e-6 for r in rows)
+
+
+def test_a_save_folder_with_run_name_keeps_the_runs_files_beside_its_checkpoints(dolma_shards, tmp_path):
+    """`save_folder: runs/{run_name}` (Composer's placeholder): the checkpoints went to runs/<name>/ and the run's own
+    files (mixture, selection log, config.yaml) to a literal runs/{run_name}/ (a new-user review). Now one folder;
+    placeholders the run's files cannot follow, or {run_name} without a run_name, are refused at load."""
+    from pipeline.config import ConfigError
+
+    folder = tmp_path / "{run_name}"
+    cfg = load_config(TINY, [*tiny_overrides(dolma_shards, folder, "eval_loader=null", "max_duration=2ba",
+                                            "save_interval=2ba"), "run_name=named"])
+    assert cfg.run_dir == str(tmp_path / "named")
+    trainer = train.main([str(TINY), *tiny_overrides(dolma_shards, folder, "eval_loader=null", "max_duration=2ba",
+                                                      "save_interval=2ba"), "run_name=named"])
+    trainer.close()
+    files = {p.name for p in (tmp_path / "named").iterdir()}
+    assert {"config.yaml", "mixture.json", "selection_log.csv", "log-rank0.txt"} <= files, files
+    assert any(name.endswith(".pt") for name in files) or (tmp_path / "named" / "latest-rank0.pt").exists(), files
+    assert not folder.exists()
+    for extra, says in ((["run_name=null"], "names {run_name} and run_name is unset"), (["run_name=x", f"save_folder={tmp_path}/{{rank}}"], "uses {rank}")):
+        with pytest.raises(ConfigError, match="save_folder") as info:
+            load_config(TINY, [*tiny_overrides(dolma_shards, folder), *extra])
+        assert says in str(info.value), str(info.value)
