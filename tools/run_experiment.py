@@ -87,6 +87,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     seeds = _parse_seeds(parser, args)
     if not args.yaml.is_file():
         parser.error(f"--yaml: no such file {args.yaml}")
+    # The runs train in the repository's directory: the paths given relative to this one are made absolute.
+    args.yaml, args.out = args.yaml.resolve(), args.out.resolve()
+    if "://" not in args.shard_dir:
+        if not args.report_only and not (Path(args.shard_dir) / "manifest.json").is_file():
+            parser.error(f"--shard-dir: {args.shard_dir} holds no manifest.json (the output directory of tools/shard.py)")
+        args.shard_dir = str(Path(args.shard_dir).resolve())
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.budget_seconds is not None and not args.budget_seconds > 0:
@@ -143,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps_of[sensitivity_label(label, n)] = n
     else:
         steps_of = {label: args.steps for label in strategies}
+        if not args.report_only and (problem := _config_problem(args, runs_of, extra)):
+            parser.error(problem)  # before any run starts (a plan's runs were loaded by plan_compute)
     from pipeline.config import ConfigError
 
     try:
@@ -167,6 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         plan=plan,
     )
     return 0
+
+
+def _config_problem(args: argparse.Namespace, runs_of: dict[str, tuple[str, list[str]]], extra: list[str]) -> str | None:
+    """The first run configuration (the yaml, the overrides after ``--`` and a variant's) that does not load, or None."""
+    for label, (strategy, overrides) in runs_of.items():
+        try:
+            arm_work(args.yaml, args.shard_dir, strategy, extra + overrides)
+        except PlanError as e:
+            return f"run {label!r}: {e}"
+    return None
 
 
 def _parse_runs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
@@ -435,10 +454,19 @@ def _settings_differences(saved: Any, wanted: Any, prefix: str = "") -> list[str
         for key in dict.fromkeys([*saved, *wanted]):
             differ += _settings_differences(saved.get(key, "(unset)"), wanted.get(key, "(unset)"), f"{prefix}{key}.")
         return differ
-    if saved == wanted:
+    if saved == wanted or _same_path(saved, wanted):
         return []
     saved_text, wanted_text = (text if len(text := str(v)) <= 24 else text[:21] + "..." for v in (saved, wanted))
     return [f"{prefix.removesuffix('.')}: {saved_text} -> {wanted_text}"]
+
+
+def _same_path(saved: Any, wanted: Any) -> bool:
+    """Two settings naming one existing file or folder, as the runs read them (from the repository's directory): a run
+    saved with a relative `--shard-dir` is the same run as one given it absolute (run_experiment resolves them now)."""
+    if not (isinstance(saved, str) and isinstance(wanted, str)) or "://" in saved + wanted:
+        return False
+    a, b = (REPO / v for v in (saved, wanted))  # an absolute path stays itself
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
 
 
 def _some(differ: list[str], at_most: int = 3) -> str:
@@ -1532,10 +1560,20 @@ def _run_queue(
             log.close()
             if proc.returncode:
                 failed.append(run_dir.name)
-                print(f"  {run_dir.name} failed (exit {proc.returncode}); see {log.name}", flush=True)
+                print(f"  {run_dir.name} failed (exit {proc.returncode}); see {log.name}{_last_error(Path(log.name))}", flush=True)
             else:
                 print(f"  {run_dir.name} done in {time.perf_counter() - t0:.0f}s", flush=True)
     return failed
+
+
+def _last_error(log_path: Path) -> str:
+    """The last line of a failed run's log that says why (an exception or train.py's message), quoted, or ''."""
+    try:
+        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    why = [line for line in lines if line.startswith("train.py:") or re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)]
+    return f"\n    {why[-1][:400]}" if why else ""
 
 
 def _empty_run_dir(run_dir: Path) -> None:

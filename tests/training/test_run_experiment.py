@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,19 @@ class _FakeProc:
 
     def poll(self):
         return 0
+
+
+@pytest.fixture(autouse=True)
+def _shard_dir_s(request, tmp_path_factory, monkeypatch):
+    """The tests' `--shard-dir s`, from a directory where `s/manifest.json` exists (run_experiment refuses a
+    shard directory without one before any run starts; the faked trainings read nothing from it). Not for the
+    tests that train for real on `dolma_shards`: the yaml's tokenizer path is relative to the repository."""
+    if "dolma_shards" in request.fixturenames:
+        return
+    where = tmp_path_factory.mktemp("cwd")
+    (where / "s").mkdir()
+    (where / "s" / "manifest.json").write_text("{}")
+    monkeypatch.chdir(where)
 
 
 @pytest.fixture
@@ -715,3 +729,47 @@ def test_a_run_finished_elsewhere_with_the_same_settings_is_linked_not_retrained
     assert tool.reuse_finished_run(other, [tmp_path / "steps"], steps=3, command=command(other, "optimizer.lr=0.5")) is None
     assert tool.reuse_finished_run(other, [tmp_path / "steps"], steps=4, command=command(other)) is None
     assert not other.exists()
+
+
+def test_bad_settings_and_shards_are_refused_before_any_run_starts_and_paths_follow_the_caller(fake_training, tmp_path,
+                                                                                              capsys):
+    """A new-user review: with --steps, a typo in an override or a --shard-dir without shards launched every run in
+    turn, each failing with its reason only in its log; and the runs train in the repository's directory, so a
+    relative --out or --shard-dir named other folders there than here. Now the configurations load and the shards
+    are found before any run, and the paths given are made absolute."""
+    tool, launched = fake_training
+    base = ["--yaml", str(TINY), "--strategies", "random,partitionsel", "--seeds", "1", "--steps", "3"]
+    with pytest.raises(SystemExit):
+        tool.main([*base, "--shard-dir", "s", "--out", "exp", "--", "optimizer.lrr=1"])
+    err = capsys.readouterr().err
+    assert "run 'random'" in err and "optimizer.lrr" in err and launched == [], err
+    with pytest.raises(SystemExit):
+        tool.main([*base, "--shard-dir", "nowhere", "--out", "exp"])
+    err = capsys.readouterr().err
+    assert "--shard-dir: nowhere holds no manifest.json" in err and launched == [], err
+    assert tool.main([*base, "--shard-dir", "s", "--out", "exp"]) == 0  # relative, from this test's directory
+    here = Path.cwd()
+    for cmd, _ in launched:
+        assert _arg(cmd, "variables.shard_dir") == str(here / "s")
+        assert _arg(cmd, "save_folder").startswith(str(here / "exp") + "/"), _arg(cmd, "save_folder")
+
+
+def test_a_failed_runs_reason_is_printed_from_its_log(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("Traceback (most recent call last):\n  File ...\nValueError: the pool is larger than the split\n")
+    assert _tool()._last_error(log) == "\n    ValueError: the pool is larger than the split"
+    log.write_text("step 1\ntrain.py: yamls/x.yaml: invalid configuration: optimizer.lrr\n")
+    assert _tool()._last_error(log) == "\n    train.py: yamls/x.yaml: invalid configuration: optimizer.lrr"
+    log.write_text("all fine\n")
+    assert _tool()._last_error(log) == "" and _tool()._last_error(tmp_path / "missing.log") == ""
+
+
+def test_a_run_saved_with_a_relative_path_is_the_run_given_it_absolute():
+    """run_experiment now gives the runs absolute paths; a finished run saved with the relative ones (read from the
+    repository's directory, where the runs train) is the same run, not one to train again."""
+    tool = _tool()
+    saved = {"tokenizer_name": "assets/tokenizer", "train_loader": {"dataset": {"shard_dir": "assets"}}}
+    same = {"tokenizer_name": str(REPO_ROOT / "assets" / "tokenizer"), "train_loader": {"dataset": {"shard_dir": str(REPO_ROOT / "assets")}}}
+    assert tool._settings_differences(saved, same) == []
+    other = {"tokenizer_name": str(REPO_ROOT / "assets"), "train_loader": {"dataset": {"shard_dir": "s3://b/assets"}}}
+    assert [d.split(":")[0] for d in tool._settings_differences(saved, other)] == ["tokenizer_name", "train_loader.dataset.shard_dir"]
