@@ -11,6 +11,7 @@ import pytest
 import run_experiment
 
 from tests.common.paths import REPO_ROOT
+from tests.training.test_run_experiment import _shard_dir_s  # noqa: F401  (autouse: `--shard-dir s` holds a manifest)
 
 TINY = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
 
