@@ -122,36 +122,60 @@ def _tokenizer_and_shards(cfg: TrainConfig) -> tuple[Any, Any]:
     except ValueError as e:
         raise ConfigError(f"train_loader.dataset.shard_dir: {e}") from e
     try:
+        _check_train_domains(cfg, manifest)
         tokenizer = load_tokenizer(cfg.tokenizer_name)
-        _check_shard_tokenizers(cfg, tokenizer, manifest)
+        _check_shards(cfg, tokenizer, manifest)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
     return tokenizer, manifest
 
 
-def _check_shard_tokenizers(cfg: TrainConfig, tokenizer: Any, manifest: Any) -> None:
-    """The training shards, and evaluation and validation shards kept elsewhere, hold this run's tokenizer's ids."""
+def _check_train_domains(cfg: TrainConfig, manifest: Any) -> None:
+    """`train_loader.dataset.domains` and its weights name the shards' domains (else the dataset raised it later)."""
+    from pipeline.dataset import streamed_domains
+
+    data = cfg.train_loader.dataset
+    try:
+        streamed_domains(manifest, shard_dir=data.shard_dir, split=data.split, domains=data.domains,
+                         domain_weights=data.domain_weights)
+    except ValueError as e:
+        raise ValueError(f"train_loader.dataset: {e}") from e
+
+
+def _check_shards(cfg: TrainConfig, tokenizer: Any, manifest: Any) -> None:
+    """The training shards, and evaluation and validation shards kept elsewhere, hold this run's tokenizer's ids and
+    sequences of its max_seq_len; local evaluation and validation shards without a remote exist."""
     from composer_algos.data_selection.options import validation_config
     from pipeline.manifest import load_manifest, tokenizer_mismatch
 
     selection = cfg.algorithms.get("data_selection")
     validation = validation_config(getattr(selection, "validation", None) if selection is not None else None)
-    others = {
-        "eval_loader.shard_dir": cfg.eval_loader.shard_dir if cfg.eval_loader is not None else None,
-        "algorithms.data_selection.validation.shard_dir": validation.get("shard_dir"),
+    others = {  # key -> (local shard directory, its remote)
+        "eval_loader.shard_dir": (cfg.eval_loader.shard_dir, cfg.eval_loader.remote) if cfg.eval_loader else (None, None),
+        "algorithms.data_selection.validation.shard_dir": (validation.get("shard_dir"), validation.get("remote")),
     }
     checked = [("train_loader.dataset.shard_dir", manifest)]
     seen = {os.path.abspath(cfg.train_loader.dataset.shard_dir)}  # each directory read and fingerprinted once
-    for key, path in others.items():  # shards not on local disk yet: their loader reports them
-        if path and os.path.abspath(path) not in seen and os.path.isfile(os.path.join(path, "manifest.json")):
-            seen.add(os.path.abspath(path))
-            try:
-                checked.append((key, load_manifest(path)))
-            except ValueError as e:
-                raise ValueError(f"{key}: {e}") from e
+    for key, (path, remote) in others.items():
+        if not path or os.path.abspath(path) in seen:
+            continue
+        if not os.path.isfile(os.path.join(path, "manifest.json")):
+            if remote is None and "://" not in path:  # shards that stream from a remote arrive with their loader
+                raise ValueError(f"{key}: {path} holds no manifest.json (the output directory of tools/shard.py)")
+            continue
+        seen.add(os.path.abspath(path))
+        try:
+            checked.append((key, load_manifest(path)))
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from e
     for key, m in checked:
         if problem := tokenizer_mismatch(m, tokenizer, str(cfg.tokenizer_name)):
             raise ValueError(f"{key}: {problem}")
+        if m.max_seq_len != cfg.max_seq_len:
+            raise ValueError(
+                f"max_seq_len {cfg.max_seq_len} does not match the shards of {key} (their manifest's max_seq_len "
+                f"{m.max_seq_len}); set max_seq_len to {m.max_seq_len} or re-shard"
+            )
 
 
 def _run_settings(cfg: TrainConfig) -> dict[str, Any]:

@@ -363,6 +363,13 @@ class TrainConfig:
         errs += self._validate_guide_fractions()
         errs += fsdp_config_problems(self.fsdp_config)
         errs += save_folder_problems(self.save_folder, self.run_name)
+        if self.eval_loader is not None:
+            if self.eval_loader.device_eval_batch_size <= 0:
+                errs.append(f"eval_loader.device_eval_batch_size must be > 0, got {self.eval_loader.device_eval_batch_size}")
+            if self.eval_loader.subset_num_batches == 0 or self.eval_loader.subset_num_batches < -1:
+                errs.append(
+                    f"eval_loader.subset_num_batches must be > 0, or -1 for every batch, got {self.eval_loader.subset_num_batches}"
+                )
         return errs
 
     @property

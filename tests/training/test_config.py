@@ -366,7 +366,7 @@ def test_doremi_on_a_subset_of_the_shards_domains_is_refused_before_anything_is_
 
     proxy = REPO_ROOT / "yamls" / "doremi" / "demo_proxy.yaml"
     cfg = load_run_config(proxy, [f"variables.shard_dir={dolma_shards}", f"variables.runs={tmp_path}",
-                                  "train_loader.dataset.domains=[wiki, spam]"])
+                                  "max_seq_len=64", "train_loader.dataset.domains=[wiki, spam]"])  # the shards' length
     with pytest.raises(ConfigError, match=r"algorithms.doremi learns a weight for every domain of the shards .*"
                                           r"streams only \['wiki', 'spam'\]"):
         train.build_trainer(cfg)
@@ -402,3 +402,24 @@ def test_the_1b_recipes_decay_as_the_references_weight_decay_of_0_1():
     assert (ours.name, ours.weight_decay) == ("adamw", 0.1)
     assert foundry["name"] == "decoupled_adamw"
     assert foundry["weight_decay"] == pytest.approx(0.1 * ours.lr) and foundry["lr"] == ours.lr
+
+
+def test_shard_settings_the_data_refutes_are_one_line_errors_before_the_model_is_built(dolma_shards, tmp_path, capsys):
+    """A new-user review: these raised tracebacks after the tokenizer, or after the model at the Trainer's start."""
+    import train
+    from tests.training.conftest import tiny_overrides
+
+    tiny = str(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml")
+    cases = [
+        ("variables.max_seq_len=32", "max_seq_len 32 does not match the shards of train_loader.dataset.shard_dir"),
+        ("train_loader.dataset.domains=[reddit,nosuch]", "train_loader.dataset: domains ['nosuch'] are not in the shard"),
+        (f"eval_loader.shard_dir={tmp_path / 'nowhere'}", f"eval_loader.shard_dir: {tmp_path / 'nowhere'} holds no manifest.json"),
+        (f"algorithms.data_selection.validation.shard_dir={tmp_path / 'nowhere'}",
+         "algorithms.data_selection.validation.shard_dir: "),
+        ("eval_loader.device_eval_batch_size=0", "eval_loader.device_eval_batch_size must be > 0, got 0"),
+    ]
+    for override, says in cases:
+        with pytest.raises(SystemExit) as info:
+            train.main([tiny, *tiny_overrides(dolma_shards, tmp_path / "run"), override])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and says in err and "Traceback" not in err, (override, err[-800:])
