@@ -83,7 +83,8 @@ def _add_shard_args(p: argparse.ArgumentParser, fmt: str) -> None:
     g.add_argument("--out", type=Path, required=True, help="output directory (must not exist unless --overwrite)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing output (one holding a manifest.json, or empty)")
     g.add_argument("--mode", choices=("pretrain", "finetune"), help="pretrain: packed input_ids; finetune: prompt_ids/response_ids (default: per format)")
-    g.add_argument("--tokenizer", default=DEMO_TOKENIZER, help="tokenizer directory, hub name or .gguf model file (converted once, cached) (default: the committed demo tokenizer)")
+    g.add_argument("--tokenizer", help="tokenizer directory, hub name or .gguf model file (converted once, cached): the model's "
+                   "(default: the committed 4096-token demo tokenizer, which only the demo's models read; said when used)")
     g.add_argument("--max-seq-len", type=int, required=True, help="pretrain: sequence length; finetune: cap on prompt + response tokens")
     g.add_argument("--size-limit", default="64mb", help="MDS shard size limit (default: 64mb)")
 
@@ -167,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"PROBLEM: {problem}")
         print(f"{args.dir}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
         return 0 if not problems else 1
+    if args.tokenizer is None:
+        args.tokenizer = DEMO_TOKENIZER
+        print(f"shard.py: no --tokenizer: writing the ids of the demo tokenizer {DEMO_TOKENIZER} (4096 tokens); a run whose "
+              "model has another tokenizer will refuse these shards", file=sys.stderr)
     try:
         spec = make_corpus_spec(
             args.command,

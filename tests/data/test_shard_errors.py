@@ -240,3 +240,18 @@ def test_jsonl_generic_fields(tmp_path):
     assert manifest.prompt_template == "none"
     samples = read_mds(manifest.split_dir("t2", "train"))
     assert [s["record"] for s in samples] == ["qa.jsonl:4", "qa.jsonl:6"]
+
+
+def test_shards_of_the_default_demo_tokenizer_are_announced(tmp_path, capsys):
+    """A new-user review: without --tokenizer, shard.py wrote the 4096-token demo tokenizer's ids without a word
+    (hours of sharding a real corpus that train.py then refuses for the model's tokenizer)."""
+    shard = load_tool("shard")
+    docs = tmp_path / "docs.jsonl"
+    write_jsonl(docs, [{"text": f"document {i} " * 20, "source": "wiki"} for i in range(6)])
+    assert shard.main(["dolma", str(docs), "--out", str(tmp_path / "a"), "--max-seq-len", "32", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"no --tokenizer: writing the ids of the demo tokenizer {DEMO_TOKENIZER}" in err, err
+    assert load_manifest(str(tmp_path / "a")).tokenizer == DEMO_TOKENIZER
+    assert shard.main(["dolma", str(docs), "--out", str(tmp_path / "b"), "--max-seq-len", "32", "--no-progress",
+                       "--tokenizer", DEMO_TOKENIZER]) == 0
+    assert "no --tokenizer" not in capsys.readouterr().err
