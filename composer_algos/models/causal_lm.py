@@ -26,6 +26,7 @@ from composer_algos.losses import (
 from composer_algos.models.frozen_prefix import evaluation_forwards, install_frozen_prefix_cache
 from composer_algos.models.scoring_prefix import PREFIX_KEY, ScoringPrefix, install_scoring_prefix
 from pipeline.gguf import resolve_pretrained
+from pipeline.tokenizer import missing_local_directory
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,8 @@ def _hf_model(
     overrides = dict(config_overrides or {})
     if name_or_path is not None:
         name_or_path = resolve_pretrained(name_or_path, field="model.pretrained_model_name_or_path")
+        if problem := missing_local_directory(name_or_path):  # not a minute of the hub's retries first
+            raise ValueError(f"model.pretrained_model_name_or_path {name_or_path!r}: {problem}")
     if config is not None:
         cfg_dict = dict(config)
         model_type = cfg_dict.pop("model_type")

@@ -164,3 +164,26 @@ def test_a_tokenizer_reads_the_shards_when_it_gives_their_ids_the_same_tokens(ou
     old = dataclasses.replace(m, vocab_sha256=None)
     assert tokenizer_mismatch(old, other, "other") is None
     assert "vocabulary 4098, the shards' 4096" in tokenizer_mismatch(old, grown, "grown")
+
+
+def test_a_mistyped_local_tokenizer_path_fails_at_once_naming_the_near_directory(tmp_path, monkeypatch):
+    """A new-user review: `tokenizer_name=assets/tokenizr` asked the hub for it, about 52 s of retries without a
+    network before the error. A path whose parent exists here, or that starts from the filesystem, is local."""
+    import time
+
+    import pytest
+
+    from pipeline.tokenizer import load_tokenizer, missing_local_directory
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "assets" / "tokenizer").mkdir(parents=True)
+    assert missing_local_directory("assets/tokenizer") is None
+    assert missing_local_directory("Qwen/Qwen2.5-3B") is None  # a hub name: no such parent here
+    assert missing_local_directory("gpt2") is None
+    assert missing_local_directory("/no/such/dir") == "no such directory"
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as info:
+        load_tokenizer("assets/tokenizr")
+    assert time.perf_counter() - start < 5
+    assert str(info.value) == ("`tokenizer` 'assets/tokenizr': no such directory (its parent 'assets' is here; "
+                               "did you mean 'assets/tokenizer'?)")
