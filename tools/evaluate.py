@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except FileNotFoundError as e:  # a model, adapter, tokenizer or suite that is not there: one line, not a traceback
+        raise SystemExit(f"{args.command}: {e.args[-1] if e.args else e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,7 +303,8 @@ def _load(args: argparse.Namespace, check: Callable[[argparse.Namespace, Any], N
 
 
 def _check_shard_tokenizer(args: argparse.Namespace, tokenizer: Any) -> None:
-    """ppl, answers: exit when the shards hold another tokenizer's ids (`pipeline.manifest.tokenizer_mismatch`)."""
+    """ppl, answers: exit when the shards hold another tokenizer's ids (`pipeline.manifest.tokenizer_mismatch`), or
+    `--domains` names a domain they lack."""
     from pipeline.manifest import load_manifest, tokenizer_mismatch
 
     name = args.tokenizer or getattr(tokenizer, "name_or_path", None) or args.model
@@ -310,6 +314,9 @@ def _check_shard_tokenizer(args: argparse.Namespace, tokenizer: Any) -> None:
         raise SystemExit(f"{args.command}: --shards: {e}") from None
     if problem := tokenizer_mismatch(manifest, tokenizer, str(name), field="the model's tokenizer"):
         raise SystemExit(f"{args.command}: --shards: {problem}")
+    known = [d.name for d in manifest.domains]
+    if args.domains and (unknown := [d for d in args.domains.split(",") if d and d not in known]):
+        raise SystemExit(f"{args.command}: --domains: {unknown} are not domains of {args.shards} (they are: {', '.join(known)})")
 
 
 def _check_chat_template(args: argparse.Namespace, tokenizer: Any) -> None:

@@ -66,3 +66,26 @@ def test_ppl_refuses_shards_of_another_tokenizer_before_the_model_loads(dolma_sh
     assert msg.startswith(f"ppl: --shards: the model's tokenizer {str(other)!r} is not the tokenizer the shards in "
                           f"{dolma_shards} were written with"), msg
     assert "vocabulary 400, smaller than the shards' 4096" in msg, msg
+
+
+def test_evaluate_errors_are_one_line_before_the_model_loads(dolma_shards, tmp_path, monkeypatch):
+    """A new-user review: a missing --model printed a FileNotFoundError traceback, and `--domains wiki,nosuch` a
+    KeyError after the model had loaded."""
+    import pipeline.evaluation.checkpoint
+    from pipeline.tokenizer import DEMO_TOKENIZER
+    from tests.data.mds_helpers import load_tool
+
+    evaluate = load_tool("evaluate")
+    with pytest.raises(SystemExit) as info:
+        evaluate.main(["ppl", "--model", str(tmp_path / "none.pt"), "--shards", str(dolma_shards), "--no-progress"])
+    assert str(info.value.code) == (f"ppl: `model_path` {tmp_path / 'none.pt'} does not exist (only local files are "
+                                    "read; nothing is downloaded)")
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model was loaded before --domains was checked")
+
+    monkeypatch.setattr(pipeline.evaluation.checkpoint, "load_model_and_tokenizer", loads)
+    with pytest.raises(SystemExit) as info:
+        evaluate.main(["ppl", "--model", str(tmp_path / "m.pt"), "--tokenizer", DEMO_TOKENIZER, "--shards",
+                       str(dolma_shards), "--domains", "wiki,nosuch", "--no-progress"])
+    assert str(info.value.code).startswith(f"ppl: --domains: ['nosuch'] are not domains of {dolma_shards} (they are: "), info.value
