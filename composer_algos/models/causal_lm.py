@@ -5,6 +5,7 @@ Legend: B = batch, T = sequence, V = vocabulary.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -228,9 +229,12 @@ def _hf_model(
     if config is not None:
         cfg_dict = dict(config)
         model_type = cfg_dict.pop("model_type")
+        _check_config_keys(AutoConfig.for_model(model_type), {"model.config": cfg_dict, "model.config_overrides": overrides})
         hf_config = AutoConfig.for_model(model_type, **cfg_dict, **overrides)
     else:
         assert name_or_path is not None
+        hf_config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        _check_config_keys(hf_config, {"model.config_overrides": overrides})
         hf_config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides)
     hf_config._attn_implementation = attn_implementation  # honoured by from_config / from_pretrained
     if len(tokenizer) > hf_config.vocab_size:
@@ -245,6 +249,23 @@ def _hf_model(
     return AutoModelForCausalLM.from_config(
         hf_config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
     )
+
+
+def _check_config_keys(base: Any, given: dict[str, dict[str, Any]]) -> None:
+    """Refuse keys the model type's config does not have: transformers keeps any keyword as an attribute and builds
+    the model without it (`hidden_sizee: 32` trained a model of the default width, without a word)."""
+    from pipeline.config import ConfigError
+
+    known = set(base.to_dict())
+    for section, keys in given.items():
+        unknown = sorted(k for k in keys if k not in known)
+        if unknown:
+            hints = [f"{k!r} -> {near[0]!r}" for k in unknown if (near := difflib.get_close_matches(k, known, n=1))]
+            raise ConfigError(
+                f"{section}: {unknown} are not settings of a {base.model_type} config"
+                + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                + f"; it has {len(known)}: transformers' {type(base).__name__}"
+            )
 
 
 def _lora_config(lora: dict[str, Any], depth: int) -> tuple[Any, list[int] | None]:

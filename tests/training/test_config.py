@@ -423,3 +423,18 @@ def test_shard_settings_the_data_refutes_are_one_line_errors_before_the_model_is
             train.main([tiny, *tiny_overrides(dolma_shards, tmp_path / "run"), override])
         err = capsys.readouterr().err
         assert info.value.code == 2 and says in err and "Traceback" not in err, (override, err[-800:])
+
+
+def test_a_model_config_key_the_model_type_lacks_is_refused_with_the_near_one(dolma_shards, tmp_path, capsys):
+    """A new-user review: `model.config.hidden_sizee=32` was kept by transformers as a stray attribute and the model
+    trained at the default width."""
+    import train
+    from tests.training.conftest import tiny_overrides
+
+    tiny = str(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml")
+    with pytest.raises(SystemExit) as info:
+        train.main([tiny, *tiny_overrides(dolma_shards, tmp_path / "run"), "model.config.hidden_sizee=32"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err[-500:]
+    assert ("model.config: ['hidden_sizee'] are not settings of a llama config (did you mean 'hidden_sizee' -> "
+            "'hidden_size'?)") in err, err[-500:]
