@@ -546,7 +546,27 @@ def load_config(
     if settings:
         cfg = OmegaConf.merge(cfg, *(_override(path, o) for o in settings))
     assert isinstance(cfg, DictConfig)
+    if problem := _unused_variable(path, cfg, settings):
+        raise ConfigError(problem)
     return parse_config(cfg, source=str(path), parse_component=parse_component)
+
+
+def _unused_variable(path: Path, cfg: DictConfig, settings: Sequence[str]) -> str | None:
+    """An override of `variables.X` that nothing in the config reads (``${variables.X}``): a typo that would leave
+    the yaml's own value in force (`variables.shard_dirr=/data` trained on the default shards)."""
+    given = {o.split("=", 1)[0].strip().split(".")[1] for o in settings if o.startswith("variables.") and o.count(".") >= 1}
+    if not given or not isinstance(cfg.get("variables"), DictConfig):
+        return None
+    text = OmegaConf.to_yaml(cfg)  # unresolved: the interpolations as written
+    unused = sorted(name for name in given if not re.search(r"\$\{\s*variables\." + re.escape(name) + r"\b", text))
+    if not unused:
+        return None
+    name = unused[0]
+    near = difflib.get_close_matches(name, [k for k in cfg.variables if k not in given], n=1)
+    return (
+        f"{path}: override variables.{name}: nothing in the config reads ${{variables.{name}}}"
+        + (f" (did you mean variables.{near[0]}?)" if near else f"; the yaml's variables: {', '.join(str(k) for k in cfg.variables if k not in given)}")
+    )
 
 
 def _override(path: Path, override: str) -> DictConfig:

@@ -104,8 +104,11 @@ def test_demo_tokenizer_is_small_and_offline(monkeypatch):
 
 
 def test_load_tokenizer_errors_and_pad_fallback(tmp_path):
-    with pytest.raises(ValueError, match="could not be loaded"):
+    with pytest.raises(ValueError, match="nothing-here': no such directory"):  # local: not asked of the hub
         load_tokenizer(tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="could not be loaded"):  # there, but no tokenizer in it
+        load_tokenizer(tmp_path / "empty")
     from transformers import PreTrainedTokenizerFast
 
     base = load_tokenizer(DEMO_TOKENIZER)

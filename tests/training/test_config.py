@@ -76,7 +76,20 @@ def test_an_override_yaml_cannot_read_or_reads_as_a_key_with_a_colon_is_named(ov
     msg = str(info.value)
     assert msg.startswith(f"{path}: override {override!r}: "), msg
     assert says in msg, msg
-    assert load_config(path, ["optimizer.lr=0.5", "variables.note='a:b'", "variables.url=http://x"]).optimizer.lr == 0.5
+    cfg = load_config(path, ["optimizer.lr=0.5", "variables.shard_dir='a:b'", "run_name=http://x"])
+    assert (cfg.optimizer.lr, cfg.train_loader.dataset.shard_dir, cfg.run_name) == (0.5, "a:b", "http://x")
+
+
+def test_an_override_of_a_variable_nothing_reads_is_refused_with_the_near_one():
+    """A new-user review: `variables.shard_dirr=/path` was accepted and the run read the yaml's default shards."""
+    path = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["variables.shard_dirr=/data/shards"])
+    assert str(info.value) == (f"{path}: override variables.shard_dirr: nothing in the config reads "
+                               "${variables.shard_dirr} (did you mean variables.shard_dir?)")
+    with pytest.raises(ConfigError, match=r"the yaml's variables: shard_dir, max_seq_len$"):
+        load_config(path, ["variables.zzz=1"])
+    assert load_config(path, ["variables.max_seq_len=64"]).max_seq_len == 64
 
 
 def test_unknown_and_missing_keys_are_all_listed(tmp_path):
@@ -337,7 +350,7 @@ def test_a_missing_shard_directory_or_tokenizer_is_one_line_and_exit_2(dolma_sha
 
     for overrides, expected in (
         ([f"variables.shard_dir={tmp_path / 'nope'}"], "train_loader.dataset.shard_dir: "),
-        ([f"variables.shard_dir={dolma_shards}", f"tokenizer_name={tmp_path / 'no_tokenizer'}"], "could not be loaded"),
+        ([f"variables.shard_dir={dolma_shards}", f"tokenizer_name={tmp_path / 'no_tokenizer'}"], "no_tokenizer': no such directory"),
     ):
         with pytest.raises(SystemExit) as info:
             train.main([str(TINY), *overrides, "save_folder=null"])
