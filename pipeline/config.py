@@ -687,7 +687,9 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     for key in unknown:
-        problems.append(f"{prefix}{key}: unknown key; allowed: {sorted(fields)}")
+        near = difflib.get_close_matches(str(key), list(fields), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        problems.append(f"{prefix}{key}: unknown key{hint}; allowed: {sorted(fields)}")
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

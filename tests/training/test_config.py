@@ -451,3 +451,13 @@ def test_a_model_config_key_the_model_type_lacks_is_refused_with_the_near_one(do
     assert info.value.code == 2, err[-500:]
     assert ("model.config: ['hidden_sizee'] are not settings of a llama config (did you mean 'hidden_sizee' -> "
             "'hidden_size'?)") in err, err[-500:]
+
+
+def test_an_unknown_key_names_the_near_one():
+    # A new-user review: `stratgy` listed the allowed keys without pointing at `strategy`.
+    path = REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path, ["algorithms.data_selection.stratgy=random", "optimizer.lrr=1"])
+    msg = str(info.value)
+    assert "algorithms.data_selection.stratgy: unknown key (did you mean 'strategy'?); allowed: [" in msg, msg
+    assert "optimizer.lrr: unknown key (did you mean 'lr'?)" in msg, msg
