@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokenizer is None:
         args.tokenizer = DEMO_TOKENIZER
         print(f"shard.py: no --tokenizer: writing the ids of the demo tokenizer {DEMO_TOKENIZER} (4096 tokens); a run whose "
-              "model has another tokenizer will refuse these shards", file=sys.stderr)
+              "model has another tokenizer will refuse these shards", flush=True)  # stdout: errors keep stderr's one line
     try:
         spec = make_corpus_spec(
             args.command,

@@ -249,9 +249,9 @@ def test_shards_of_the_default_demo_tokenizer_are_announced(tmp_path, capsys):
     docs = tmp_path / "docs.jsonl"
     write_jsonl(docs, [{"text": f"document {i} " * 20, "source": "wiki"} for i in range(6)])
     assert shard.main(["dolma", str(docs), "--out", str(tmp_path / "a"), "--max-seq-len", "32", "--no-progress"]) == 0
-    err = capsys.readouterr().err
-    assert f"no --tokenizer: writing the ids of the demo tokenizer {DEMO_TOKENIZER}" in err, err
+    out = capsys.readouterr().out
+    assert f"no --tokenizer: writing the ids of the demo tokenizer {DEMO_TOKENIZER}" in out, out
     assert load_manifest(str(tmp_path / "a")).tokenizer == DEMO_TOKENIZER
     assert shard.main(["dolma", str(docs), "--out", str(tmp_path / "b"), "--max-seq-len", "32", "--no-progress",
                        "--tokenizer", DEMO_TOKENIZER]) == 0
-    assert "no --tokenizer" not in capsys.readouterr().err
+    assert "no --tokenizer" not in capsys.readouterr().out
