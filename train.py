@@ -51,6 +51,14 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
                           "give an integer on the CPU")
     reproducibility.seed_all(cfg.seed)
     world = dist.get_world_size()
+    selection_cfg = cfg.algorithms.get("data_selection")
+    if world > 1 and cfg.device_train_microbatch_size == "auto" and getattr(selection_cfg, "select_ahead", False):
+        # DataSelection refuses it too, but only when the Trainer starts, after the loaders and the model are built.
+        raise ConfigError(
+            "algorithms.data_selection.select_ahead: true is not supported with device_train_microbatch_size: auto on "
+            f"{world} ranks (a rank retrying its microbatches after an out-of-memory error would meet the others in the "
+            "selection's collectives); set a fixed device_train_microbatch_size, or select_ahead: false"
+        )
     if cfg.global_train_batch_size % world:
         raise ValueError(
             f"global_train_batch_size {cfg.global_train_batch_size} must be divisible by the world size {world}"

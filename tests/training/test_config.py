@@ -461,3 +461,23 @@ def test_an_unknown_key_names_the_near_one():
     msg = str(info.value)
     assert "algorithms.data_selection.stratgy: unknown key (did you mean 'strategy'?); allowed: [" in msg, msg
     assert "optimizer.lrr: unknown key (did you mean 'lr'?)" in msg, msg
+
+
+def test_select_ahead_with_automatic_microbatches_on_several_ranks_is_refused_before_the_loaders(dolma_shards, tmp_path,
+                                                                                               monkeypatch):
+    """A new-user review: DataSelection refused it only when the Trainer started, after the loaders and the model."""
+    import torch
+    from composer.utils import dist
+
+    import pipeline.loaders
+    import train
+    from tests.training.conftest import tiny_overrides
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # `auto` needs a GPU: pass that check
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(pipeline.loaders, "train_dataloader_from_config", lambda *a, **k: pytest.fail("loaders built"))
+    cfg = load_run_config(REPO_ROOT / "yamls" / "testing" / "tiny_dolma.yaml", [
+        *tiny_overrides(dolma_shards, tmp_path / "run"), "device_train_microbatch_size=auto",
+        "algorithms.data_selection.select_ahead=true"])
+    with pytest.raises(ConfigError, match="select_ahead: true is not supported with device_train_microbatch_size: auto on 2 ranks"):
+        train.build_trainer(cfg)
