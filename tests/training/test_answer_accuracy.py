@@ -81,24 +81,3 @@ def test_calibration_runs_drop_the_evaluation_callbacks_with_the_eval_loader(mat
     assert "answer_accuracy" not in cfg.callbacks and cfg.eval_loader is None
     assert run_experiment._without_evaluation_callbacks(TINY_FT) == []
 
-
-def test_evaluate_answers_refuses_shards_of_another_tokenizer_before_the_model_loads(math_shards, tmp_path, monkeypatch):
-    """`tools/evaluate.py answers` asks the shards' prompt ids: under another tokenizer the model would read other
-    words and score near zero without a word. Refused as `ppl` refuses, before the model loads (a second
-    new-user review found `answers` unchecked)."""
-    import pipeline.evaluation.checkpoint
-    from tests.data.mds_helpers import load_tool
-
-    other = tmp_path / "tok"
-    assert load_tool("train_tokenizer").main(["--out", str(other), "--vocab-size", "400", "--scale", "0.03"]) == 0
-
-    def loads(*args, **kwargs):
-        raise AssertionError("the model was loaded before the shards' tokenizer was checked")
-
-    monkeypatch.setattr(pipeline.evaluation.checkpoint, "load_model_and_tokenizer", loads)
-    with pytest.raises(SystemExit) as info:
-        load_tool("evaluate").main(["answers", "--model", str(tmp_path / "model.pt"), "--tokenizer", str(other),
-                                    "--shards", str(math_shards)])
-    msg = str(info.value.code)
-    assert msg.startswith(f"answers: --shards: the model's tokenizer {str(other)!r} is not the tokenizer the shards in "
-                          f"{math_shards} were written with"), msg

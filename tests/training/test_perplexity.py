@@ -47,11 +47,15 @@ def test_ppl_matches_training_evaluators_and_cli(dolma_shards, tmp_path):
     assert "average" in result.stdout
 
 
-def test_ppl_refuses_shards_of_another_tokenizer_before_the_model_loads(dolma_shards, tmp_path, monkeypatch):
-    # Found by a new-user review: a model of another vocabulary failed in the embedding ("index out of range").
+@pytest.mark.parametrize(("command", "shards", "extra"), [("ppl", "dolma_shards", ["--no-progress"]), ("answers", "math_shards", [])])
+def test_ppl_and_answers_refuse_shards_of_another_tokenizer_before_the_model_loads(command, shards, extra, tmp_path,
+                                                                                   monkeypatch, request):
+    # Found by new-user reviews: under ppl a model of another vocabulary failed in the embedding ("index out of
+    # range"); answers asked the shards' prompt ids, which another tokenizer reads as other words, without a word.
     import pipeline.evaluation.checkpoint
     from tests.data.mds_helpers import load_tool
 
+    shard_dir = request.getfixturevalue(shards)
     other = tmp_path / "tok"
     assert load_tool("train_tokenizer").main(["--out", str(other), "--vocab-size", "400", "--scale", "0.03"]) == 0
 
@@ -60,11 +64,11 @@ def test_ppl_refuses_shards_of_another_tokenizer_before_the_model_loads(dolma_sh
 
     monkeypatch.setattr(pipeline.evaluation.checkpoint, "load_model_and_tokenizer", loads)
     with pytest.raises(SystemExit) as info:
-        load_tool("evaluate").main(["ppl", "--model", str(tmp_path / "model.pt"), "--tokenizer", str(other),
-                                    "--shards", str(dolma_shards), "--no-progress"])
+        load_tool("evaluate").main([command, "--model", str(tmp_path / "model.pt"), "--tokenizer", str(other),
+                                    "--shards", str(shard_dir), *extra])
     msg = str(info.value.code)
-    assert msg.startswith(f"ppl: --shards: the model's tokenizer {str(other)!r} is not the tokenizer the shards in "
-                          f"{dolma_shards} were written with"), msg
+    assert msg.startswith(f"{command}: --shards: the model's tokenizer {str(other)!r} is not the tokenizer the shards "
+                          f"in {shard_dir} were written with"), msg
     assert "vocabulary 400, smaller than the shards' 4096" in msg, msg
 
 
