@@ -46,19 +46,9 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from pipeline.loaders import train_dataloader_from_config
 
     cfg = type_components(cfg)  # a config from pipeline.config.load_config: its components checked first
-    if cfg.device_train_microbatch_size == "auto" and not torch.cuda.is_available():
-        raise ConfigError("device_train_microbatch_size: auto needs a GPU (Composer's search runs on CUDA only); "
-                          "give an integer on the CPU")
-    reproducibility.seed_all(cfg.seed)
     world = dist.get_world_size()
-    selection_cfg = cfg.algorithms.get("data_selection")
-    if world > 1 and cfg.device_train_microbatch_size == "auto" and getattr(selection_cfg, "select_ahead", False):
-        # DataSelection refuses it too, but only when the Trainer starts, after the loaders and the model are built.
-        raise ConfigError(
-            "algorithms.data_selection.select_ahead: true is not supported with device_train_microbatch_size: auto on "
-            f"{world} ranks (a rank retrying its microbatches after an out-of-memory error would meet the others in the "
-            "selection's collectives); set a fixed device_train_microbatch_size, or select_ahead: false"
-        )
+    _check_microbatching(cfg, world, cuda=torch.cuda.is_available())
+    reproducibility.seed_all(cfg.seed)
     if cfg.global_train_batch_size % world:
         raise ValueError(
             f"global_train_batch_size {cfg.global_train_batch_size} must be divisible by the world size {world}"
@@ -119,6 +109,22 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         loggers=loggers,
         **_run_settings(cfg),
     )
+
+
+def _check_microbatching(cfg: TrainConfig, world: int, *, cuda: bool) -> None:
+    """`device_train_microbatch_size: auto` where it cannot run, before anything is built."""
+    if cfg.device_train_microbatch_size != "auto":
+        return
+    if not cuda:
+        raise ConfigError("device_train_microbatch_size: auto needs a GPU (Composer's search runs on CUDA only); "
+                          "give an integer on the CPU")
+    if world > 1 and getattr(cfg.algorithms.get("data_selection"), "select_ahead", False):
+        # DataSelection refuses it too, but only when the Trainer starts, after the loaders and the model are built.
+        raise ConfigError(
+            "algorithms.data_selection.select_ahead: true is not supported with device_train_microbatch_size: auto on "
+            f"{world} ranks (a rank retrying its microbatches after an out-of-memory error would meet the others in the "
+            "selection's collectives); set a fixed device_train_microbatch_size, or select_ahead: false"
+        )
 
 
 def _tokenizer_and_shards(cfg: TrainConfig) -> tuple[Any, Any]:
