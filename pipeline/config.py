@@ -554,7 +554,7 @@ def load_config(
 def _unused_variable(path: Path, cfg: DictConfig, settings: Sequence[str]) -> str | None:
     """An override of `variables.X` that nothing in the config reads (``${variables.X}``): a typo that would leave
     the yaml's own value in force (`variables.shard_dirr=/data` trained on the default shards)."""
-    given = {o.split("=", 1)[0].strip().split(".")[1] for o in settings if o.startswith("variables.") and o.count(".") >= 1}
+    given = {o.split("=", 1)[0].strip().split(".")[1] for o in settings if o.startswith("variables.")}
     if not given or not isinstance(cfg.get("variables"), DictConfig):
         return None
     text = OmegaConf.to_yaml(cfg)  # unresolved: the interpolations as written

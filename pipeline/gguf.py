@@ -21,6 +21,7 @@ separates packed documents instead of `<|im_end|>`.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
@@ -104,10 +105,36 @@ def resolve_pretrained(name_or_path: str | os.PathLike[str], field: str = "model
 
     Returns:
         Something `from_pretrained` loads: `name_or_path` itself, or the cached model directory.
+
+    Raises:
+        ValueError: a local directory that does not exist (`missing_local_directory`).
     """
     if not is_gguf(name_or_path):
-        return os.fspath(name_or_path)
+        name = os.fspath(name_or_path)
+        if problem := missing_local_directory(name):  # not a minute of the hub's retries first
+            raise ValueError(f"`{field}` {name!r}: {problem}")
+        return name
     return str(gguf_model_dir(name_or_path, field=field))
+
+
+def missing_local_directory(name: str) -> str | None:
+    """Why `name` names a local directory that does not exist, or None (it exists, or reads as a hub name).
+
+    A path that starts from the filesystem (``/``, ``./``, ``../``, ``~``), or whose parent directory exists here
+    (``assets/tokenizr``), is meant to be local: `from_pretrained` would instead ask the hub for it, which on a
+    machine without network retries for about a minute before failing."""
+    path = Path(name).expanduser()
+    if path.exists() or not name or "://" in name:
+        return None
+    local = name.startswith(("/", "./", "../", "~")) or (len(path.parts) > 1 and path.parent.is_dir())
+    if not local:
+        return None
+    near = ""
+    if path.parent.is_dir():
+        names = [p.name for p in path.parent.iterdir() if p.is_dir()]
+        if close := difflib.get_close_matches(path.name, names, n=1):
+            near = f"; did you mean {str(path.parent / close[0])!r}?"
+    return f"no such directory (its parent {str(path.parent)!r} is here{near})" if path.parent.is_dir() else "no such directory"
 
 
 def gguf_model_dir(path: str | os.PathLike[str], *, field: str = "model") -> Path:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.gguf import resolve_pretrained
+from pipeline.gguf import missing_local_directory, resolve_pretrained
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -18,26 +17,6 @@ __all__ = ["DEMO_TOKENIZER", "load_tokenizer", "missing_local_directory"]
 
 # The small byte-level BPE tokenizer committed with the project (tools/train_tokenizer.py).
 DEMO_TOKENIZER = str(Path(__file__).resolve().parents[1] / "assets" / "tokenizer")
-
-
-def missing_local_directory(name: str) -> str | None:
-    """Why `name` names a local directory that does not exist, or None (it exists, or reads as a hub name).
-
-    A path that starts from the filesystem (``/``, ``./``, ``../``, ``~``), or whose parent directory exists here
-    (``assets/tokenizr``), is meant to be local: `from_pretrained` would instead ask the hub for it, which on a
-    machine without network retries for about a minute before failing."""
-    path = Path(name).expanduser()
-    if path.exists() or not name or "://" in name:
-        return None
-    local = name.startswith(("/", "./", "../", "~")) or (len(path.parts) > 1 and path.parent.is_dir())
-    if not local:
-        return None
-    near = ""
-    if path.parent.is_dir():
-        names = [p.name for p in path.parent.iterdir() if p.is_dir()]
-        if close := difflib.get_close_matches(path.name, names, n=1):
-            near = f"; did you mean {str(path.parent / close[0])!r}?"
-    return f"no such directory (its parent {str(path.parent)!r} is here{near})" if path.parent.is_dir() else "no such directory"
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
@@ -64,9 +43,7 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     # transformers takes seconds to import: only when a tokenizer is needed, not for --help.
     from transformers import AutoTokenizer
 
-    source = resolve_pretrained(name_or_path, field="tokenizer")
-    if problem := missing_local_directory(source):
-        raise ValueError(f"`tokenizer` {str(name_or_path)!r}: {problem}")
+    source = resolve_pretrained(name_or_path, field="tokenizer")  # a missing local directory: ValueError at once
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as exc:

@@ -27,7 +27,6 @@ from composer_algos.losses import (
 from composer_algos.models.frozen_prefix import evaluation_forwards, install_frozen_prefix_cache
 from composer_algos.models.scoring_prefix import PREFIX_KEY, ScoringPrefix, install_scoring_prefix
 from pipeline.gguf import resolve_pretrained
-from pipeline.tokenizer import missing_local_directory
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +223,6 @@ def _hf_model(
     overrides = dict(config_overrides or {})
     if name_or_path is not None:
         name_or_path = resolve_pretrained(name_or_path, field="model.pretrained_model_name_or_path")
-        if problem := missing_local_directory(name_or_path):  # not a minute of the hub's retries first
-            raise ValueError(f"model.pretrained_model_name_or_path {name_or_path!r}: {problem}")
     if config is not None:
         cfg_dict = dict(config)
         model_type = cfg_dict.pop("model_type")
@@ -233,9 +230,11 @@ def _hf_model(
         hf_config = AutoConfig.for_model(model_type, **cfg_dict, **overrides)
     else:
         assert name_or_path is not None
-        hf_config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-        _check_config_keys(hf_config, {"model.config_overrides": overrides})
-        hf_config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides)
+        # One read: from_pretrained sets the overrides its config has and hands back (and would drop) the others.
+        hf_config, unused = AutoConfig.from_pretrained(
+            name_or_path, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides
+        )
+        _check_config_keys(hf_config, {"model.config_overrides": unused})
     hf_config._attn_implementation = attn_implementation  # honoured by from_config / from_pretrained
     if len(tokenizer) > hf_config.vocab_size:
         raise ValueError(
@@ -252,8 +251,9 @@ def _hf_model(
 
 
 def _check_config_keys(base: Any, given: dict[str, dict[str, Any]]) -> None:
-    """Refuse keys the model type's config does not have: transformers keeps any keyword as an attribute and builds
-    the model without it (`hidden_sizee: 32` trained a model of the default width, without a word)."""
+    """Refuse keys the model type's config does not have: transformers keeps such a keyword as a stray attribute (a
+    config built from keywords) or drops it (from_pretrained's), and builds the model without it (`hidden_sizee: 32`
+    trained a model of the default width, without a word)."""
     from pipeline.config import ConfigError
 
     known = set(base.to_dict())

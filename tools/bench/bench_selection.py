@@ -405,20 +405,17 @@ def _reads_and_rounds(res, k: int) -> str:
     return f"; {res.info['device_loop_reads']} reads, {res.info['device_loop_rounds']} rounds launched for {k} picks"
 
 
-def _with_switches(fn, **switches):
-    """``fn`` with `active_set_device`'s module switches set for the call (``REPAIR_GRAPHS=False``: the repairs'
-    segments eagerly): on CUDA their gain, side by side; on a CPU the same solve (nothing is graphed there)."""
+def _with_eager_repairs(fn):
+    """``fn`` with the device loop's repairs run eagerly (`active_set_device.REPAIR_GRAPHS` off for the call): on
+    CUDA their graphed segments' gain, side by side; on a CPU the same solve (nothing is graphed there)."""
     from composer_algos.selection import active_set_device as asd
 
     def call():
-        kept = {name: getattr(asd, name) for name in switches}
-        for name, value in switches.items():
-            setattr(asd, name, value)
+        kept, asd.REPAIR_GRAPHS = asd.REPAIR_GRAPHS, False
         try:
             return fn()
         finally:
-            for name, value in kept.items():
-                setattr(asd, name, value)
+            asd.REPAIR_GRAPHS = kept
 
     return call
 
@@ -451,7 +448,7 @@ def _case_variants(args: argparse.Namespace, case: dict, common: dict, features)
     if args.triton:
         fns["triton"] = lambda: select_partitionsel(**common, refit="exact", solver_loop="device_triton")
         repeats["triton"] = args.repeats
-        fns["triton_eager_repairs"] = _with_switches(fns["triton"], REPAIR_GRAPHS=False)
+        fns["triton_eager_repairs"] = _with_eager_repairs(fns["triton"])
         repeats["triton_eager_repairs"] = args.repeats
     warmup = dict.fromkeys(fns, True)
     if not args.skip_pool:
