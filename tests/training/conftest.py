@@ -83,3 +83,12 @@ def full_and_resumed(shard_dir: Path, run_root: Path, *overrides: str, steps: in
     )
     resumed.fit()
     return full, resumed
+
+
+@pytest.fixture
+def no_streaming_cleanup(monkeypatch):
+    """train.main without its machine-wide cleaning of killed runs' Streaming files, for tests of what it refuses:
+    run beside test_infra's cleaner test in the other xdist worker, it removed the killed run's entries first."""
+    from pipeline import streaming_cleanup
+
+    monkeypatch.setattr(streaming_cleanup, "clean_stale_streaming_resources", lambda *a, **k: [])

@@ -417,7 +417,8 @@ def test_the_1b_recipes_decay_as_the_references_weight_decay_of_0_1():
     assert foundry["weight_decay"] == pytest.approx(0.1 * ours.lr) and foundry["lr"] == ours.lr
 
 
-def test_shard_settings_the_data_refutes_are_one_line_errors_before_the_model_is_built(dolma_shards, tmp_path, capsys):
+def test_shard_settings_the_data_refutes_are_one_line_errors_before_the_model_is_built(dolma_shards, tmp_path, capsys,
+                                                                                      no_streaming_cleanup):
     """A new-user review: these raised tracebacks after the tokenizer, or after the model at the Trainer's start."""
     import train
     from tests.training.conftest import tiny_overrides
@@ -438,7 +439,8 @@ def test_shard_settings_the_data_refutes_are_one_line_errors_before_the_model_is
         assert info.value.code == 2 and says in err and "Traceback" not in err, (override, err[-800:])
 
 
-def test_a_model_config_key_the_model_type_lacks_is_refused_with_the_near_one(dolma_shards, tmp_path, capsys):
+def test_a_model_config_key_the_model_type_lacks_is_refused_with_the_near_one(dolma_shards, tmp_path, capsys,
+                                                                               no_streaming_cleanup):
     """A new-user review: `model.config.hidden_sizee=32` was kept by transformers as a stray attribute and the model
     trained at the default width."""
     import train

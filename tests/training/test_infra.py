@@ -326,7 +326,8 @@ def test_an_autoresumed_run_keeps_a_selection_log_written_with_fewer_columns(dol
     assert all(abs(sum(float(r[k]) for k in mixture) - 1.0) < 1e-6 for r in rows)
 
 
-def test_a_save_folder_with_run_name_keeps_the_runs_files_beside_its_checkpoints(dolma_shards, tmp_path):
+def test_a_save_folder_with_run_name_keeps_the_runs_files_beside_its_checkpoints(dolma_shards, tmp_path,
+                                                                                no_streaming_cleanup):
     """`save_folder: runs/{run_name}` (Composer's placeholder): the checkpoints went to runs/<name>/ and the run's own
     files (mixture, selection log, config.yaml) to a literal runs/{run_name}/ (a new-user review). Now one folder;
     placeholders the run's files cannot follow, or {run_name} without a run_name, are refused at load."""
