@@ -229,18 +229,18 @@ def _solve(st: _State, rounds: _Rounds, k: int, tols: tuple[float, float], round
         # picks a rank: one read in all). A longer solve reads its last batch first: rounds freeze late, as the
         # support grows (bench_selection's seed 0 froze at round 486 of 512 picks), and a frozen last batch wastes
         # the factorisation (0.27 ms of an H200's kernels at kappa = 512), where the extra read costs some microseconds.
-        final = _finalized(st) if done == 0 and batch == k else None
+        final = rounds.finalize() if done == 0 and batch == k else None
         r, live, bad, agrees = _read_status(st, final)
         reads += 1
         if bad:
-            return _result(final if final is not None else _finalized(st), False, drops, reentries, reads, launched)
+            return _result(final if final is not None else rounds.finalize(), False, drops, reentries, reads, launched)
         done = r
         if live:
             per_read = min(2 * per_read, rounds_per_read)
             if done < k:
                 continue
             if final is None:
-                final = _finalized(st)
+                final = rounds.finalize()
                 agrees = bool(final[-1])
                 reads += 1
             return _result(final, agrees, drops, reentries, reads, launched)
@@ -248,7 +248,7 @@ def _solve(st: _State, rounds: _Rounds, k: int, tols: tuple[float, float], round
         repairs += 1
         drops, reentries, reads = drops + fixed.drops, reentries + fixed.reentries, reads + fixed.reads
         if not fixed.ok:
-            return _result(_finalized(st), False, drops, reentries, reads, launched)
+            return _result(rounds.finalize(), False, drops, reentries, reads, launched)
         done += 1
         per_read = min(ROUNDS_AFTER_REPAIR, rounds_per_read)
 
@@ -299,12 +299,13 @@ def _workspace(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol, tols,
     ws = cache.pop(key, None)
     if ws is not None:
         ws.acquire()
-        _reset(ws.st, gram_NN, mu_N, dom_N, capacities_C, ridge_abs, grad_tol)
+        _reset(ws.st, gram_NN, mu_N, dom_N, capacities_C, ridge_abs, grad_tol, restart=ws.rounds.restart)
     else:
         own_dom = torch.empty(n, dtype=dom_N.dtype, device=dev).copy_(dom_N)
         st = _initial_state(gram_NN.clone(memory_format=torch.contiguous_format), mu_N.clone(), own_dom, capacities_C,
                             k, ridge_abs, grad_tol)
         ws = _Workspace(st, _Rounds(st, tols, kind=kind, graph=graph))
+        ws.rounds.record_restart()  # now, so the workspace's next solves record nothing
     cache[key] = ws  # the newest last
     while len(cache) > _WORKSPACES_PER_THREAD:
         old = cache.pop(next(iter(cache)))
@@ -351,9 +352,13 @@ def _reset(
     capacities_C: torch.Tensor,
     ridge_abs: torch.Tensor | float,
     grad_tol: torch.Tensor,
+    *,
+    restart=None,
 ) -> None:
     """``st`` set in place to the state before the first round of a solve: ``gram_NN``, ``mu_N`` and ``dom_N``
-    copied into its own (a workspace's) unless they are its own (a fresh state holds the caller's)."""
+    copied into its own (a workspace's) unless they are its own (a fresh state holds the caller's), the ridge, the
+    tolerance and the capacities copied in, then the rest from those (``restart``: a workspace's `_Rounds.restart`,
+    one CUDA graph for `_restart`'s 18 kernels; None: `_restart` itself)."""
     for own, given in ((st.gram_NN, gram_NN), (st.mu_N, mu_N), (st.dom_N, dom_N)):
         if own is not given:
             own.copy_(given)
@@ -363,7 +368,16 @@ def _reset(
         st.ridge_1.fill_(float(ridge_abs))  # a fill, not a copy from the host
     st.tol_1.copy_(grad_tol.reshape(1))
     st.rem_C.copy_(capacities_C, non_blocking=True)  # capacities are often resolved on the host
-    st.grad_N.copy_(mu_N)
+    if restart is None:
+        _restart(st)
+    else:
+        restart()
+
+
+def _restart(st: _State) -> None:
+    """The part of `_reset` that reads only the state: the gradient from ``mu``, every other buffer zeroed, the
+    rounds live, the full domains closed."""
+    st.grad_N.copy_(st.mu_N)
     for buf in (st.rows_MN, st.p_MM, st.v_M, st.elem_M, st.used_M, st.inactive_N, st.sel_K, st.bad_1, st.h_1,
                 st.penalty_N, st.r_1, st.vnext_M, st.pending_1):
         buf.zero_()
@@ -387,11 +401,20 @@ def _result(final: tuple, clean: bool, drops: int, reentries: int, reads: int, r
 
 
 def _finalized(st: _State) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The host loop's finalize(): the active system solved afresh (unused slots as identity rows).
+    """The host loop's finalize(): the active system solved afresh (unused slots as identity rows), in new tensors.
 
-    Returns ``(sel_K, v_K, phi, agrees)``; ``agrees`` (0-dim bool) is False when the fresh weights
+    Returns ``(sel_K, v_K, phi, agrees)``; ``agrees`` (one bool) is False when the fresh weights
     disagree with the rounds' (a weight not positive, an element at zero that wants in, a failed factor).
     """
+    k, dev = st.sel_K.shape[0], st.mu_N.device
+    out = (torch.empty_like(st.sel_K), torch.empty(k + 1, dtype=st.mu_N.dtype, device=dev),
+           torch.empty(1, dtype=torch.bool, device=dev))
+    _finalize_into(st, *out)
+    return out[0], out[1][:k], out[1][k], out[2]
+
+
+def _finalize_into(st: _State, sel_K: torch.Tensor, vals_K1: torch.Tensor, agrees_1: torch.Tensor) -> None:
+    """`_finalized` into given buffers: the picks, the weights then ``phi``, and the agreement (`_Final`'s graph)."""
     mu_N = st.mu_N
     n, m, dt, dev = mu_N.shape[0], st.elem_M.shape[0], mu_N.dtype, mu_N.device
     used_M, elem_M, rows_MN = st.used_M, st.elem_M, st.rows_MN
@@ -405,9 +428,12 @@ def _finalized(st: _State) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     grad_N = torch.addmv(mu_N, rows_MN.T, v_fresh_M, alpha=-1.0)
     agrees = (info == 0) & ~(used_M & ~(v_fresh_M > 0)).any() & ~((grad_N > st.tol_1) & st.inactive_N).any()
     v_N = torch.zeros(n, dtype=dt, device=dev).index_add_(0, elem_M, v_fresh_M)
-    v_K = v_N.index_select(0, st.sel_K)
+    k = st.sel_K.shape[0]
+    torch.index_select(v_N, 0, st.sel_K, out=vals_K1[:k])
     phi = 0.5 * (torch.dot(v_fresh_M, mu_N.index_select(0, elem_M)) + torch.dot(v_fresh_M, grad_N.index_select(0, elem_M)))
-    return st.sel_K.clone(), v_K, phi, agrees  # a copy: a workspace's next solve rewrites sel_K
+    vals_K1[k:].copy_(phi.view(1))
+    sel_K.copy_(st.sel_K)  # a copy: a workspace's next solve rewrites sel_K
+    agrees_1.copy_(agrees.view(1))
 
 
 def _round(
@@ -536,12 +562,37 @@ class _Rounds:
         self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
         self._st = st
         self._repair_steps: _RepairSteps | None = None
+        self._final: _Final | None = None
+        self._restart_graph: torch.cuda.CUDAGraph | None = None
 
     def repair_steps(self) -> _RepairSteps:
         """The repairs' segments on this state (made at the first repair, kept with the rounds' graphs)."""
         if self._repair_steps is None:
             self._repair_steps = _RepairSteps(self._st, graph=self._graph)
         return self._repair_steps
+
+    def finalize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_finalized` on this state: with graphs, `_Final`'s graph replayed and its outputs copied; else eagerly."""
+        if not self._graph:
+            return _finalized(self._st)
+        if self._final is None:
+            self._final = _Final(self._st)
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+            return self._final.run()
+
+    def record_restart(self) -> None:
+        """With graphs, `_restart`'s kernels recorded as a CUDA graph (nothing runs): a workspace's, at its first solve."""
+        if self._graph and self._restart_graph is None:
+            with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+                self._restart_graph = _recorded(functools.partial(_restart, self._st))
+
+    def restart(self) -> None:
+        """`_restart` on this state: its graph replayed where `record_restart` recorded one."""
+        if self._restart_graph is None:
+            _restart(self._st)
+            return
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+            self._restart_graph.replay()
 
     def _rounds(self, kkt: bool, count: int) -> None:
         for _ in range(count):
@@ -602,6 +653,42 @@ def _recorded(fn) -> torch.cuda.CUDAGraph:
 
     _on_side_stream(capture)
     return g
+
+
+class _Final:
+    """The final refactorisation (`_finalize_into`) into buffers of its own, for graphs: about 45 kernels (the
+    Cholesky factorisation and solve among them) that the host launched one by one while the GPU waited on the small
+    ones. Its first use runs eagerly on a side stream (the warm-up: cuSOLVER's handle and workspace), then records
+    the graph, which every later use replays; the outputs are copied out (a workspace's next solve rewrites them).
+    """
+
+    def __init__(self, st: _State) -> None:
+        k, dev = st.sel_K.shape[0], st.mu_N.device
+        self.st = st
+        self.sel_K = torch.empty_like(st.sel_K)
+        self.vals_K1 = torch.empty(k + 1, dtype=st.mu_N.dtype, device=dev)  # the weights, then phi
+        self.agrees_1 = torch.empty(1, dtype=torch.bool, device=dev)
+        self._graph: torch.cuda.CUDAGraph | bool | None = None  # False: recording failed
+
+    def _compute(self) -> None:
+        _finalize_into(self.st, self.sel_K, self.vals_K1, self.agrees_1)
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._graph is None:
+            _on_side_stream(self._compute)
+            try:
+                self._graph = _recorded(self._compute)  # now, so the workspace's next solves record nothing
+            except RuntimeError as err:  # a linear-algebra library that cannot be captured: eager from now on
+                warnings.warn(f"the final refactorisation runs eagerly: its CUDA graph failed to record ({err})", stacklevel=2)
+                self._graph = False
+        elif self._graph is False:
+            self._compute()
+        else:
+            self._graph.replay()
+        k = self.sel_K.shape[0]
+        vals = self.vals_K1.clone()
+        # The agreement is read within this solve (`_read_status`), before the next replay rewrites it.
+        return self.sel_K.clone(), vals[:k], vals[k], self.agrees_1
 
 
 @dataclass

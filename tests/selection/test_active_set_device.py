@@ -188,9 +188,12 @@ def test_the_cuda_graph_rounds_control_flow_on_the_cpu(monkeypatch, per_graph):
     round_graphs = [g for g in recorded if getattr(getattr(g.fn, "func", None), "__name__", "") == "_rounds"]
     sizes = sorted(g.rounds for g in round_graphs if g.rounds is not None)
     assert sizes == ([1, 1] if per_graph == 16 else [1, 1, 3, 3]), sizes
+    # The final refactorisation: run eagerly at its first use, recorded then, replayed from the next solve on.
+    finals = [g for g in recorded if getattr(g.fn, "__name__", "") == "_compute"]
+    assert len(finals) == 1 and finals[0].replays == 0
     # The repairs' segments (3 drops and 3 re-entries here): each recorded at its second use, then replayed, and
     # none replays a round.
-    segments = [g for g in recorded if g not in round_graphs]
+    segments = [g for g in recorded if g not in round_graphs and g not in finals]
     assert segments and all(g.replays and g.rounds == 0 for g in segments), [(g.fn, g.replays, g.rounds) for g in segments]
     assert len(segments) == len({repr(g.fn) for g in segments}) <= 5  # an entry, a re-entry, a drop, pack or resume
     # Every round the eager path ran: 20 picks, plus the rounds that froze and were run again by the repairs.
@@ -361,6 +364,12 @@ def test_after_a_repair_the_final_refactorisation_waits_for_the_rounds_to_finish
     assert len(calls) <= 2, len(calls)
 
 
+def _graph_kind(graph) -> str:
+    """What a faked graph records: ``_rounds``, ``_restart``, ``_compute`` (the final refactorisation) or a segment."""
+    fn = getattr(graph.fn, "func", graph.fn)
+    return fn.__name__
+
+
 def _fake_graphs(monkeypatch):
     """The CUDA-graph path on the CPU (as test_the_cuda_graph_rounds_control_flow_on_the_cpu): the graphs recorded."""
     from composer_algos.selection import active_set_device as asd
@@ -500,17 +509,45 @@ def test_after_a_repair_the_batches_start_short_and_double_back(monkeypatch):
 
 def test_repairs_run_eagerly_when_their_graphs_are_off(monkeypatch):
     """`REPAIR_GRAPHS = False` (the benchmark's side-by-side row) runs the repairs' segments eagerly while the
-    rounds stay graphed: only round graphs are recorded, and the solve is the graphed repairs' bit for bit."""
+    rounds stay graphed: only the rounds', the restart's and the final refactorisation's graphs are recorded, and the
+    solve is the graphed repairs' bit for bit."""
     from composer_algos.selection import active_set_device as asd
 
     features, val, dom, _ = _drop_instance()
     recorded = _fake_graphs(monkeypatch)
     graphed = _device_solve(features, val, dom, 20, rounds_per_read=4, reuse=True)
-    segments = [g for g in recorded if getattr(getattr(g.fn, "func", None), "__name__", "") != "_rounds"]
-    assert segments
+    kinds = lambda: {_graph_kind(g) for g in recorded}  # noqa: E731
+    assert kinds() == {"_rounds", "_restart", "_compute", "_pick_and_enter", "_reenter", "_drop", "_pack", "_resume"}, kinds()
     monkeypatch.setattr(asd._workspaces, "by_key", {})
     monkeypatch.setattr(asd, "REPAIR_GRAPHS", False)
     recorded.clear()
     eager = _device_solve(features, val, dom, 20, rounds_per_read=4, reuse=True)
-    assert recorded and all(getattr(getattr(g.fn, "func", None), "__name__", "") == "_rounds" for g in recorded)
+    assert kinds() == {"_rounds", "_restart", "_compute"}, kinds()
     assert torch.equal(graphed.sel_K, eager.sel_K) and torch.equal(graphed.v_K, eager.v_K) and graphed.reads == eager.reads
+
+
+def test_a_final_refactorisation_that_cannot_be_recorded_runs_eagerly_with_a_warning(monkeypatch):
+    """Where the linear-algebra library cannot be captured in a CUDA graph (faked: its recording raises), the final
+    refactorisation warns once and runs eagerly in this and later solves, with the graphed solve's result."""
+    from composer_algos.selection import active_set_device as asd
+
+    drop = _drop_instance()[:3]
+    recorded = _fake_graphs(monkeypatch)
+    want = _device_solve(*drop, 20, rounds_per_read=4, reuse=True)
+    monkeypatch.setattr(asd._workspaces, "by_key", {})
+    fake = asd._recorded
+
+    def refuse_final(fn):
+        if getattr(fn, "__name__", "") == "_compute":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return fake(fn)
+
+    monkeypatch.setattr(asd, "_recorded", refuse_final)
+    recorded.clear()
+    with pytest.warns(UserWarning, match="final refactorisation runs eagerly"):
+        first = _device_solve(*drop, 20, rounds_per_read=4, reuse=True)
+    again = _device_solve(*drop, 20, rounds_per_read=4, reuse=True)
+    assert "_compute" not in {_graph_kind(g) for g in recorded}
+    for got in (first, again):
+        assert got.clean and torch.equal(got.sel_K, want.sel_K) and torch.equal(got.v_K, want.v_K)
+        assert torch.equal(got.phi, want.phi)

@@ -14,7 +14,10 @@ float32, after a warm-up, as the median of several runs, for the two cases of pr
   ``exact, Triton rounds`` with ``solver_loop: device_triton`` (each round two or three hand-written Triton kernels,
   16 rounds to a CUDA graph; on a CPU that setting runs the eager rounds, so the arm times nothing new there)
   and ``exact, Triton, eager repairs`` (the same with the repairs' segments run eagerly, not as CUDA graphs:
-  their graphs' gain, side by side); which is fastest on a GPU is what this measures there;
+  their graphs' gain, side by side), ``exact, Triton, in a step`` (the same selection as a training step makes
+  it: `solve_problem` with the checks deferred, then `settle_on_host`'s one transfer) and the Triton solve alone
+  (`omp_exact_on_device` on K and mu computed once: the selection less the Gram, the checks and the bookkeeping);
+  which is fastest on a GPU is what this measures there;
 - ``apga``: the paper's Alg. 3 on the ``|S| x |S|`` support system, 128 iterations per refit;
 - ``apga_pool``: the paper's Alg. 3 verbatim on the full pool vector (full ``N x N`` Gram in
   every iteration, step from ``||K||`` once per call), 128 iterations per refit: the reference
@@ -318,7 +321,8 @@ def _bench_case(args: argparse.Namespace, name: str) -> None:
     w_cp, c_cp, res_cp = timed["cpu"]
     w_ap, c_ap, res_ap = timed["apga"]
     rows = [("exact", w_ex, c_ex, res_ex), ("exact, device loop", w_dv, c_dv, res_dv), ("exact, on the CPU", w_cp, c_cp, res_cp), ("apga (support) x128", w_ap, c_ap, res_ap)]
-    for key, label in (("triton_eager_repairs", "exact, Triton, eager repairs"), ("triton", "exact, Triton rounds"),
+    for key, label in (("triton_eager_repairs", "exact, Triton, eager repairs"), ("triton_step", "exact, Triton, in a step"),
+                       ("triton", "exact, Triton rounds"),
                        ("compiled", "exact, compiled rounds")):
         if key in timed:
             rows.insert(2, (label, *timed[key]))
@@ -390,7 +394,14 @@ def _print_fused_rounds(args: argparse.Namespace, case: dict, timed: dict, insta
 
             note = ("; 2 kernels a round (3 after a drop)" if BLOCKS["fused"] else "; 3 kernels a round") + ("" if args.device == "cuda" else ", in Triton's interpreter (not a GPU's times)")
         ratio("Triton rounds", "triton", note)
+        ratio("Triton rounds in a step", "triton_step")
         (w_tr, _, res_tr), (w_te, _, res_te) = timed["triton"], timed["triton_eager_repairs"]
+        (w_ts, _, res_ts), (w_so, _, res_so) = timed["triton_step"], timed["triton_solve"]
+        print(
+            f"  Triton rounds: the selection {w_tr * 1e3:.2f} ms, in a step {w_ts * 1e3:.2f} ms ({w_ts / w_tr:.2f}x),"
+            f" the solve alone {w_so * 1e3:.2f} ms (K and mu given; the Gram alone is above); the same picks:"
+            f" {res_ts.indices.tolist() == res_tr.indices.tolist() == sorted(res_so.sel_K.tolist())}"
+        )
         print(
             f"  Triton rounds, repairs graphed / eager {w_tr / w_te:6.2f}x wall; the same picks:"
             f" {res_tr.indices.tolist() == res_te.indices.tolist()}; repairs: {int(res_tr.info['weight_drops'])} drops,"
@@ -418,6 +429,51 @@ def _with_eager_repairs(fn):
             asd.REPAIR_GRAPHS = kept
 
     return call
+
+
+def _as_in_a_step(common: dict, case: dict, loop: str):
+    """The selection as a training step makes it: `solve_problem` with the strategy's checks deferred, then
+    `settle_on_host`'s one transfer (the picks, weights, counters and checks). Outside a step a selection reads
+    the device for its finiteness check before the solve and for the ridge share after it."""
+    from composer_algos.data_selection.step import SelectionProblem, settle_on_host, solve_problem
+    from composer_algos.selection import DeferredChecks, compute_capacities
+
+    problem = SelectionProblem(
+        domain_P=common["domain_ids"], kappa=case["kappa"], features_PD=common["features"], gbar_D=common["val_feature"]
+    )
+    options = {"refit": "exact", "solver_loop": loop, "cpu_single_thread": common["cpu_single_thread"]}
+    # The other arms' capacities (deterministic rounding), so it solves their instance: a step draws its rounding.
+    same_caps = lambda counts_C, k, gen: compute_capacities(counts_C, k)  # noqa: E731
+    c = case["num_domains"]
+
+    def call():
+        checks = DeferredChecks()
+        outcome = solve_problem(
+            problem, "partitionsel", eta=ETA, seed=0, num_domains=c, options=options, capacity_fn=same_caps, deferred=checks
+        )
+        outcome, _, failed = settle_on_host(outcome, problem, {"solver": checks}, num_domains=c, seed=0, capacity_fn=same_caps)
+        if failed or outcome.fallback:
+            raise RuntimeError(f"the step's selection fell back: {outcome.fallback or failed}")
+        return outcome.result
+
+    return call
+
+
+def _solve_alone(case: dict, instance: tuple):
+    """The Triton rounds' solve alone (`omp_exact_on_device` on K and mu computed once): the whole selection less
+    the Gram, the checks and the bookkeeping around the solve."""
+    import torch
+
+    from composer_algos.selection.active_set_device import omp_exact_on_device
+    from composer_algos.selection.capacities import resolve_capacities
+    from composer_algos.selection.refit import default_grad_tol
+
+    gram_NN, mu_N, dom_N, _ = _solver_inputs(case, instance)
+    # The selection's capacities (proportional to the pool's domains), not the sweep's unconstrained ones.
+    caps_C = resolve_capacities("partitionsel", None, instance[2], case["num_domains"], case["kappa"])
+    grad_tol = default_grad_tol(mu_N)
+    ridge_abs = 1e-6 * torch.diagonal(gram_NN).mean()  # the default `ridge`, relative to mean diag K, on the device
+    return lambda: omp_exact_on_device(gram_NN, mu_N, dom_N, caps_C, case["kappa"], ridge_abs, grad_tol, triton=True)
 
 
 def _case_variants(args: argparse.Namespace, case: dict, common: dict, features) -> tuple[dict, dict, dict]:
@@ -450,6 +506,10 @@ def _case_variants(args: argparse.Namespace, case: dict, common: dict, features)
         repeats["triton"] = args.repeats
         fns["triton_eager_repairs"] = _with_eager_repairs(fns["triton"])
         repeats["triton_eager_repairs"] = args.repeats
+        fns["triton_step"] = _as_in_a_step(common, case, "device_triton")
+        repeats["triton_step"] = args.repeats
+        fns["triton_solve"] = _solve_alone(case, (features, common["val_feature"], common["domain_ids"]))
+        repeats["triton_solve"] = args.repeats
     warmup = dict.fromkeys(fns, True)
     if not args.skip_pool:
         fns["pool"] = lambda: select_partitionsel(**common, refit="apga_pool", **apga)
