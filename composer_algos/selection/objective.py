@@ -23,7 +23,7 @@ def compute_gram(features_ND: torch.Tensor) -> torch.Tensor:
     For pools of 256 or more only the lower triangle is multiplied, in about eight row panels
     (panel ``b`` times the rows up to its own end: one GEMM each), and mirrored: about
     ``(1/2 + 1/16) n^2 D`` multiply-adds instead of ``n^2 D`` (measured 0.72x the time of
-    ``G @ G.T`` at n = 2048, D = 4096 on one CPU thread).
+    ``G @ G.T`` at n = 2048, D = 4096 on one CPU thread). About 26 kernels on a GPU at n = 2048.
 
     Args:
         features_ND: ``(N, D)`` features.
@@ -40,12 +40,17 @@ def compute_gram(features_ND: torch.Tensor) -> torch.Tensor:
     for lo in range(0, n, panel):
         hi = min(lo + panel, n)
         gram_NN[lo:hi, :hi] = features_ND[lo:hi] @ features_ND[:hi].T
-    for lo in range(0, n, panel):
+    for lo in range(panel, n, panel):
         hi = min(lo + panel, n)
         gram_NN[:lo, lo:hi] = gram_NN[lo:hi, :lo].T
-        # The diagonal blocks come from GEMMs that need not be bitwise symmetric; symmetrise them.
-        block = gram_NN[lo:hi, lo:hi]
-        gram_NN[lo:hi, lo:hi] = 0.5 * (block + block.T)
+    # The diagonal blocks come from GEMMs that need not be bitwise symmetric; symmetrise them, the full-size ones as
+    # one batch (a strided view of the diagonal blocks: 3 kernels on a GPU, not 3 a block).
+    full = n // panel
+    blocks = gram_NN.as_strided((full, panel, panel), (panel * (n + 1), n, 1))
+    blocks.copy_(0.5 * (blocks + blocks.transpose(1, 2)))
+    if n % panel:
+        block = gram_NN[full * panel :, full * panel :]
+        block.copy_(0.5 * (block + block.T))
     return gram_NN
 
 

@@ -215,8 +215,10 @@ def run_weighted_selection(
         if block_diagonal:
             gram_NN = gram_NN * (dom_N.unsqueeze(1) == dom_N.unsqueeze(0))
         gram = GramRows(gram_NN=gram_NN)
-    check_finite(strategy, diag_K=gram.diag_N, mu=mu_N)  # on the features' device (deferred to the step's one read)
+    # The capacities are host arithmetic when the ids came from the host (the training loop's, the benchmarks'): before
+    # the finiteness check's read (outside a step), they run while the device computes the Gram, not after it.
     caps_C = inputs.resolve_capacities()
+    check_finite(strategy, diag_K=gram.diag_N, mu=mu_N)  # on the features' device (deferred to the step's one read)
     device = mu_N.device
     on_cpu = _cpu_solve(opts, inputs)
     if on_cpu:
