@@ -36,7 +36,10 @@ docs/results/bench_gpu.md). Issue 31.3's 10 ms at n = 2048, kappa = 512 also nee
 repair the rounds also check the elements at weight zero (one reduction more), recorded as other graphs.
 Graphs replay on the memory they were recorded on, so with graphs a solve runs in its thread's workspace for
 its shapes (`_Workspace`: K copied in), and the next solve of those shapes, a training run's next step,
-replays the graphs the first recorded instead of recording its own.
+replays the graphs the first recorded instead of recording its own. A workspace also replays its state's
+restart (`_Rounds.restart`: 18 kernels) and the final refactorisation (`_Final`: about 45, the Cholesky
+factorisation and solve among them) as graphs: launched one by one, the host kept the GPU waiting on them
+(0.92x the whole selection's time at n = 2048, kappa = 512 on an H200, docs/results/bench_gpu.md).
 """
 
 from __future__ import annotations

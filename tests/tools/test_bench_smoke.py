@@ -83,7 +83,7 @@ def test_bench_selection_quick_table(tmp_path):
     out = proc.stdout
     assert "[small] n=256 kappa=64 C=8 D=1024" in out, out
     for label in ("gram alone", "exact", "exact, device loop", "exact, compiled rounds", "exact, Triton rounds",
-                  "exact, Triton, eager repairs", "exact, on the CPU",
+                  "exact, Triton, eager repairs", "exact, Triton, in a step", "exact, on the CPU",
                   "apga (support) x128",
                   "apga_pool (paper) x128", "exact + swap"):
         line = next((x for x in out.splitlines() if x.strip().startswith(label + " ")), None)
@@ -95,9 +95,14 @@ def test_bench_selection_quick_table(tmp_path):
             assert finite([f_s]) and f_s > 0, line
     # The device loop and the CPU solve pick what the host loop picks, with their launches and syncs counted.
     for prefix in ("device loop / host loop", "compiled rounds / host loop", "Triton rounds / host loop",
-                   "Triton rounds, repairs graphed / eager", "cpu solve / host loop"):
+                   "Triton rounds in a step / host loop", "Triton rounds, repairs graphed / eager", "cpu solve / host loop",
+                   "Triton rounds: the selection"):
         line = next(x for x in out.splitlines() if x.strip().startswith(prefix))
         assert "the same picks: True" in line, line
+    # The selection as a step makes it and the solve alone, beside the whole selection's time.
+    line = next(x for x in out.splitlines() if x.strip().startswith("Triton rounds: the selection"))
+    times = [float(x) for x in re.findall(rf"({NUMBER}) ms", line)]
+    assert len(times) == 3 and finite(times) and min(times) > 0, line
     kernels = next(x for x in out.splitlines() if x.strip().startswith("one compiled round:"))
     assert 1 <= int(re.search(r"round: (\d+) kernels", kernels).group(1)) <= 6, kernels
     for loop in ("host", "device", "cpu"):

@@ -36,6 +36,9 @@
 #             omp_triton.SWEEP against the default, each compiled on first use, among them the three-kernel
 #             rounds ({"fused": 0}: the default until an H200 timed the two-kernel ones at 0.90x); 2''' the
 #             same on seed 1 (no drops): a default changes only where both seeds say so
+#   2r        bench_selection.py --triton on seeds 0 1 0 1 0, each in its own process: the whole selection, as a step
+#             makes it, and the solve alone, beside the Gram's time (seed 0 took 9.3-11.0 ms in five processes on
+#             an H200, 2026-11-28: the host's speed moves from one process to the next)
 #   3 tests   pytest -m gpu tests/gpu but the bench's own test: features, solver (the CUDA-graph rounds
 #             bit for bit), trainer, and a selection step's host syncs counted by torch
 #             (set_sync_debug_mode) for every strategy against the CPU emulation's budget
@@ -122,6 +125,10 @@ run_step "2 solver (n=2048, kappa=512, D=4096)" 160 2_solver.log \
   --kernel-table --round-code "$OUT/2_round_code.py"
 run_step "2' solver, an instance without drops (seed 1)" 120 2_solver.log \
   "$PY" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 5 --apga-repeats 1 --seed 1 --compiled --triton
+# Seed 0's whole selection moves by 10-18% from one process to the next (the host's speed; 2026-11-28): five processes.
+run_step "2r the Triton selection in five processes (seeds 0 1 0 1 0)" 200 2_repeat.log \
+  bash -c 'for s in 0 1 0 1 0; do "$0" tools/bench/bench_selection.py --device cuda --cases large --skip-pool --repeats 9 \
+    --apga-repeats 1 --triton --seed $s | grep -E "^\[large\]|gram alone|Triton rounds:"; done' "$PY"
 run_step "3 GPU tests (pytest -m gpu, syncs by torch's count)" 160 3_tests.log \
   "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu --deselect tests/gpu/test_bench_cuda.py
 run_step "2'' Triton rounds' block sizes (n=2048, kappa=512)" 150 2_solver.log \
@@ -151,6 +158,8 @@ run_step "6 features (compiled forward)" 180 6_features.log \
   echo '```'; sed -n '/^long sequences (kappa/,/^target/p' "$OUT/1_step.log"; echo '```'
   echo "### 2. The exact OMP solve"
   echo '```'; grep -E "^\[large\]|gram alone|^  exact|^  device loop|^  compiled rounds|^  one compiled round|^  Triton rounds|^  cpu solve|^  kernels of one solve" "$OUT/2_solver.log"; echo '```'
+  echo "### 2r. The Triton selection in five processes"
+  echo '```'; cat "$OUT/2_repeat.log" 2>/dev/null | grep -E "^\[large\]|gram alone|Triton rounds:"; echo '```'
   echo "### 3. GPU tests (host syncs of one selection step by torch's count among them)"
   echo '```'; grep -E "passed|failed|PASSED|FAILED|Error" "$OUT/3_tests.log" | tail -15; echo '```'
   echo "### 4. Optimizer step"
