@@ -32,7 +32,7 @@ round has the same shapes and no host read, and updates its state in place: on C
 one CUDA graph and replayed (a one-round graph takes a batch's remainder): one launch for 16 rounds of
 about 60 kernels each (the graphed rounds equal the eager ones bit for bit on an H100 and an H200,
 docs/results/bench_gpu.md). Issue 31.3's 10 ms at n = 2048, kappa = 512 also needs fewer kernels a round:
-`compile` fuses them into 12 on CUDA, `triton` runs three hand-written ones (`omp_triton`). After a
+`compile` fuses them into 12 on CUDA, `triton` runs two or three hand-written ones (`omp_triton`). After a
 repair the rounds also check the elements at weight zero (one reduction more), recorded as other graphs.
 Graphs replay on the memory they were recorded on, so with graphs a solve runs in its thread's workspace for
 its shapes (`_Workspace`: K copied in), and the next solve of those shapes, a training run's next step,
@@ -175,7 +175,7 @@ def omp_exact_on_device(
             reductions round in their own order). Dynamo compiles at most 8 shapes of the round
             per process (its recompile limit); past that the rounds run eagerly. With `graph`, the
             compiled round is what the CUDA graphs record. Repairs run as the eager rounds' (`_RepairSteps`).
-        triton: run each round as three Triton kernels (`omp_triton`: the same arithmetic, the picks the
+        triton: run each round as two or three Triton kernels (`omp_triton`: the same arithmetic, the picks the
             eager rounds' but among near-ties, like `compile`, without torch.compile: Triton compiles its
             three kernels once per dtype, variant and size bucket, cached on disk). Where
             Triton cannot run the rounds (a CPU outside Triton's interpreter) the eager rounds run.

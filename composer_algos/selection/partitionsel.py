@@ -96,13 +96,13 @@ class PartitionSelOptions:
             about 60, then one CUDA graph a round: 28.6 ms on the same H200 instance
             (``tools/bench/bench_selection.py --compiled``: "exact, compiled rounds"; 53.6 ms on an H100
             with graphs of 16 rounds, against its host loop's 180 ms in the same run).
-            ``"device_triton"``: the device loop with each round as three hand-written Triton kernels
-            (``omp_triton``: the same picks but among near-ties; no torch.compile, Triton compiles its kernels
-            once per dtype and size bucket, cached on disk), recorded 16 rounds to a CUDA graph, replayed
-            by the next solve of the same shapes: on an H100 at n = 2048, kappa = 512 the whole selection
-            9.1 ms on an instance without drops (the solve alone 7.7 ms) and 15.7 ms on seed 0 with its
-            repairs, against the host loop's 99-108 ms in the same run, the same picks
-            (docs/results/bench_gpu.md, 2026-11-27). On a CPU it runs the device loop's eager rounds (Triton
+            ``"device_triton"``: the device loop with each round as two hand-written Triton kernels (three
+            after the first drop; ``omp_triton``: the same picks but among near-ties; no torch.compile, Triton
+            compiles its kernels once per dtype and size bucket, cached on disk), recorded 16 rounds to a CUDA
+            graph, replayed by the next solve of the same shapes: on an H200 at n = 2048, kappa = 512 the whole
+            selection 7.7-9.0 ms on an instance without drops (the solve alone 5.8-6.3 ms) and 9.3-11.0 ms on
+            seed 0 with its repairs, against the host loop's 100-107 ms, the same picks
+            (docs/results/bench_gpu.md, 2026-11-28). On a CPU it runs the device loop's eager rounds (Triton
             runs there only in its interpreter, ``TRITON_INTERPRET=1``, as the tests run it). Other settings
             than those named always use the host loop.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
