@@ -102,7 +102,8 @@ class DataSelection(Algorithm):
             (False; True draws every domain each step, `ValidationSource`). Default: the training
             dataset's shards when it is a `DomainStreamingDataset`; `domains` then defaults to the
             domains the training dataset streams (a run restricted to some domains is guided by
-            those). The collator's pad id and length come from the shards' manifest.
+            those). The collator's pad id and length come from the shards' manifest. Given to a
+            strategy that draws none (random, random_stratified, none, ...): warned of at init.
         domain_key: Batch field holding each example's domain id (default `domain_id`).
         domain_names: Names of the domains by id (default: the validation shards' or the training
             dataset's manifest, else `domain_<i>` for each id seen; under global scope, seen on any
@@ -111,7 +112,8 @@ class DataSelection(Algorithm):
             include_lm_head, exact_max_numel, sketch_dim, normalization, proj_dim, chunk_size, ...).
             Scoring runs in the run's precision context (`state.precision`, as the training
             forward); `chunk_size: auto` (default) scores the run's device microbatch size (at most
-            the examples a rank trains) per forward, halved on an out-of-memory error.
+            the examples a rank trains) per forward, halved on an out-of-memory error. Given to a
+            strategy that computes no features, without `log_conflicts`: warned of at init.
         strategy_options: Extra options per strategy name, e.g. `{partitionsel: {refit: exact,
             refine: swap}}`; only the running strategy's entry is used, so the strategy can be
             switched from the command line without editing the options.
@@ -219,6 +221,8 @@ class DataSelection(Algorithm):
         problems = options.problems()
         if problems:
             raise ValueError("algorithms.data_selection: " + "; ".join(problems))
+        for unused in options.unused_settings():
+            log.warning("algorithms.data_selection.%s: the setting has no effect", unused)
         if isinstance(capacity_fractions, str) and capacity_fractions != "uniform":
             raise ValueError(
                 f"algorithms.data_selection.capacity_fractions: got {capacity_fractions!r}; allowed: "

@@ -110,6 +110,26 @@ class DataSelectionOptions:
             *self._other_problems(),
         ]
 
+    def unused_settings(self) -> list[str]:
+        """Settings given that this strategy never reads, a message each (`DataSelection` warns of them at init).
+
+        Warned, not refused: a study's arms often share one yaml and change only `strategy`, so a `random`
+        arm carries the guided arms' `features` and `validation`. Unknown strategies are `problems()`'."""
+        from composer_algos.selection import get_strategy
+
+        if self.strategy not in self.known_strategies:
+            return []
+        spec = None if self.strategy == "none" else get_strategy(self.strategy)
+        unused = []
+        if self.features and not (spec is not None and spec.needs_features) and not self.log_conflicts:
+            unused.append(
+                f"features ({', '.join(sorted(self.features))}): strategy {self.strategy!r} computes no gradient "
+                "features (nor does log_conflicts: false)"
+            )
+        if self.validation is not None and not self.guided():
+            unused.append(f"validation: strategy {self.strategy!r} draws no validation batch")
+        return unused
+
     def capacity_policy(self):
         """The capacity policy the options give (`capacity_policy.parse_capacity_policy`); valid options only."""
         from composer_algos.data_selection.capacity_policy import FractionsPolicy

@@ -304,3 +304,22 @@ def test_global_scope_with_an_id_beyond_the_given_names_fails_on_every_rank(monk
 
     messages = ranks.run(body)
     assert all(m is not None and "domain id 2" in m and "['a', 'b']" in m for m in messages), messages
+
+
+def test_settings_a_strategy_never_reads_are_warned_of_at_init(caplog):
+    """A `random` arm that carries a guided arm's `features` and `validation` (one yaml, `strategy` overridden) is
+    told they have no effect, by name; a strategy that reads them, or `log_conflicts` (which computes features
+    under any strategy), is not."""
+    import logging
+
+    features, validation = {"proj_dim": 64, "windows": 64}, {"batches": [{"input_ids": torch.zeros(1, 4, dtype=torch.long)}]}
+    with caplog.at_level(logging.WARNING, logger="composer_algos.data_selection.algorithm"):
+        DataSelection(strategy="random", oversampling=2.0, features=features, validation=validation)
+    text = caplog.text
+    assert "features (proj_dim, windows): strategy 'random' computes no gradient features" in text, text
+    assert "validation: strategy 'random' draws no validation batch" in text, text
+    for kwargs in ({"strategy": "partitionsel"}, {"strategy": "random", "log_conflicts": True}):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="composer_algos.data_selection.algorithm"):
+            DataSelection(oversampling=2.0, features=features, **kwargs)
+        assert "has no effect" not in caplog.text, (kwargs, caplog.text)
