@@ -308,7 +308,7 @@ def _workspace(gram_NN, mu_N, dom_N, capacities_C, k, ridge_abs, grad_tol, tols,
         st = _initial_state(gram_NN.clone(memory_format=torch.contiguous_format), mu_N.clone(), own_dom, capacities_C,
                             k, ridge_abs, grad_tol)
         ws = _Workspace(st, _Rounds(st, tols, kind=kind, graph=graph))
-        ws.rounds.record_restart()  # now, so the workspace's next solves record nothing
+        ws.rounds.keep()  # its graphs recorded in this first solve, so the workspace's next solves record nothing
     cache[key] = ws  # the newest last
     while len(cache) > _WORKSPACES_PER_THREAD:
         old = cache.pop(next(iter(cache)))
@@ -567,6 +567,7 @@ class _Rounds:
         self._repair_steps: _RepairSteps | None = None
         self._final: _Final | None = None
         self._restart_graph: torch.cuda.CUDAGraph | None = None
+        self._kept = False  # a workspace's: its solves restart and finalise from graphs
 
     def repair_steps(self) -> _RepairSteps:
         """The repairs' segments on this state (made at the first repair, kept with the rounds' graphs)."""
@@ -575,22 +576,25 @@ class _Rounds:
         return self._repair_steps
 
     def finalize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`_finalized` on this state: with graphs, `_Final`'s graph replayed and its outputs copied; else eagerly."""
-        if not self._graph:
+        """`_finalized` on this state: in a workspace with graphs, `_Final`'s graph replayed and its outputs copied;
+        else eagerly (a solve that keeps no workspace finalises once, and would replay no graph)."""
+        if not (self._graph and self._kept):
             return _finalized(self._st)
         if self._final is None:
             self._final = _Final(self._st)
         with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
             return self._final.run()
 
-    def record_restart(self) -> None:
-        """With graphs, `_restart`'s kernels recorded as a CUDA graph (nothing runs): a workspace's, at its first solve."""
+    def keep(self) -> None:
+        """These rounds are a workspace's: with graphs, `_restart`'s kernels recorded as a CUDA graph now (nothing
+        runs), and the final refactorisation graphed from its first use (`finalize`)."""
+        self._kept = True
         if self._graph and self._restart_graph is None:
             with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
                 self._restart_graph = _recorded(functools.partial(_restart, self._st))
 
     def restart(self) -> None:
-        """`_restart` on this state: its graph replayed where `record_restart` recorded one."""
+        """`_restart` on this state: its graph replayed where `keep` recorded one."""
         if self._restart_graph is None:
             _restart(self._st)
             return
