@@ -6,14 +6,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.gguf import missing_local_directory, resolve_pretrained
+from pipeline.gguf import resolve_pretrained
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEMO_TOKENIZER", "load_tokenizer", "missing_local_directory"]
+__all__ = ["DEMO_TOKENIZER", "load_tokenizer"]
 
 # The small byte-level BPE tokenizer committed with the project (tools/train_tokenizer.py).
 DEMO_TOKENIZER = str(Path(__file__).resolve().parents[1] / "assets" / "tokenizer")

@@ -409,11 +409,17 @@ def _finalized(st: _State) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     Returns ``(sel_K, v_K, phi, agrees)``; ``agrees`` (one bool) is False when the fresh weights
     disagree with the rounds' (a weight not positive, an element at zero that wants in, a failed factor).
     """
+    sel_K, vals_K1, agrees_1 = _final_buffers(st)
+    _finalize_into(st, sel_K, vals_K1, agrees_1)
+    k = sel_K.shape[0]
+    return sel_K, vals_K1[:k], vals_K1[k], agrees_1
+
+
+def _final_buffers(st: _State) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `_finalize_into` writes: the picks, the weights then ``phi``, and the agreement."""
     k, dev = st.sel_K.shape[0], st.mu_N.device
-    out = (torch.empty_like(st.sel_K), torch.empty(k + 1, dtype=st.mu_N.dtype, device=dev),
-           torch.empty(1, dtype=torch.bool, device=dev))
-    _finalize_into(st, *out)
-    return out[0], out[1][:k], out[1][k], out[2]
+    return (torch.empty_like(st.sel_K), torch.empty(k + 1, dtype=st.mu_N.dtype, device=dev),
+            torch.empty(1, dtype=torch.bool, device=dev))
 
 
 def _finalize_into(st: _State, sel_K: torch.Tensor, vals_K1: torch.Tensor, agrees_1: torch.Tensor) -> None:
@@ -582,7 +588,7 @@ class _Rounds:
             return _finalized(self._st)
         if self._final is None:
             self._final = _Final(self._st)
-        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+        with _on(self._device):
             return self._final.run()
 
     def keep(self) -> None:
@@ -590,7 +596,7 @@ class _Rounds:
         runs), and the final refactorisation graphed from its first use (`finalize`)."""
         self._kept = True
         if self._graph and self._restart_graph is None:
-            with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+            with _on(self._device):
                 self._restart_graph = _recorded(functools.partial(_restart, self._st))
 
     def restart(self) -> None:
@@ -598,7 +604,7 @@ class _Rounds:
         if self._restart_graph is None:
             _restart(self._st)
             return
-        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+        with _on(self._device):
             self._restart_graph.replay()
 
     def _rounds(self, kkt: bool, count: int) -> None:
@@ -607,7 +613,7 @@ class _Rounds:
 
     def run(self, count: int, *, kkt: bool) -> None:
         # Side streams, captures and Triton's launches use the current device, not the tensors': the state's.
-        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+        with _on(self._device):
             if self._graph:
                 self._graphed(count, kkt)
             else:
@@ -629,6 +635,12 @@ class _Rounds:
             for _ in range(count // per):
                 g.replay()
             count %= per
+
+
+def _on(device: torch.device):
+    """The context that makes ``device`` current where that matters (CUDA: side streams, captures and Triton's
+    launches use the current device, not the tensors'); none elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _on_side_stream(fn) -> None:
@@ -670,11 +682,8 @@ class _Final:
     """
 
     def __init__(self, st: _State) -> None:
-        k, dev = st.sel_K.shape[0], st.mu_N.device
         self.st = st
-        self.sel_K = torch.empty_like(st.sel_K)
-        self.vals_K1 = torch.empty(k + 1, dtype=st.mu_N.dtype, device=dev)  # the weights, then phi
-        self.agrees_1 = torch.empty(1, dtype=torch.bool, device=dev)
+        self.sel_K, self.vals_K1, self.agrees_1 = _final_buffers(st)
         self._graph: torch.cuda.CUDAGraph | bool | None = None  # False: recording failed
 
     def _compute(self) -> None:
@@ -800,7 +809,7 @@ class _RepairSteps:
             fn()
             return
         dev = self.st.grad_N.device
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        with _on(dev):
             if name not in self._warm:
                 _on_side_stream(fn)
                 self._warm.add(name)

@@ -176,7 +176,8 @@ def test_a_mistyped_local_tokenizer_path_fails_at_once_naming_the_near_directory
 
     import pytest
 
-    from pipeline.tokenizer import load_tokenizer, missing_local_directory
+    from pipeline.gguf import missing_local_directory
+    from pipeline.tokenizer import load_tokenizer
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "assets" / "tokenizer").mkdir(parents=True)

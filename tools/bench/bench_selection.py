@@ -466,13 +466,14 @@ def _solve_alone(case: dict, instance: tuple):
 
     from composer_algos.selection.active_set_device import omp_exact_on_device
     from composer_algos.selection.capacities import resolve_capacities
+    from composer_algos.selection.partitionsel import PartitionSelOptions
     from composer_algos.selection.refit import default_grad_tol
 
     gram_NN, mu_N, dom_N, _ = _solver_inputs(case, instance)
     # The selection's capacities (proportional to the pool's domains), not the sweep's unconstrained ones.
     caps_C = resolve_capacities("partitionsel", None, instance[2], case["num_domains"], case["kappa"])
     grad_tol = default_grad_tol(mu_N)
-    ridge_abs = 1e-6 * torch.diagonal(gram_NN).mean()  # the default `ridge`, relative to mean diag K, on the device
+    ridge_abs = PartitionSelOptions().ridge * torch.diagonal(gram_NN).mean()  # the default, relative to mean diag K
     return lambda: omp_exact_on_device(gram_NN, mu_N, dom_N, caps_C, case["kappa"], ridge_abs, grad_tol, triton=True)
 
 
