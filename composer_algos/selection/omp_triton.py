@@ -35,6 +35,16 @@ n = 2048, kappa = 512 a round's three kernels take 3.5, 3.8 and 2.6 us (docs/res
 2026-11-27). The arithmetic is `_round`'s; the reductions run in their own order (as inductor's do), so the
 picks are the eager rounds' but among near-ties, and the weights may differ in the last bits.
 
+A kernel this small takes the time of its chain of dependent loads, each a trip to L2, not of its arithmetic: a
+warp stalls at the first use of a value still in flight. So the pick and apply kernels issue every load as soon as
+its address is known: the state's scalars first (live, h, the pick, its score, the counters), then at once
+everything that needs only those (the first block of slots of ``P``, of the K rows and of ``qext``, the scores,
+the pending weights, the program's pool block and P rows, the pick's K row), then the capacities of the block's
+domains; the loops over the slots run only past that first block, and a frozen state stores nothing rather than
+loading nothing. Before (2026-11-28), each step of a loop over the slots, the argmax, and the loads behind each
+branch waited in turn: an H200 took 0.86x (seed 0) and 0.82-0.85x (seed 1) the whole selection's time with the
+loads issued early, interleaved in one process (docs/results/bench_gpu.md, the seventh run).
+
 `BLOCKS["fused"]` (on by default since an H200 timed it: 0.90x the three kernels' solve on bench_selection's seed 0,
 0.89x on seed 1, docs/results/bench_gpu.md, 2026-11-28) makes a round before the first drop two kernels: the
 apply kernel with ``FUSED`` does the second's work itself. The third pass needs only scalars of the second, the Schur
@@ -67,28 +77,30 @@ except ImportError:  # the CPU wheels of torch come without Triton; the eager ro
 __all__ = ["BLOCKS", "SWEEP", "TritonRound", "kernels_available"]
 
 # Block sizes: slots per program of the pick kernel, pool elements per program of the other two, the slots
-# reduced per step of their loops, P rows per program of the apply kernel, pool elements per step of the argmax.
-# At n = 2048, kappa = 512 the grids are 17, 64 and 64 + 33 programs, and each loop over the slots takes up to
-# 5 steps (each waits for its loads: few steps, each loading more, hide more of that latency); "warps" is the
-# launches' num_warps; "fused" 1 runs the rounds before the first drop as two kernels (the apply kernel's
-# FUSED variant). The sizes were chosen on paper; on an H200 (`tools/bench/bench_selection.py --triton-sweep`,
-# docs/results/bench_gpu.md, 2026-11-28, steady solves) no other size beat them by more than 2% on both seeds,
-# and "fused" 1 took 0.90x (seed 0) and 0.89x (seed 1) the three kernels' time: its default since.
-BLOCKS = {"slots": 32, "pool": 32, "reduce": 128, "p_rows": 16, "argmax": 2048, "warps": 4, "fused": 1}
-# What the sweep tries beside `BLOCKS` (each entry overrides some of them).
+# reduced per step of their loops (the first step's loads are issued with the state's other loads, before the pick:
+# see `_pick_kernel`), P rows per program of the apply kernel, pool elements per step of the argmax. At n = 2048,
+# kappa = 512 the grids are 33, 128 and 128 + 129 programs, and the slots in use fit the first block of 256 in the
+# first half of a solve, two blocks after (three at the last round); "warps" is the launches' num_warps; "fused" 1 runs the rounds before the
+# first drop as two kernels (the apply kernel's FUSED variant). Measured on an H200 (docs/results/bench_gpu.md,
+# 2026-11-28, the seventh run; whole selections interleaved in one process against the kernels before, whose loads
+# each waited for the previous step): these sizes took 0.86-0.87x their time on seed 0 and 0.82-0.85x on seed 1;
+# 512 slots a step and 8 P rows a program 0.89-0.90x and 0.85-0.88x; the sizes before (32 slots and pool elements,
+# 16 P rows, 128 slots a step) with the loads issued early 0.93x; wider steps (1024 slots) 1.03-1.37x.
+# "fused" 1 took 0.90x and 0.89x the three kernels' time (the sixth run): its default since.
+BLOCKS = {"slots": 16, "pool": 16, "reduce": 256, "p_rows": 4, "argmax": 2048, "warps": 4, "fused": 1}
+# What the sweep tries beside `BLOCKS` (each entry overrides some of them): the sizes before the seventh run, its
+# first choice, and the default's neighbours.
 SWEEP = (
+    {"slots": 32, "pool": 32, "reduce": 128, "p_rows": 16},
+    {"reduce": 512, "p_rows": 8},
+    {"reduce": 128},
+    {"reduce": 512},
+    {"p_rows": 2},
+    {"p_rows": 8},
+    {"pool": 8, "slots": 8},
+    {"slots": 8},
     {"warps": 8},
-    {"pool": 16, "slots": 16, "warps": 2},
-    {"reduce": 64},
-    {"reduce": 256},
-    {"pool": 64},
-    {"pool": 16, "slots": 16},
-    {"p_rows": 32},
-    {"reduce": 256, "pool": 16, "slots": 16},
-    {"reduce": 256, "warps": 8},
     {"fused": 0},
-    {"warps": 8, "fused": 0},
-    {"pool": 16, "slots": 16, "fused": 0},
 )
 
 def _interpreting() -> bool:
@@ -105,39 +117,47 @@ def _pick_kernel(
     N, M, K, C, stride_r,
     BLOCK_ARGMAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    # Every load that does not wait for the pick is issued before it, in as few dependent steps as the data allow
+    # (the state's scalars; then P's first slot block, the scores and the pending weights; then the pick's column of
+    # the K rows): a round is a chain of such steps, each a trip to L2, and the launch's time is mostly their wait.
     pid = tl.program_id(0)
     live = tl.load(live_1) != 0
+    h = tl.load(h_1)
+    pending = tl.load(pending_1) != 0
+    r = tl.load(r_1)
     if pid == 0:  # snapshots for the apply kernel, whose program 0 writes live, h and the capacities
         tl.store(flags + 1, live.to(tl.int32))
-        tl.store(flags + 2, tl.load(h_1).to(tl.int32))
+        tl.store(flags + 2, h.to(tl.int32))
         for c0 in range(0, C, BLOCK_C):
             cs = c0 + tl.arange(0, BLOCK_C)
             tl.store(rem_snap + cs, tl.load(rem_C + cs, mask=cs < C, other=0), mask=cs < C)
+    cols = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+    cmask = cols < M
+    # The first block of slots of P's columns: P's rows from slot h on are zero (free slots, packed last), so only the
+    # first h are read, and the loop below runs only past BLOCK_K slots in use.
+    ms0 = tl.arange(0, BLOCK_K).to(tl.int64)
+    use0 = ms0 < h
+    tile0 = tl.load(p + ms0[:, None] * M + cols[None, :], mask=use0[:, None] & cmask[None, :], other=0.0)
+    vnext_s = tl.load(vnext + cols, mask=cmask & pending, other=0.0)
+    best = tl.full([], float("-inf"), grad.dtype.element_ty)
+    bidx = tl.zeros([], tl.int32)
+    for start in range(0, N, BLOCK_ARGMAX):
+        offs = start + tl.arange(0, BLOCK_ARGMAX)
+        mask = offs < N
+        score = tl.load(grad + offs, mask=mask, other=float("-inf")) + tl.load(penalty + offs, mask=mask, other=0.0)
+        m, i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
+        take = m > best  # strictly: an equal score later in the pool does not replace the first
+        best = tl.where(take, m, best)
+        bidx = tl.where(take, start + i, bidx)
     # A frozen state (a round waiting for its repair) runs no round: the batch's remaining launches return at once.
     if live:
         # The last fused round's new weights, which it could not write (all its programs read v): a block each.
-        if tl.load(pending_1) != 0:
-            vs = pid * BLOCK_S + tl.arange(0, BLOCK_S)
-            tl.store(v + vs, tl.load(vnext + vs, mask=vs < M, other=0.0), mask=vs < M)
-        best = tl.full([], float("-inf"), grad.dtype.element_ty)
-        bidx = tl.zeros([], tl.int32)
-        for start in range(0, N, BLOCK_ARGMAX):
-            offs = start + tl.arange(0, BLOCK_ARGMAX)
-            mask = offs < N
-            score = tl.load(grad + offs, mask=mask, other=float("-inf")) + tl.load(penalty + offs, mask=mask, other=0.0)
-            m, i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
-            take = m > best  # strictly: an equal score later in the pool does not replace the first
-            best = tl.where(take, m, best)
-            bidx = tl.where(take, start + i, bidx)
+        tl.store(v + cols, vnext_s, mask=cmask & pending)
         j = bidx.to(tl.int64)
-        h = tl.load(h_1)
-        cols = pid * BLOCK_S + tl.arange(0, BLOCK_S)
-        cmask = cols < M
         # The products accumulate in a tile, reduced over the slots once after the loop (a reduction across warps
-        # at every step would wait for a barrier each time). Only the slots in use, the first h: P's rows from slot
-        # h on are zero (free slots, packed last), so the loop's length follows the solve (half of M on average).
-        acc = tl.zeros([BLOCK_K, BLOCK_S], dtype=qext.dtype.element_ty)
-        for m0 in range(0, h, BLOCK_K):
+        # at every step would wait for a barrier each time).
+        acc = tl.load(rows + ms0 * stride_r + j, mask=use0, other=0.0)[:, None] * tile0
+        for m0 in range(BLOCK_K, h, BLOCK_K):
             ms = (m0 + tl.arange(0, BLOCK_K)).to(tl.int64)
             mmask = ms < M
             rj = tl.load(rows + ms * stride_r + j, mask=mmask, other=0.0)
@@ -148,7 +168,6 @@ def _pick_kernel(
         if pid == 0:
             tl.store(jbuf, j)
             tl.store(gbuf, best)
-            r = tl.load(r_1)
             tl.store(sel + r, j, mask=r < K)
             tl.store(flags, 0)  # raised (an atomic max) by the direction kernel's programs whose new weights turn negative
 
@@ -212,40 +231,75 @@ def _apply_kernel(
     # and the updates; the FUSED one also does the direction kernel's work (the module docstring). Its slot loop
     # repeats `_direction_kernel`'s: a shared `triton.jit` helper would have to be wrapped when this module is
     # imported, before `_jitted` reads TRITON_INTERPRET, so the interpreter and compiled kernels could not both run.
+    # As in `_pick_kernel`, every load is issued as soon as what it needs is: the state's scalars, then everything
+    # else (the pick's K row, the first block of slots, this program's pool block or P rows), then the capacities
+    # of its block's domains; the arithmetic and the stores follow.
     pid = tl.program_id(0)
-    if tl.load(flags + 1) != 0:  # live when the round began (a frozen state runs no round)
-        h = tl.load(flags + 2).to(tl.int64)
-        g = tl.load(gbuf)
-        j = tl.load(jbuf)
-        tol = tl.load(tol_1)
-        if FUSED:  # `_direction_kernel`'s part here: every program computes the round's scalars itself
-            kjj = tl.load(gram + j * stride_g0 + j * stride_g1)
-            fcols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            fmask = (fcols < N) & (pid < pool_programs)  # the P-row programs load no tile
-            krow = tl.load(gram + j * stride_g0 + fcols.to(tl.int64) * stride_g1, mask=fmask, other=0.0)
-            acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=grad.dtype.element_ty)
-            tj = tl.zeros([BLOCK_K], dtype=grad.dtype.element_ty)
-            for m0 in range(0, h + 1, BLOCK_K):  # as `_direction_kernel`
+    started = tl.load(flags + 1) != 0  # live when the round began (a frozen state runs no round)
+    h = tl.load(flags + 2).to(tl.int64)
+    g = tl.load(gbuf)
+    j = tl.load(jbuf)
+    tol = tl.load(tol_1)
+    bad = tl.load(bad_1) != 0
+    r = tl.load(r_1)
+    pool_prog = pid < pool_programs
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = (cols < N) & pool_prog  # the P-row programs load no pool block
+    zs = pid * BLOCK_Z + tl.arange(0, BLOCK_Z)
+    zmask = (zs < M) & pool_prog
+    # The first block of slots, 0..h (qext, v and P's columns are zero past h): with BLOCK_K above h, all of them.
+    ms0 = tl.arange(0, BLOCK_K).to(tl.int64)
+    in0 = ms0 <= h
+    q0 = tl.load(qext + ms0, mask=in0, other=0.0)
+    if FUSED:  # `_direction_kernel`'s part here: every program computes the round's scalars itself
+        kjj = tl.load(gram + j * stride_g0 + j * stride_g1)
+        krow = tl.load(gram + j * stride_g0 + cols.to(tl.int64) * stride_g1, mask=cmask, other=0.0)
+        # Row h is K[j] this round, substituted rather than loaded (the pool programs write it below).
+        row0 = in0 & (ms0 != h)
+        tile0 = tl.load(rows + ms0[:, None] * stride_r + cols[None, :], mask=row0[:, None] & cmask[None, :], other=0.0)
+        rj0 = tl.load(rows + ms0 * stride_r + j, mask=row0, other=0.0)
+        v0 = tl.load(v + ms0, mask=in0, other=0.0)
+        ridge = tl.load(ridge_1)
+        v_z = tl.load(v + zs, mask=zmask, other=0.0)
+    else:
+        schur = tl.load(scal)
+        kjj = tl.load(scal + 1)
+        repair = tl.load(flags) != 0
+        gnew_b = tl.load(gnew + cols, mask=cmask, other=0.0)
+        z_z = tl.load(zbuf + zs, mask=zmask, other=0.0)
+    q_z = tl.load(qext + zs, mask=zmask, other=0.0)
+    grad_b = tl.load(grad + cols, mask=cmask, other=0.0)
+    pen = tl.load(penalty + cols, mask=cmask, other=0.0)
+    dm = tl.load(dom + cols, mask=cmask, other=0)
+    dom_j = tl.load(dom + j)
+    # P's rows of this program (the P-row programs), their first block of columns.
+    rs = ((pid - pool_programs) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = (rs <= h) & (pool_prog == 0)
+    qa = tl.load(qext + rs, mask=rmask, other=0.0)
+    ptile0 = tl.load(p + rs[:, None] * M + ms0[None, :], mask=rmask[:, None] & in0[None, :], other=0.0)
+    rem_b = tl.load(rem_snap + dm, mask=cmask, other=1)
+    rem_j = tl.load(rem_snap + dom_j)
+    if started:
+        if FUSED:
+            acc = tl.where(ms0[:, None] == h, krow[None, :], tile0) * q0[:, None]
+            tj = tl.where(ms0 == h, kjj, rj0) * q0
+            for m0 in range(BLOCK_K, h + 1, BLOCK_K):  # as `_direction_kernel`
                 ms = (m0 + tl.arange(0, BLOCK_K)).to(tl.int64)
                 mmask = ms < M
                 q = tl.load(qext + ms, mask=mmask, other=0.0)
                 live_row = mmask & (ms != h)
-                tile = tl.load(rows + ms[:, None] * stride_r + fcols[None, :], mask=live_row[:, None] & fmask[None, :], other=0.0)
+                tile = tl.load(rows + ms[:, None] * stride_r + cols[None, :], mask=live_row[:, None] & cmask[None, :], other=0.0)
                 acc += tl.where(ms[:, None] == h, krow[None, :], tile) * q[:, None]
                 tj += tl.where(ms == h, kjj, tl.load(rows + ms * stride_r + j, mask=live_row, other=0.0)) * q
-            schur = tl.load(ridge_1) - tl.sum(tj, 0)
+            schur = ridge - tl.sum(tj, 0)
             zj = g / schur
-            neg = tl.zeros([BLOCK_K], dtype=tl.int32)
-            for m0 in range(0, h + 1, BLOCK_K):  # z is zero past h (v and qext are)
+            neg = ((v0 - q0 * zj < 0) & in0).to(tl.int32)
+            for m0 in range(BLOCK_K, h + 1, BLOCK_K):  # z is zero past h (v and qext are)
                 ms = m0 + tl.arange(0, BLOCK_K)
                 mmask = ms < M
                 z = tl.load(v + ms, mask=mmask, other=0.0) - tl.load(qext + ms, mask=mmask, other=0.0) * zj
                 neg = tl.maximum(neg, ((z < 0) & mmask).to(tl.int32))
             repair = tl.max(neg, 0) != 0
-        else:
-            schur = tl.load(scal)
-            kjj = tl.load(scal + 1)
-            repair = tl.load(flags) != 0
         positive = g > tol
         # The host loop's branches that end the device solve: a dependent column, an ill-conditioned float32 one.
         host_only = (schur > pivot_tol * kjj) == 0
@@ -258,24 +312,16 @@ def _apply_kernel(
         stop = positive & (host_only | repair)
         live = stop == 0
         enter = live & positive
-        if pid < pool_programs:
-            cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            cmask = cols < N
-            zs = pid * BLOCK_Z + tl.arange(0, BLOCK_Z)
-            zmask = zs < M
+        if pool_prog:
             if FUSED:
-                tl.store(grad + cols, tl.load(grad + cols, mask=cmask, other=0.0) + tl.sum(acc, 0) * zj, mask=cmask & enter)
+                tl.store(grad + cols, grad_b + tl.sum(acc, 0) * zj, mask=cmask & enter)
                 tl.store(rows + h * stride_r + cols, krow, mask=cmask)
                 # Every program reads v: the new weights wait in zbuf for the next round's pick kernel (pending).
-                z = tl.load(v + zs, mask=zmask, other=0.0) - tl.load(qext + zs, mask=zmask, other=0.0) * zj
-                tl.store(zbuf + zs, z, mask=zmask)
+                tl.store(zbuf + zs, v_z - q_z * zj, mask=zmask)
             else:
-                tl.store(grad + cols, tl.load(gnew + cols, mask=cmask, other=0.0), mask=cmask & enter)
-                tl.store(v + zs, tl.load(zbuf + zs, mask=zmask, other=0.0), mask=zmask & enter)
-            dm = tl.load(dom + cols, mask=cmask, other=0)
-            dom_j = tl.load(dom + j)
-            rem = tl.load(rem_snap + dm, mask=cmask, other=1) - ((dm == dom_j) & live).to(tl.int64)
-            pen = tl.load(penalty + cols, mask=cmask, other=0.0)
+                tl.store(grad + cols, gnew_b, mask=cmask & enter)
+                tl.store(v + zs, z_z, mask=zmask & enter)
+            rem = rem_b - ((dm == dom_j) & live).to(tl.int64)
             pen = tl.where(((cols == j) & live) | (rem <= 0), float("-inf"), pen)
             tl.store(penalty + cols, pen, mask=cmask)
             if pid == 0:
@@ -283,25 +329,25 @@ def _apply_kernel(
                     tl.store(pending_1, enter)
                 else:
                     tl.store(pending_1, 0)  # this kernel wrote v itself
-                tl.store(bad_1, (tl.load(bad_1) != 0) | (stop & host_only))
+                tl.store(bad_1, bad | (stop & host_only))
                 tl.store(live_1, live)
                 tl.store(elem + h, j)
                 tl.store(used + h, enter)
                 tl.store(h_1, h + enter.to(tl.int64))
-                tl.store(r_1, tl.load(r_1) + live.to(tl.int64))
+                tl.store(r_1, r + live.to(tl.int64))
                 tl.store(inactive + j, live & (positive == 0))  # a pick at a gradient not above zero stays at weight 0
-                tl.store(rem_C + dom_j, tl.load(rem_snap + dom_j) - live.to(tl.int64))
+                tl.store(rem_C + dom_j, rem_j - live.to(tl.int64))
         else:
             # P += qext qext^T / s over slots 0..h (qext is zero past h): row blocks past h have nothing to do.
-            rs = ((pid - pool_programs) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-            rmask = (rs <= h) & enter
-            qa = tl.load(qext + rs, mask=rmask, other=0.0) / schur
-            for c0 in range(0, h + 1, BLOCK_K):
+            pmask = (rmask & enter)[:, None] & in0[None, :]
+            qs = qa / schur
+            tl.store(p + rs[:, None] * M + ms0[None, :], ptile0 + qs[:, None] * q0[None, :], mask=pmask)
+            for c0 in range(BLOCK_K, h + 1, BLOCK_K):
                 cs = c0 + tl.arange(0, BLOCK_K)
-                mask = rmask[:, None] & (cs < M)[None, :]
+                mask = (rmask & enter)[:, None] & (cs < M)[None, :]
                 ptr = p + rs[:, None] * M + cs[None, :]
                 qb = tl.load(qext + cs, mask=cs < M, other=0.0)
-                tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + qa[:, None] * qb[None, :], mask=mask)
+                tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + qs[:, None] * qb[None, :], mask=mask)
 
 
 KERNELS = (_pick_kernel, _direction_kernel, _apply_kernel)
@@ -358,10 +404,11 @@ class TritonRound:
              n, m, pool, float(tols[0]), float(tols[1]), st.rows_MN.stride(0), st.gram_NN.stride(0), st.gram_NN.stride(1)),
         )
         block_c = _next_pow2(min(c, 1024))
+        block_k = min(b["reduce"], _next_pow2(m))  # no wider than the slots: one block holds them all at most
         self.constexprs = (
-            dict(BLOCK_ARGMAX=min(b["argmax"], _next_pow2(n)), BLOCK_S=b["slots"], BLOCK_K=b["reduce"], BLOCK_C=block_c),
-            dict(BLOCK_N=b["pool"], BLOCK_K=b["reduce"], BLOCK_Z=block_z),
-            dict(BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=b["reduce"], BLOCK_T=_next_pow2(pool),
+            dict(BLOCK_ARGMAX=min(b["argmax"], _next_pow2(n)), BLOCK_S=b["slots"], BLOCK_K=block_k, BLOCK_C=block_c),
+            dict(BLOCK_N=b["pool"], BLOCK_K=block_k, BLOCK_Z=block_z),
+            dict(BLOCK_N=b["pool"], BLOCK_R=b["p_rows"], BLOCK_K=block_k, BLOCK_T=_next_pow2(pool),
                  BLOCK_Z=block_z, PROMOTE=float(tols[1]) > 0),
         )
         self.fused = bool(b["fused"])

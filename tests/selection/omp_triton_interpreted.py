@@ -46,10 +46,14 @@ def test_the_triton_rounds_pick_what_the_eager_rounds_pick():
     assert via.info["device_loop_fallback"] == plain.info["device_loop_fallback"] == 0
 
 
-def test_the_triton_rounds_repair_drops_and_hand_over_as_the_eager_rounds():
+@pytest.mark.parametrize("blocks", [None, {"reduce": 4}, {"reduce": 4, "fused": 0}])
+def test_the_triton_rounds_repair_drops_and_hand_over_as_the_eager_rounds(blocks, monkeypatch):
     """float64, 8-dimensional features, kappa 20: the pool where the host loop drops weights without a refit is
     repaired with the host loop's picks and counts; a float32 pool that the host loop promotes to float64 is
-    handed back (not clean), as the eager rounds hand it back."""
+    handed back (not clean), as the eager rounds hand it back. With ``reduce`` 4 the 21 slots span six blocks: the
+    kernels' loops past their first block of slots run (a kappa-512 solve's slots fit one block by default)."""
+    for key, value in (blocks or {}).items():
+        monkeypatch.setitem(omp_triton.BLOCKS, key, value)
     for seed in range(20):
         features, val, dom = make_instance(seed, 40, dim=8, dtype=torch.float64)
         eager = _solve(features, val, dom, 20)
@@ -66,10 +70,12 @@ def test_the_triton_rounds_repair_drops_and_hand_over_as_the_eager_rounds():
     assert not eager.clean and not tri.clean
 
 
-def test_a_pool_with_full_domains_and_picks_at_zero_gradient():
+@pytest.mark.parametrize("blocks", [None, {"reduce": 4}, {"reduce": 4, "fused": 0}])
+def test_a_pool_with_full_domains_and_picks_at_zero_gradient(blocks):
     """Tight capacities close domains (the penalty of every element of a full domain), and more picks than
     elements with a positive gradient leave picks at weight zero: the kernels' penalty, inactive and counter
-    updates against the eager round's, every state tensor compared after each round."""
+    updates against the eager round's, every state tensor compared after each round; with ``reduce`` 4 also
+    through the kernels' loops past their first block of the 25 slots."""
     from composer_algos.selection import active_set_device as asd
 
     gen = torch.Generator().manual_seed(0)
@@ -81,7 +87,7 @@ def test_a_pool_with_full_domains_and_picks_at_zero_gradient():
     caps = torch.tensor([3, 9, 30])  # domains 0 and 1 close within the 24 picks
     tols = (64.0 * torch.finfo(torch.float64).eps, 0.0)
     eager, tri = (asd._initial_state(gram, mu, dom, caps, 24, 1e-6, default_grad_tol(mu)) for _ in range(2))
-    step = omp_triton.TritonRound(tri, tols)
+    step = omp_triton.TritonRound(tri, tols, blocks)
     for r in range(24):
         asd._round(*eager.round_args(), *tols, False)
         step(False)
