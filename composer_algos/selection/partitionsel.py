@@ -100,9 +100,10 @@ class PartitionSelOptions:
             after the first drop; ``omp_triton``: the same picks but among near-ties; no torch.compile, Triton
             compiles its kernels once per dtype and size bucket, cached on disk), recorded 16 rounds to a CUDA
             graph, replayed by the next solve of the same shapes: on an H200 at n = 2048, kappa = 512 the whole
-            selection 7.7-9.0 ms on an instance without drops (the solve alone 5.8-6.3 ms) and 9.3-11.0 ms on
-            seed 0 with its repairs, against the host loop's 100-107 ms, the same picks
-            (docs/results/bench_gpu.md, 2026-11-28). On a CPU it runs the device loop's eager rounds (Triton
+            selection 6.0-7.5 ms on an instance without drops (the solve alone 4.6-5.1 ms) and 7.8 ms on seed 0
+            with its repairs (the solve alone 6.4-7.2 ms; 9.1-10.1 ms in processes whose Gram ran 1.5x slow),
+            against the host loop's 100-107 ms, the same picks (docs/results/bench_gpu.md, 2026-11-28, the
+            seventh run). On a CPU it runs the device loop's eager rounds (Triton
             runs there only in its interpreter, ``TRITON_INTERPRET=1``, as the tests run it). Other settings
             than those named always use the host loop.
         cpu_single_thread: run the OMP rounds and swap verifications with one intra-op thread
