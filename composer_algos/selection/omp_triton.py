@@ -42,7 +42,7 @@ everything that needs only those (the first block of slots of ``P``, of the K ro
 the pending weights, the program's pool block and P rows, the pick's K row), then the capacities of the block's
 domains; the loops over the slots run only past that first block, and a frozen state stores nothing rather than
 loading nothing. Before (2026-11-28), each step of a loop over the slots, the argmax, and the loads behind each
-branch waited in turn: an H200 took 0.86x (seed 0) and 0.82-0.85x (seed 1) the whole selection's time with the
+branch waited in turn: an H200 took 0.86-0.87x (seed 0) and 0.82-0.85x (seed 1) the whole selection's time with the
 loads issued early, interleaved in one process (docs/results/bench_gpu.md, the seventh run).
 
 `BLOCKS["fused"]` (on by default since an H200 timed it: 0.90x the three kernels' solve on bench_selection's seed 0,
@@ -80,12 +80,13 @@ __all__ = ["BLOCKS", "SWEEP", "TritonRound", "kernels_available"]
 # reduced per step of their loops (the first step's loads are issued with the state's other loads, before the pick:
 # see `_pick_kernel`), P rows per program of the apply kernel, pool elements per step of the argmax. At n = 2048,
 # kappa = 512 the grids are 33, 128 and 128 + 129 programs, and the slots in use fit the first block of 256 in the
-# first half of a solve, two blocks after (three at the last round); "warps" is the launches' num_warps; "fused" 1 runs the rounds before the
+# first half of a solve, two blocks after; "warps" is the launches' num_warps; "fused" 1 runs the rounds before the
 # first drop as two kernels (the apply kernel's FUSED variant). Measured on an H200 (docs/results/bench_gpu.md,
 # 2026-11-28, the seventh run; whole selections interleaved in one process against the kernels before, whose loads
 # each waited for the previous step): these sizes took 0.86-0.87x their time on seed 0 and 0.82-0.85x on seed 1;
-# 512 slots a step and 8 P rows a program 0.89-0.90x and 0.85-0.88x; the sizes before (32 slots and pool elements,
-# 16 P rows, 128 slots a step) with the loads issued early 0.93x; wider steps (1024 slots) 1.03-1.37x.
+# 512 slots a step and 8 P rows a program 0.89-0.90x and 0.84-0.88x; the sizes before (32 slots and pool elements,
+# 16 P rows, 128 slots a step) with the loads issued early 0.91-0.94x; 1024 slots a step 0.93-1.29x (below 1 only
+# with 16 pool elements, 8 slots, 4 P rows and 8 warps).
 # "fused" 1 took 0.90x and 0.89x the three kernels' time (the sixth run): its default since.
 BLOCKS = {"slots": 16, "pool": 16, "reduce": 256, "p_rows": 4, "argmax": 2048, "warps": 4, "fused": 1}
 # What the sweep tries beside `BLOCKS` (each entry overrides some of them): the sizes before the seventh run, its
@@ -136,7 +137,7 @@ def _pick_kernel(
     # The first block of slots of P's columns: P's rows from slot h on are zero (free slots, packed last), so only the
     # first h are read, and the loop below runs only past BLOCK_K slots in use.
     ms0 = tl.arange(0, BLOCK_K).to(tl.int64)
-    use0 = ms0 < h
+    use0 = (ms0 < h) & (ms0 < M)  # h < M in every launched round; the bound keeps the loads in P without relying on it
     tile0 = tl.load(p + ms0[:, None] * M + cols[None, :], mask=use0[:, None] & cmask[None, :], other=0.0)
     vnext_s = tl.load(vnext + cols, mask=cmask & pending, other=0.0)
     best = tl.full([], float("-inf"), grad.dtype.element_ty)
@@ -249,7 +250,7 @@ def _apply_kernel(
     zmask = (zs < M) & pool_prog
     # The first block of slots, 0..h (qext, v and P's columns are zero past h): with BLOCK_K above h, all of them.
     ms0 = tl.arange(0, BLOCK_K).to(tl.int64)
-    in0 = ms0 <= h
+    in0 = (ms0 <= h) & (ms0 < M)  # h < M in every launched round; the bound keeps the loads in range without relying on it
     q0 = tl.load(qext + ms0, mask=in0, other=0.0)
     if FUSED:  # `_direction_kernel`'s part here: every program computes the round's scalars itself
         kjj = tl.load(gram + j * stride_g0 + j * stride_g1)

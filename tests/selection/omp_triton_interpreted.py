@@ -51,7 +51,7 @@ def test_the_triton_rounds_repair_drops_and_hand_over_as_the_eager_rounds(blocks
     """float64, 8-dimensional features, kappa 20: the pool where the host loop drops weights without a refit is
     repaired with the host loop's picks and counts; a float32 pool that the host loop promotes to float64 is
     handed back (not clean), as the eager rounds hand it back. With ``reduce`` 4 the 21 slots span six blocks: the
-    kernels' loops past their first block of slots run (a kappa-512 solve's slots fit one block by default)."""
+    kernels' loops past their first block of slots run (at the tests' sizes the default block holds every slot)."""
     for key, value in (blocks or {}).items():
         monkeypatch.setitem(omp_triton.BLOCKS, key, value)
     for seed in range(20):
@@ -68,6 +68,26 @@ def test_the_triton_rounds_repair_drops_and_hand_over_as_the_eager_rounds(blocks
     features, val, dom = make_instance(2, 40, dim=8, dtype=torch.float32)
     eager, tri = _solve(features, val, dom, 20), _solve(features, val, dom, 20, triton=True)
     assert not eager.clean and not tri.clean
+
+
+@pytest.mark.parametrize("reduce", [2, 4])
+def test_a_weight_that_turns_negative_past_the_first_block_of_slots_freezes_its_round(reduce, monkeypatch):
+    """The fused apply kernel checks the new weights for a negative one in its first block of slots, then in a loop
+    over the rest: with blocks of 2 or 4 slots, pools of 60 whose 31 slots span many blocks (float64, 12 feature
+    dimensions, kappa 30) drop weights whose slots lie past the first block. Every such drop must freeze its round
+    and be repaired as the eager rounds repair it: the same drops, re-entries and picks (without the loop the
+    rounds run on with a negative weight, and most of these pools end with other picks and no drop)."""
+    monkeypatch.setitem(omp_triton.BLOCKS, "reduce", reduce)
+    dropped = 0
+    for seed in range(2):
+        features, val, dom = make_instance(seed, 60, dim=12, dtype=torch.float64)
+        eager = _solve(features, val, dom, 30)
+        tri = _solve(features, val, dom, 30, triton=True)
+        assert (tri.clean, tri.drops, tri.reentries) == (eager.clean, eager.drops, eager.reentries), seed
+        assert tri.sel_K.tolist() == eager.sel_K.tolist(), seed
+        torch.testing.assert_close(tri.v_K, eager.v_K, rtol=1e-9, atol=1e-9 * float(eager.v_K.abs().max()))
+        dropped += eager.drops
+    assert dropped >= 2, dropped
 
 
 @pytest.mark.parametrize("blocks", [None, {"reduce": 4}, {"reduce": 4, "fused": 0}])

@@ -34,7 +34,7 @@ def test_the_kernels_in_tritons_interpreter():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(Path(__file__).parent / "omp_triton_interpreted.py")]
     done = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=580)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert re.search(r"\b10 passed\b", done.stdout) and "skipped" not in done.stdout, done.stdout[-3000:]
+    assert re.search(r"\b12 passed\b", done.stdout) and "skipped" not in done.stdout, done.stdout[-3000:]
 
 
 def test_off_the_interpreter_a_cpu_runs_the_eager_rounds(monkeypatch):
@@ -85,8 +85,8 @@ def _launches(dtype: torch.dtype, kkt: bool, blocks: dict | None = None, n: int 
     + [(torch.float32, True, override, 200) for override in omp_triton.SWEEP]
     + [(torch.float32, True, None, 8)]  # a training step's pool: blocks of one program's partials, 8 elements
     + [(dt, False, {"fused": 1}, 200) for dt in (torch.float32, torch.float64)]  # the two-kernel rounds
-    # The default and the sweep's other widths at a pool whose 551 slots fill a block of 512 (at n = 200 a block is
-    # cut to the 101 slots): the widest tiles, the most registers.
+    # The default and the sweep's other widths at a pool whose 551 slots fill their block, up to 1024 (at n = 200 a
+    # block is cut to 128, the power of two above the 101 slots): the widest tiles, the most registers.
     + [(torch.float32, kkt, None, 1100) for kkt in (False, True)]
     + [(torch.float32, False, override, 1100) for override in omp_triton.SWEEP if "reduce" in override],
 )
