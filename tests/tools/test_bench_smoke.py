@@ -182,11 +182,12 @@ def test_bench_optimizer_quick_table():
 @pytest.mark.timeout(300)  # about 10 s at load 2: Triton's interpreter runs every program of every launch in Python
 def test_compare_triton_kernels_times_the_other_kernels_beside_the_trees(tmp_path, monkeypatch):
     """`compare_triton_kernels.py` in Triton's interpreter at a tiny size: the other file's kernels really run in their
-    arm (a copy of the tree's whose TritonRound announces itself: once for the warm-up, once for the timed run), the
-    tree's in theirs, every arm with the host loop's picks; a --blocks key that BLOCKS lacks is refused by name."""
+    arm (a copy of the tree's whose TritonRound announces itself: once for the warm-up, once for the timed run; its
+    file named without ``.py``, as `git show` output may be), the tree's in theirs, every arm with the host loop's
+    picks; a --blocks key that BLOCKS lacks, and a block size that is not a power of two, are refused by name."""
     from tests.common.paths import REPO_ROOT
 
-    other = tmp_path / "omp_triton_other.py"
+    other = tmp_path / "omp_triton_other"
     other.write_text(
         (REPO_ROOT / "composer_algos/selection/omp_triton.py").read_text()
         + "\n\n_Tree = TritonRound\n\n\nclass TritonRound(_Tree):\n    def __init__(self, *args, **kwargs):\n"
@@ -199,13 +200,15 @@ def test_compare_triton_kernels_times_the_other_kernels_beside_the_trees(tmp_pat
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("the other kernels run") == 2, proc.stdout
-    rows = [x for x in proc.stdout.splitlines() if "the host loop's picks:" in x]
-    labels = ("other kernels (omp_triton_other.py)", "this tree's kernels", "this tree's, reduce=4")
+    rows = [x for x in proc.stdout.splitlines() if "the host loop's picks (every run):" in x]
+    labels = ("other kernels (omp_triton_other)", "this tree's kernels", "this tree's, reduce=4")
     assert [next(label for label in labels if row.strip().startswith(label)) for row in rows] == list(labels), rows
     for row in rows:
-        assert row.endswith("the host loop's picks: True"), row
+        assert row.endswith("the host loop's picks (every run): True"), row
         ms, ratio, low = (float(x) for x in re.findall(rf"({NUMBER})(?: ms|x)", row))
         assert finite([ms, ratio, low]) and ms > 0 and low > 0, row
     assert rows[0].split("ms")[1].strip().startswith("1.000x"), rows[0]
     bad = run_tool("bench/compare_triton_kernels.py", "--kernels", str(other), "--device", "cpu", "--blocks", '{"reduc": 4}')
     assert bad.returncode == 2 and "unknown keys ['reduc']" in bad.stderr and "'reduce'" in bad.stderr, bad.stderr
+    bad = run_tool("bench/compare_triton_kernels.py", "--kernels", str(other), "--device", "cpu", "--blocks", '{"reduce": 3}')
+    assert bad.returncode == 2 and "reduce must be a power of two" in bad.stderr and "got 3" in bad.stderr, bad.stderr

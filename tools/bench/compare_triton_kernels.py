@@ -5,7 +5,7 @@ times ``select_partitionsel(refit="exact", solver_loop="device_triton")`` with e
 kernels under each ``--blocks`` override of their block sizes: the runs interleaved round-robin, so a process
 whose host runs slower (on the lent H200s the same GEMMs took 0.77 to 1.39 ms from one process to the next)
 slows every arm alike. Prints each arm's median and minimum, its ratio to the other kernels, and whether it made
-the host loop's picks. `bench_selection.py --triton-sweep` times block sizes of the tree's kernels only, and
+the host loop's picks in every run (the warm-up's too). `bench_selection.py --triton-sweep` times block sizes of the tree's kernels only, and
 the solve alone; this compares kernel code on what a selection costs.
 
 Example (from the project root, on a GPU):
@@ -20,6 +20,7 @@ tiny size): its times are not a GPU's.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import json
 import statistics
@@ -40,6 +41,11 @@ def _blocks(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON ({err}): {text!r}") from None
     if not isinstance(value, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
         raise argparse.ArgumentTypeError(f"must be a JSON object of integers, e.g. '{{\"reduce\": 512}}', got {text!r}")
+    for key, size in value.items():
+        if key == "fused" and size not in (0, 1):
+            raise argparse.ArgumentTypeError(f"{text!r}: fused must be 0 or 1, got {size}")
+        if key != "fused" and (size < 1 or size & (size - 1)):
+            raise argparse.ArgumentTypeError(f"{text!r}: {key} must be a power of two (Triton's blocks are), got {size}")
     return value
 
 
@@ -63,7 +69,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _load_kernels(path: Path):
     """The other kernels as a module of their own, their block sizes marked so their workspaces stay apart."""
-    spec = importlib.util.spec_from_file_location("omp_triton_other", path)
+    spec = importlib.util.spec_from_loader("omp_triton_other", importlib.machinery.SourceFileLoader("omp_triton_other", str(path)))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     for name in ("BLOCKS", "TritonRound"):
@@ -138,19 +144,19 @@ def main() -> int:
         host = select_partitionsel(**common, refit="exact", solver_loop="host").indices.tolist()
         times: dict = {name: [] for name in arms}
         same: dict = {}
-        for fn in arms.values():  # warm-up: Triton compiles, the workspaces record their graphs
-            fn(common)
+        for name, fn in arms.items():  # warm-up: Triton compiles, the workspaces record their graphs
+            same[name] = fn(common)[1].indices.tolist() == host
         for _ in range(args.repeats):
             for name, fn in arms.items():
                 seconds, result = fn(common)
                 times[name].append(seconds)
-                same[name] = result.indices.tolist() == host
+                same[name] = same[name] and result.indices.tolist() == host  # every run's, the warm-up's too
         base = statistics.median(times[next(iter(arms))])
         print(f"\nseed {seed}: whole selections, median of {args.repeats}, interleaved")
         for name in arms:
             median = statistics.median(times[name])
             print(f"  {name:<52} {median * 1e3:8.2f} ms  {median / base:6.3f}x the other kernels"
-                  f"  min {min(times[name]) * 1e3:8.2f} ms  the host loop's picks: {same[name]}")
+                  f"  min {min(times[name]) * 1e3:8.2f} ms  the host loop's picks (every run): {same[name]}")
     return 0
 
 
