@@ -101,7 +101,7 @@ class PartitionSelOptions:
             compiles its kernels once per dtype and size bucket, cached on disk), recorded 16 rounds to a CUDA
             graph, replayed by the next solve of the same shapes: on an H200 at n = 2048, kappa = 512 the whole
             selection 6.0-7.5 ms on an instance without drops (the solve alone 4.6-5.1 ms) and 7.8 ms on seed 0
-            with its repairs (the solve alone 6.4-7.2 ms; 9.1-10.1 ms in processes whose Gram ran 1.5x slow),
+            with its repairs (the solve alone 6.4-7.2 ms; 9.1-10.1 ms in three slow processes),
             against the host loop's 100-107 ms, the same picks (docs/results/bench_gpu.md, 2026-11-28, the
             seventh run). On a CPU it runs the device loop's eager rounds (Triton
             runs there only in its interpreter, ``TRITON_INTERPRET=1``, as the tests run it). Other settings
