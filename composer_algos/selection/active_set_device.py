@@ -572,8 +572,8 @@ class _Rounds:
         self._st = st
         self._repair_steps: _RepairSteps | None = None
         self._final: _Final | None = None
+        # Recorded by `keep` in a workspace with graphs, whose solves then restart and finalise from graphs.
         self._restart_graph: torch.cuda.CUDAGraph | None = None
-        self._kept = False  # a workspace's: its solves restart and finalise from graphs
 
     def repair_steps(self) -> _RepairSteps:
         """The repairs' segments on this state (made at the first repair, kept with the rounds' graphs)."""
@@ -584,7 +584,7 @@ class _Rounds:
     def finalize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`_finalized` on this state: in a workspace with graphs, `_Final`'s graph replayed and its outputs copied;
         else eagerly (a solve that keeps no workspace finalises once, and would replay no graph)."""
-        if not (self._graph and self._kept):
+        if self._restart_graph is None:  # not a workspace's graphed rounds (`keep`)
             return _finalized(self._st)
         if self._final is None:
             self._final = _Final(self._st)
@@ -594,7 +594,6 @@ class _Rounds:
     def keep(self) -> None:
         """These rounds are a workspace's: with graphs, `_restart`'s kernels recorded as a CUDA graph now (nothing
         runs), and the final refactorisation graphed from its first use (`finalize`)."""
-        self._kept = True
         if self._graph and self._restart_graph is None:
             with _on(self._device):
                 self._restart_graph = _recorded(functools.partial(_restart, self._st))

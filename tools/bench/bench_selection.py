@@ -46,6 +46,7 @@ host, one sync a pick.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -155,6 +156,21 @@ def compiled_round_kernels(gram_NN, mu_N, dom_N, caps_C, k: int, code_path: str 
     return sum(1 for src in sources for line in src.splitlines() if call.match(line) and "async_compile" not in line)
 
 
+@contextlib.contextmanager
+def triton_blocks(override: dict):
+    """`omp_triton.BLOCKS` with ``override`` applied within the block, as it was after it (a solve reads the block
+    sizes when it starts)."""
+    from composer_algos.selection import omp_triton
+
+    base = dict(omp_triton.BLOCKS)
+    omp_triton.BLOCKS.update(override)
+    try:
+        yield
+    finally:
+        omp_triton.BLOCKS.clear()
+        omp_triton.BLOCKS.update(base)
+
+
 def sweep_triton_blocks(gram_NN, mu_N, dom_N, caps_C, k: int, repeats: int, wrap=lambda fn: fn) -> list[tuple[dict, float, bool]]:
     """The Triton rounds' solve under `omp_triton.BLOCKS` and under each of `omp_triton.SWEEP`, timed interleaved:
     ``(the override, median wall ms, the eager rounds' picks)`` for each, the default first. ``wrap`` brackets a
@@ -168,17 +184,12 @@ def sweep_triton_blocks(gram_NN, mu_N, dom_N, caps_C, k: int, repeats: int, wrap
 
     args = (gram_NN, mu_N, dom_N, caps_C, k, 1e-6, default_grad_tol(mu_N))
     eager = omp_exact_on_device(*args)
-    base = dict(omp_triton.BLOCKS)
     configs = [{}, *omp_triton.SWEEP]
 
     def solve_with(override: dict):
         def solve():
-            omp_triton.BLOCKS.update(override)
-            try:
+            with triton_blocks(override):
                 return omp_exact_on_device(*args, triton=True)
-            finally:
-                omp_triton.BLOCKS.clear()
-                omp_triton.BLOCKS.update(base)
 
         return wrap(solve)
 

@@ -20,6 +20,7 @@ tiny size): its times are not a GPU's.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.machinery
 import importlib.util
 import json
@@ -81,7 +82,7 @@ def _load_kernels(path: Path):
 
 def _arm(module, override: dict, device: str):
     """One selection with ``module``'s kernels (the tree's under ``override``): ``(seconds, result)``."""
-    import torch
+    from bench_selection import _synchronized, triton_blocks
 
     from composer_algos import selection as package
     from composer_algos.selection import active_set_device as asd
@@ -89,21 +90,15 @@ def _arm(module, override: dict, device: str):
     from composer_algos.selection import select_partitionsel
 
     def run(common: dict):
-        base = dict(tree.BLOCKS)
+        select = functools.partial(select_partitionsel, **common, refit="exact", solver_loop="device_triton")
         package.omp_triton, asd.TritonRound = module, module.TritonRound
-        tree.BLOCKS.update(override)
         try:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            result = select_partitionsel(**common, refit="exact", solver_loop="device_triton")
-            if device == "cuda":
-                torch.cuda.synchronize()
-            return time.perf_counter() - start, result
+            with triton_blocks(override):
+                start = time.perf_counter()
+                result = (_synchronized(select) if device == "cuda" else select)()
+                return time.perf_counter() - start, result
         finally:
             package.omp_triton, asd.TritonRound = tree, tree.TritonRound
-            tree.BLOCKS.clear()
-            tree.BLOCKS.update(base)
 
     return run
 
