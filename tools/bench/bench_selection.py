@@ -103,7 +103,7 @@ def _fmt(wall: float, cpu: float) -> str:
     return f"{wall * 1e3:10.2f} ms wall {cpu * 1e3:10.2f} ms cpu"
 
 
-def _synchronized(fn):
+def synchronized(fn):
     """`fn` bracketed by CUDA synchronizes (so the time is the device's work, not its launch)."""
     import torch
 
@@ -221,7 +221,7 @@ def _print_triton_sweep(args: argparse.Namespace, case: dict, instance: tuple) -
     """`--triton-sweep`: the Triton rounds' solve under each block-size setting, against the default's time."""
     from composer_algos.selection import omp_triton
 
-    wrap = _synchronized if args.device == "cuda" else (lambda fn: fn)
+    wrap = synchronized if args.device == "cuda" else (lambda fn: fn)
     rows = sweep_triton_blocks(*_solver_inputs(case, instance), case["kappa"], args.repeats, wrap)
     default_ms = rows[0][1]
     print(f"\n  Triton block sizes (omp_triton.BLOCKS = {omp_triton.BLOCKS}), one solve each, median of {args.repeats}:")
@@ -528,7 +528,7 @@ def _case_variants(args: argparse.Namespace, case: dict, common: dict, features)
         repeats["pool"] = args.pool_repeats if args.pool_repeats is not None else (3 if small else 1)
         warmup["pool"] = small
     if args.device == "cuda":
-        fns = {key: _synchronized(fn) for key, fn in fns.items()}
+        fns = {key: synchronized(fn) for key, fn in fns.items()}
     return fns, repeats, warmup
 
 

@@ -82,7 +82,7 @@ def _load_kernels(path: Path):
 
 def _arm(module, override: dict, device: str):
     """One selection with ``module``'s kernels (the tree's under ``override``): ``(seconds, result)``."""
-    from bench_selection import _synchronized, triton_blocks
+    from bench_selection import synchronized, triton_blocks
 
     from composer_algos import selection as package
     from composer_algos.selection import active_set_device as asd
@@ -95,7 +95,7 @@ def _arm(module, override: dict, device: str):
         try:
             with triton_blocks(override):
                 start = time.perf_counter()
-                result = (_synchronized(select) if device == "cuda" else select)()
+                result = (synchronized(select) if device == "cuda" else select)()
                 return time.perf_counter() - start, result
         finally:
             package.omp_triton, asd.TritonRound = tree, tree.TritonRound
